@@ -1,0 +1,40 @@
+"""The `chunkscope` console script: one entry point, one subcommand per process.
+
+Subcommands import their process lazily so that `chunkscope loadgen` never imports torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+_USAGE = """usage: chunkscope {engine,loadgen} [options]
+
+subcommands:
+  engine    run the OpenAI-compatible chunked-prefill engine server (python -m engine)
+  loadgen   replay chat / RAG / VLM / mixed traffic against an OpenAI-compatible server
+            (python -m loadgen)
+
+Run `chunkscope SUBCOMMAND --help` for the options of each.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "engine":
+        from engine.server import main as engine_main
+
+        return engine_main(rest)
+    if command == "loadgen":
+        from loadgen.cli import main as loadgen_main
+
+        return loadgen_main(rest)
+    print(f"chunkscope: unknown subcommand {command!r}\n\n{_USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
