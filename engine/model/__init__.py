@@ -1,0 +1,1 @@
+"""Model code: the Llama-family decoder, presets, weight loading (torch lives here)."""

@@ -1,0 +1,123 @@
+"""Runs one StepPlan: builds the step's tensors, one forward over the mixed batch, samples."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from engine.attention import AttentionBackend, SeqSlice
+from engine.model.llama import LlamaModel
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.scheduler import StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        seed: int = 0,
+        vision: Any = None,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.backend = backend
+        self.vision = vision
+        arch = model.arch
+        shape = (num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(arch.num_hidden_layers)
+        ]
+        self.sampler = Sampler(device, seed)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    def execute(self, plan: StepPlan) -> dict[str, int]:
+        """Run the model over every chunk of the plan; return the sampled token of each request
+        whose chunk reaches its last known token."""
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[SeqSlice] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        embed_rows: list[int] = []
+        embed_parts: list[torch.Tensor] = []
+        for chunk in plan.chunks:
+            req = chunk.request
+            q_start = len(ids)
+            end = chunk.start + chunk.num_tokens
+            ids.extend(req.token_ids[chunk.start : end])
+            positions.extend(range(chunk.start, end))
+            seqs.append(SeqSlice(q_start, chunk.num_tokens, end, req.block_ids))
+            if req.image_spans:
+                self._image_embeds(req, chunk.start, end, q_start, embed_rows, embed_parts)
+            if chunk.produces_token:
+                sample_rows.append(len(ids) - 1)
+                sample_reqs.append(req)
+        dev = self.device
+        meta = self.backend.prepare_metadata(seqs, self.block_size, dev)
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+            self.backend,
+            torch.tensor(embed_rows, dtype=torch.long, device=dev) if embed_rows else None,
+            torch.cat(embed_parts) if embed_parts else None,
+        )
+        if not sample_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        tokens = self.sampler.sample(
+            logits, [r.request_id for r in sample_reqs], [r.params for r in sample_reqs]
+        )
+        return {r.request_id: t for r, t in zip(sample_reqs, tokens, strict=True)}
+
+    def _image_embeds(
+        self,
+        req: Request,
+        start: int,
+        end: int,
+        q_start: int,
+        rows: list[int],
+        parts: list[torch.Tensor],
+    ) -> None:
+        """Scatter the embeddings of the image positions in [start, end) into the batch."""
+        for idx, (span_start, n) in enumerate(req.image_spans):
+            lo, hi = max(start, span_start), min(end, span_start + n)
+            if lo >= hi:
+                continue
+            if req.image_embeds is None:
+                req.image_embeds = {}
+            emb = req.image_embeds.get(idx)
+            if emb is None:
+                if self.vision is None:
+                    raise RuntimeError("this model has no vision encoder")
+                pixels = torch.as_tensor(req.images[idx].pixels, device=self.device)
+                with torch.inference_mode():
+                    emb = self.vision(pixels).to(self.dtype)
+                req.image_embeds[idx] = emb
+            rows.extend(range(q_start + lo - start, q_start + hi - start))
+            parts.append(emb[lo - span_start : hi - span_start])
+
+    def release(self, req: Request) -> None:
+        self.sampler.forget(req.request_id)
+        req.image_embeds = None

@@ -1,0 +1,318 @@
+"""`python -m loadgen` / `chunkscope loadgen`: plan traffic, run it, print and save the results."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from typing import Any
+
+from loadgen import __version__
+from loadgen.arrivals import ARRIVALS
+from loadgen.client import ClientConfig
+from loadgen.metrics import Slo, summarize_all
+from loadgen.profiles import Profiles, apply_override, validate
+from loadgen.progress import Progress
+from loadgen.report import table, write_json
+from loadgen.runner import execute, prefetch_images, probe_prompt_format, probe_server
+from loadgen.spec import RequestSpec
+from loadgen.tokens import TokenSource
+from loadgen.traces import FORMATS, load_trace, trace_specs
+from loadgen.workload import PROFILES, PlanOptions, build_plan
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NUM_REQUESTS = 100
+
+_EPILOG = """\
+profile parameters (defaults cited in loadgen/profiles.py) are overridden with
+  --set CLASS.FIELD=VALUE   e.g. --set chat.input_median=500 --set vlm.camera_streams=8
+  (tuples comma-separated: --set vlm.resolutions=640x480,1280x720 --set
+  vlm.resolution_weights=1,1); --show-profiles prints every field and exits.
+camera mode: --set vlm.camera_streams=N [--set vlm.camera_fps=2 --set vlm.camera_jitter_ms=20]
+exit status: 0 run done, 1 no request succeeded, 2 usage error, 130 interrupted.
+"""
+
+
+def _positive(kind: type) -> Any:
+    def conv(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return v
+
+    return conv
+
+
+def _non_negative(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def _id_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"want LO,HI, got {text!r}") from exc
+    if not 0 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 0 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loadgen",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
+        description="Chat / RAG / VLM / mixed traffic and trace replay against any "
+        "OpenAI-compatible server, with client-side TTFT, ITL, TPOT and goodput.",
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--profile", choices=PROFILES, default="chat")
+    p.add_argument("--rate", type=_positive(float), help="total req/s (default: the profile's)")
+    p.add_argument("--arrival", choices=ARRIVALS, help="arrival process (default: per class)")
+    p.add_argument(
+        "--burstiness",
+        type=_positive(float),
+        help="gamma shape: 1 = Poisson, < 1 burstier (CV = 1/sqrt(shape))",
+    )
+    p.add_argument(
+        "--ramp",
+        type=_non_negative,
+        default=0.0,
+        metavar="SECONDS",
+        help="rise linearly from --ramp-from to --rate over SECONDS, then hold",
+    )
+    p.add_argument("--ramp-from", type=_non_negative, default=0.0, metavar="RATE")
+    p.add_argument("--duration", type=_positive(float), help="seconds of arrivals")
+    p.add_argument(
+        "--num-requests",
+        type=_positive(int),
+        help=f"request count (default {DEFAULT_NUM_REQUESTS} if no --duration)",
+    )
+    p.add_argument("--max-concurrency", type=_positive(int), help="cap on in-flight requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prompt-salt",
+        type=int,
+        help="token content salt (default random per run, so a rerun does not hit "
+        "the server's prefix cache; fix it for identical prompts)",
+    )
+    p.add_argument("--trace", metavar="FILE", help="replay an Azure CSV or Mooncake JSONL trace")
+    p.add_argument("--trace-format", choices=FORMATS, default="auto")
+    p.add_argument(
+        "--time-scale",
+        type=_positive(float),
+        default=1.0,
+        help="trace time multiplier (0.5 = twice as fast)",
+    )
+    p.add_argument(
+        "--trace-block-size",
+        type=_positive(int),
+        default=512,
+        help="tokens per Mooncake hash block",
+    )
+    p.add_argument("--slo-ttft-ms", type=_positive(float))
+    p.add_argument("--slo-itl-ms", type=_positive(float), help="SLO on each request's TPOT")
+    p.add_argument("--out", metavar="result.json", help="write the full result JSON here")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="CLASS.FIELD=VALUE",
+        help="override a profile parameter",
+    )
+    p.add_argument("--show-profiles", action="store_true", help="print profile parameters, exit")
+    p.add_argument("--model", help="model name (default: the first of GET /v1/models)")
+    p.add_argument(
+        "--max-model-len",
+        type=_positive(int),
+        help="context length for clipping (default: the server's, else 8192)",
+    )
+    p.add_argument("--token-id-range", type=_id_range, default=(32, 126), metavar="LO,HI")
+    p.add_argument(
+        "--prompt-format",
+        choices=("auto", "ids", "text"),
+        default="auto",
+        help="auto: token ids unless the server answers 400 to them",
+    )
+    p.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="do not send ignore_eos (outputs may end early)",
+    )
+    p.add_argument("--request-timeout", type=_positive(float), default=600.0, metavar="S")
+    p.add_argument(
+        "--drain-timeout",
+        type=_positive(float),
+        default=600.0,
+        metavar="S",
+        help="after the last send, wait at most S for in-flight requests",
+    )
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
+    p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--version", action="version", version=f"loadgen {__version__}")
+    return p
+
+
+def _plan(
+    args: argparse.Namespace, profiles: Profiles, ctx: int
+) -> tuple[list[RequestSpec], dict[str, Any]]:
+    if args.trace:
+        limit = args.num_requests
+        trace = load_trace(args.trace, args.trace_format, args.time_scale, limit=limit)
+        specs = trace_specs(
+            trace,
+            ctx,
+            block_size=args.trace_block_size,
+            duration=args.duration,
+            num_requests=args.num_requests,
+        )
+        return specs, {
+            "format": trace.fmt,
+            "rows": len(trace.rows),
+            "skipped_rows": trace.skipped,
+            "skip_reasons": trace.skip_reasons,
+        }
+    opts = PlanOptions(
+        profile=args.profile,
+        rate=args.rate,
+        arrival=args.arrival,
+        burstiness=args.burstiness,
+        ramp_s=args.ramp,
+        ramp_from=args.ramp_from,
+        duration=args.duration,
+        num_requests=args.num_requests,
+        seed=args.seed,
+        max_model_len=ctx,
+    )
+    return build_plan(profiles, opts), {}
+
+
+async def _run(args: argparse.Namespace, profiles: Profiles) -> int:
+    base = args.url.rstrip("/")
+    info = await probe_server(base, args.api_key)
+    if info.error:
+        logger.warning("server probe: %s", info.error)
+    ctx = args.max_model_len or info.max_model_len or 8192
+    model = args.model or info.model or "default"
+    specs, trace_info = _plan(args, profiles, ctx)
+    cfg = ClientConfig(
+        base_url=base,
+        model=model,
+        ignore_eos=args.ignore_eos,
+        request_timeout_s=args.request_timeout,
+        api_key=args.api_key,
+    )
+    needs_ids = any(not s.is_chat for s in specs)
+    if args.prompt_format != "auto":
+        cfg.prompt_format = args.prompt_format
+    elif needs_ids and info.reachable:
+        cfg.prompt_format = await probe_prompt_format(cfg, token=args.token_id_range[0])
+    n_img = await asyncio.to_thread(prefetch_images, specs)
+    salt = args.prompt_salt if args.prompt_salt is not None else secrets.randbits(31)
+    lo, hi = args.token_id_range
+    tokens = TokenSource((args.seed * 1_000_003 + salt) & 0x7FFFFFFF, lo, hi)
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    logger.info("running %d requests (%d distinct images) against %s", len(specs), n_img, base)
+    outcome = await execute(
+        specs,
+        cfg,
+        tokens,
+        max_concurrency=args.max_concurrency,
+        drain_timeout_s=args.drain_timeout,
+        progress=Progress(len(specs), enabled=show),
+    )
+    slo = Slo(args.slo_ttft_ms, args.slo_itl_ms)
+    summary = summarize_all(outcome.records, slo)
+    config = {k: v for k, v in vars(args).items() if k != "api_key"}
+    config.update(
+        prompt_salt=salt,
+        max_model_len_used=ctx,
+        model_used=model,
+        prompt_format_used=cfg.prompt_format,
+        profiles=profiles.as_dict(),
+    )
+    result = {
+        "tool": "chunkscope-loadgen",
+        "version": __version__,
+        "created": time.time(),
+        "config": config,
+        "server": {
+            "url": base,
+            "reachable": info.reachable,
+            "models": info.models,
+            "max_model_len": info.max_model_len,
+            "probe_error": info.error,
+        },
+        "trace": trace_info or None,
+        "run": {
+            "wall_start": outcome.wall_start,
+            "wall_end": outcome.wall_end,
+            "duration_s": outcome.duration_s,
+        },
+        "summary": summary,
+        "requests": [r.as_dict() for r in outcome.records],
+    }
+    if args.out:
+        write_json(args.out, result)
+    print(table(summary))
+    return 0 if summary["overall"]["ok"] > 0 or not specs else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=args.log_level,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+    profiles = Profiles()
+    try:
+        for item in args.overrides:
+            apply_override(profiles, item)
+        validate(profiles)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.show_profiles:
+        print(json.dumps(profiles.as_dict(), indent=2))
+        return 0
+    if args.duration is None and args.num_requests is None and not args.trace:
+        args.num_requests = DEFAULT_NUM_REQUESTS
+    if args.ramp_from and not args.ramp:
+        parser.error("--ramp-from needs --ramp SECONDS")
+    if args.trace and not os.path.isfile(args.trace):
+        parser.error(f"--trace: no such file: {args.trace}")
+    if not args.url.startswith(("http://", "https://")):
+        parser.error(f"--url must start with http:// or https://, got {args.url!r}")
+    try:
+        return asyncio.run(_run(args, profiles))
+    except ValueError as exc:  # bad plan parameters discovered late (e.g. trace format)
+        parser.error(str(exc))
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        return 130
+    return 2  # unreachable: parser.error exits

@@ -1,0 +1,195 @@
+"""Run a plan: probe the server, send each request at its time (optionally capped in-flight),
+drain, and return every request's record. Bounded: each request by its timeout, the tail by the
+drain timeout; nothing is dropped silently (unsent or cancelled requests carry a reason)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from loadgen.client import ClientConfig, Prepared, prepare, send
+from loadgen.images import data_url
+from loadgen.progress import Progress
+from loadgen.record import RequestRecord
+from loadgen.spec import RequestSpec
+from loadgen.tokens import TokenSource
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerInfo:
+    reachable: bool
+    model: str | None = None
+    max_model_len: int | None = None
+    error: str | None = None
+    models: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunOutcome:
+    records: list[RequestRecord]
+    wall_start: float
+    wall_end: float
+    duration_s: float
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def probe_server(
+    base_url: str, api_key: str | None = None, timeout_s: float = 10.0
+) -> ServerInfo:
+    """GET /v1/models: model name and context length (`max_model_len`, vLLM's field too)."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as s,
+            s.get(base_url + "/v1/models", headers=_headers(api_key)) as r,
+        ):
+            if r.status != 200:
+                return ServerInfo(True, error=f"GET /v1/models: http {r.status}")
+            body: Any = await r.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return ServerInfo(False, error=f"GET /v1/models: {type(exc).__name__}: {exc}")
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+        return ServerInfo(True, error="GET /v1/models: no models listed")
+    mml = data[0].get("max_model_len")
+    return ServerInfo(
+        True,
+        model=str(data[0].get("id")),
+        models=[str(d.get("id")) for d in data if isinstance(d, dict)],
+        max_model_len=int(mml) if isinstance(mml, int | float) else None,
+    )
+
+
+async def probe_prompt_format(cfg: ClientConfig, token: int = 65) -> str:
+    """'ids' if the server takes a token-id prompt on /v1/completions, 'text' if it answers 400.
+    Detected once before the run; unreachable or other answers keep 'ids'."""
+    body = {"model": cfg.model, "prompt": [token] * 4, "max_tokens": 1, "stream": False}
+    timeout = aiohttp.ClientTimeout(total=min(cfg.request_timeout_s, 120.0))
+    headers = {"X-Traffic-Class": "probe", **_headers(cfg.api_key)}
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as s,
+            s.post(cfg.base_url + "/v1/completions", json=body, headers=headers) as r,
+        ):
+            await r.read()
+            if r.status in (400, 422):
+                logger.info("server refused a token-id prompt (http %d): sending text", r.status)
+                return "text"
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        logger.warning("prompt-format probe failed (%s); keeping token ids", exc)
+    return "ids"
+
+
+def prefetch_images(specs: list[RequestSpec]) -> int:
+    """Encode every distinct image up front (cached), so the run never waits on Pillow."""
+    refs = {img for s in specs for img in s.images}
+    for ref in refs:
+        data_url(*ref)
+    return len(refs)
+
+
+def new_record(spec: RequestSpec) -> RequestRecord:
+    return RequestRecord(
+        index=spec.index,
+        traffic_class=spec.traffic_class,
+        scheduled_s=spec.offset_s,
+        max_tokens=spec.max_tokens,
+        planned_prompt_tokens=spec.prompt_len,
+        num_images=len(spec.images),
+        meta=dict(spec.meta),
+    )
+
+
+async def execute(
+    specs: list[RequestSpec],
+    cfg: ClientConfig,
+    tokens: TokenSource,
+    *,
+    max_concurrency: int | None = None,
+    drain_timeout_s: float = 600.0,
+    progress: Progress | None = None,
+) -> RunOutcome:
+    """Send every request at `t0 + offset` (FIFO behind `max_concurrency` if set)."""
+    records = [new_record(s) for s in specs]
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    connector = aiohttp.TCPConnector(
+        limit=max_concurrency or 0, limit_per_host=0, ttl_dns_cache=300
+    )
+    tasks: set[asyncio.Task[None]] = set()
+    counts = {"sent": 0, "done": 0, "errors": 0}
+
+    async def one(spec: RequestSpec, prep: Prepared, rec: RequestRecord) -> None:
+        try:
+            await send(session, spec, prep, rec, cfg, t0)
+        finally:
+            if sem is not None:
+                sem.release()
+            counts["done"] += 1
+            counts["errors"] += rec.status == "error"
+
+    async def ticker() -> None:
+        for _ in range(10_000_000):  # bounded; cancelled when the run ends
+            if progress is not None:
+                progress.update(counts["sent"], counts["done"], counts["errors"])
+            await asyncio.sleep(0.25)
+
+    wall_start = time.time()
+    t0 = time.perf_counter()
+    tick = asyncio.create_task(ticker())
+    async with aiohttp.ClientSession(connector=connector) as session:
+        try:
+            for spec, rec in zip(specs, records, strict=True):
+                try:
+                    prep = prepare(spec, cfg, tokens)
+                except Exception as exc:  # noqa: BLE001 - record and go on
+                    rec.fail(f"client error: could not build request: {type(exc).__name__}: {exc}")
+                    counts["done"] += 1
+                    counts["errors"] += 1
+                    continue
+                delay = t0 + spec.offset_s - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if sem is not None:
+                    await sem.acquire()
+                counts["sent"] += 1
+                task = asyncio.create_task(one(spec, prep, rec))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                _, pending = await asyncio.wait(set(tasks), timeout=drain_timeout_s)
+                for task in pending:
+                    task.cancel()
+                for rec in records:
+                    if rec.status == "pending" and rec.sent_s is not None:
+                        rec.fail(f"cancelled: not finished within the {drain_timeout_s:g} s drain")
+                if pending:
+                    await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            for task in list(tasks):
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            for rec in records:
+                if rec.status == "pending":
+                    rec.fail(
+                        "not sent: run interrupted"
+                        if rec.sent_s is None
+                        else "cancelled: run interrupted"
+                    )
+            tick.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tick
+            if progress is not None:
+                progress.update(counts["sent"], counts["done"], counts["errors"], final=True)
+    return RunOutcome(records, wall_start, time.time(), time.perf_counter() - t0)
