@@ -45,6 +45,10 @@ class ModelRunner:
             for _ in range(arch.num_hidden_layers)
         ]
         self.sampler = Sampler(device, seed)
+        # When set, the logits behind every sampled token are kept per request (for tests and
+        # debugging: they are what a one-shot prefill must reproduce).
+        self.keep_logits = False
+        self.kept_logits: dict[str, list[torch.Tensor]] = {}
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -86,6 +90,9 @@ class ModelRunner:
         if not sample_rows:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        if self.keep_logits:
+            for r, row in zip(sample_reqs, logits.cpu(), strict=True):
+                self.kept_logits.setdefault(r.request_id, []).append(row)
         tokens = self.sampler.sample(
             logits, [r.request_id for r in sample_reqs], [r.params for r in sample_reqs]
         )

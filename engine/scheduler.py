@@ -40,15 +40,15 @@ class ScheduledChunk:
     kind: str  # "prefill" | "decode"
     start: int
     num_tokens: int
+    # True when the chunk reaches the last known token, whose logits give the next token.
+    produces_token: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.produces_token = self.start + self.num_tokens == self.request.num_tokens
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
-
-    @property
-    def produces_token(self) -> bool:
-        """True when the chunk reaches the last known token, whose logits give the next one."""
-        return self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclass

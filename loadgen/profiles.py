@@ -168,11 +168,10 @@ def apply_override(profiles: Profiles, assignment: str) -> None:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad value for {path}: {raw!r} ({exc})") from exc
     setattr(target, field_name, value)
-    validate(profiles)
 
 
 def validate(p: Profiles) -> None:
-    """Raise ValueError on impossible parameters (checked after every override)."""
+    """Raise ValueError on impossible parameters (checked once all overrides are applied)."""
     for name in ("chat", "rag", "vlm"):
         prof = getattr(p, name)
         if not prof.rate > 0:

@@ -1,0 +1,78 @@
+"""Chunked prefill computes exactly what a one-shot prefill computes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def _run(engine, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
+    engine.runner.keep_logits = True
+    engine.runner.kept_logits.clear()
+    rid = engine.add_request(prompt, GREEDY)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            tokens.extend(out.new_token_ids)
+    return engine.runner.kept_logits[rid][0], tokens
+
+
+def test_last_logits_match_one_shot_at_every_budget(make_engine) -> None:
+    prompt = _prompt(1000, seed=1)
+    engine = make_engine(token_budget=1000, max_token_budget=1000, enable_prefix_caching=False)
+    ref_logits, ref_tokens = _run(engine, prompt)
+    for budget in (1, 7, 64, 256, 1000):
+        assert engine.set_token_budget(budget).accepted
+        logits, tokens = _run(engine, prompt)
+        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+        assert tokens == ref_tokens, f"budget {budget}"
+
+
+def test_one_shot_step_layout(make_engine) -> None:
+    engine = make_engine(token_budget=64, enable_prefix_caching=False)
+    engine.add_request(_prompt(150, 2), GREEDY)
+    layouts = []
+    while engine.has_unfinished_requests():
+        ev = engine.step().event
+        assert ev is not None
+        layouts.append([(c.kind, c.start, c.num_tokens, c.produced_token) for c in ev.chunks])
+    assert layouts[:3] == [
+        [("prefill", 0, 64, False)],
+        [("prefill", 64, 64, False)],
+        [("prefill", 128, 22, True)],
+    ]
+    assert all(layout == [("decode", 150 + i, 1, True)] for i, layout in enumerate(layouts[3:]))
+    assert len(layouts) == 3 + 7
+
+
+@pytest.mark.parametrize("policy", ["chunked", "unchunked"])
+def test_prefix_cache_hit_changes_no_output(make_engine, policy: str) -> None:
+    prompt = _prompt(300, 3)
+    engine = make_engine(token_budget=128, policy=policy)
+    _, first = _run(engine, prompt)
+    prefill_tokens = 0
+    engine.runner.kept_logits.clear()
+    rid = engine.add_request(prompt, GREEDY)
+    second: list[int] = []
+    while engine.has_unfinished_requests():
+        res = engine.step()
+        if res.event is not None:
+            prefill_tokens += res.event.num_prefill_tokens
+        for out in res.outputs:
+            second.extend(out.new_token_ids)
+            if out.finished:
+                assert out.num_cached_tokens == 288  # 18 full blocks of 16
+    assert second == first
+    assert prefill_tokens == 300 - 288
+    assert rid in engine.runner.kept_logits
