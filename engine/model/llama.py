@@ -39,7 +39,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = arch.attention_bias
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=bias)
 
     def forward(
         self,

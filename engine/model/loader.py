@@ -100,6 +100,8 @@ def _hf_names(arch: ModelArch) -> dict[str, list[str]]:
         if arch.attention_bias:
             names[ours + "self_attn.qkv_proj.bias"] = [a + ".bias" for a in attn]
         names[ours + "self_attn.o_proj.weight"] = [hf + "self_attn.o_proj.weight"]
+        if arch.attention_bias:
+            names[ours + "self_attn.o_proj.bias"] = [hf + "self_attn.o_proj.bias"]
         names[ours + "mlp.gate_up_proj.weight"] = [
             hf + "mlp.gate_proj.weight",
             hf + "mlp.up_proj.weight",

@@ -1,0 +1,144 @@
+"""Client against local servers: timings, headers, bodies, and every fault as a recorded reason."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from loadgen.client import ClientConfig
+from loadgen.record import RequestRecord
+from loadgen.runner import execute, probe_prompt_format, probe_server
+from loadgen.spec import ImageRef, RequestSpec
+from loadgen.tokens import Segment, TokenSource
+
+from .conftest import MockServer
+
+
+def _spec(i: int = 0, n: int = 8, cls: str = "chat", at: float = 0.0) -> RequestSpec:
+    segs = (Segment("sys", 16, shared=True), Segment(f"u{i}", 8))
+    return RequestSpec(i, cls, at, n, segs)
+
+
+def _run(url: str, specs: list[RequestSpec], **kw: Any) -> list[RequestRecord]:
+    cfg = ClientConfig(base_url=url, model="mock", request_timeout_s=kw.pop("timeout", 10.0),
+                       prompt_format=kw.pop("prompt_format", "ids"))
+    out = asyncio.run(execute(specs, cfg, TokenSource(1), drain_timeout_s=10.0, **kw))
+    return out.records
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ok_stream_timings_and_headers(mock_server: MockServer) -> None:
+    specs = [_spec(i, n=10, at=0.01 * i) for i in range(5)]
+    specs.append(RequestSpec(5, "vlm", 0.0, 6, images=(ImageRef(32, 24, "png", 0),
+                                                       ImageRef(32, 24, "jpeg", 1)), text="hi"))
+    recs = _run(mock_server.url, specs)
+    assert [r.status for r in recs] == ["ok"] * 6, [r.error for r in recs]
+    for r in recs[:5]:
+        assert r.output_tokens == 10 and r.prompt_tokens == 24 and r.usage_present
+        assert len(r.itl_s) == 9 and len(r.chunk_wall) == 10
+        assert 0.001 < r.ttft_s < 0.5 and r.tpot_s is not None and r.e2e_s >= r.ttft_s
+        assert r.upload_bytes > 24 and r.endpoint == "/v1/completions"
+        tt = r.server["token_times"]  # type: ignore[index]
+        assert max(abs(a - b) for a, b in zip(r.chunk_wall, tt, strict=True)) < 0.05
+    vlm = recs[5]
+    assert vlm.endpoint == "/v1/chat/completions" and vlm.output_tokens == 6
+    assert len(vlm.chunk_wall) == 6  # the role-only first delta is not a token chunk
+    seen = mock_server.seen
+    assert sorted(s["class"] for s in seen) == ["chat"] * 5 + ["vlm"]
+    chat_body = next(s["body"] for s in seen if s["path"] == "/v1/completions")
+    assert chat_body["stream"] and chat_body["ignore_eos"] and chat_body["max_tokens"] == 10
+    assert chat_body["stream_options"] == {"include_usage": True}
+    p0 = [s["body"]["prompt"] for s in seen if s["path"] == "/v1/completions"]
+    assert all(p[:16] == p0[0][:16] for p in p0)  # shared system prefix
+    parts = next(s["body"] for s in seen if s["class"] == "vlm")["messages"][0]["content"]
+    assert [p["type"] for p in parts] == ["text", "image_url", "image_url"]
+    assert parts[1]["image_url"]["url"].startswith("data:image/png;base64,")
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [("http500", "http 500"), ("malformed", "malformed SSE"), ("cut", "stream cut"),
+     ("error_event", "server error event"), ("no_done", "stream cut")])
+def test_faults_are_recorded(mock_server: MockServer, fault: str, reason: str) -> None:
+    mock_server.cfg.fault = fault
+    recs = _run(mock_server.url, [_spec(i, n=6) for i in range(3)])
+    for r in recs:
+        assert r.status == "error" and r.error is not None and r.error.startswith(reason), r.error
+
+
+def test_no_usage_falls_back_to_counted_chunks(mock_server: MockServer) -> None:
+    mock_server.cfg.fault = "no_usage"
+    (r,) = _run(mock_server.url, [_spec(n=7)])
+    assert r.status == "ok" and not r.usage_present and r.output_tokens == 7
+
+
+def test_unreachable_server() -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    recs = _run(url, [_spec(i) for i in range(3)])
+    assert all(r.status == "error" and r.error.startswith("connect error") for r in recs)
+    info = asyncio.run(probe_server(url))
+    assert not info.reachable and info.error
+
+
+def test_probe_and_text_fallback(mock_server: MockServer) -> None:
+    info = asyncio.run(probe_server(mock_server.url))
+    assert info.model == "mock" and info.max_model_len == 4096
+    cfg = ClientConfig(base_url=mock_server.url, model="mock")
+    assert asyncio.run(probe_prompt_format(cfg)) == "ids"
+    mock_server.cfg.fault = "reject_ids"
+    assert asyncio.run(probe_prompt_format(cfg)) == "text"
+    (r,) = _run(mock_server.url, [_spec()], prompt_format="text")
+    assert r.status == "ok" and r.prompt_format == "text"
+    assert isinstance(mock_server.seen[-1]["body"]["prompt"], str)
+
+
+def test_stream_that_hangs_times_out(raw_server: Any) -> None:
+    async def hang(req: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        await resp.write(b'data: {"choices":[{"text":"a"}]}\n\n')
+        await asyncio.sleep(30)
+        return resp
+
+    url = raw_server(hang)
+    (r,) = _run(url, [_spec()], timeout=0.5)
+    assert r.status == "error" and r.error.startswith("timeout") and r.ttft_s is not None
+
+
+def test_non_json_object_and_garbage_bytes(raw_server: Any) -> None:
+    async def junk(req: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        await resp.write(b"data: [1,2]\n\n")
+        return resp
+
+    (r,) = _run(raw_server(junk), [_spec()])
+    assert r.status == "error" and r.error.startswith("malformed SSE")
+
+
+def test_max_concurrency_queues(mock_server: MockServer) -> None:
+    mock_server.cfg.interval_ms = 10.0
+    recs = _run(mock_server.url, [_spec(i, n=10) for i in range(6)], max_concurrency=2)
+    assert all(r.status == "ok" for r in recs)
+    queued = sorted(r.queue_s for r in recs)
+    assert queued[-1] > 0.15  # the last pair waited for two rounds of ~0.1 s
+
+
+def test_drain_timeout_cancels_and_reports(raw_server: Any) -> None:
+    async def slow(req: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(30)
+        return web.Response(text="late")
+
+    cfg = ClientConfig(base_url=raw_server(slow), model="m", request_timeout_s=60)
+    out = asyncio.run(execute([_spec()], cfg, TokenSource(1), drain_timeout_s=0.3))
+    (r,) = out.records
+    assert r.status == "error" and r.error.startswith("cancelled") and out.duration_s < 5
