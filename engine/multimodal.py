@@ -195,7 +195,7 @@ def decode_image(
             background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
             img = Image.alpha_composite(background, rgba)
         img = img.convert("RGB")
-    return np.asarray(img, dtype=np.uint8)
+    return np.array(img, dtype=np.uint8)  # a writable copy (torch.as_tensor warns otherwise)
 
 
 def resize_image(pixels: np.ndarray, *, token_cap: int = DEFAULT_IMAGE_TOKEN_CAP) -> np.ndarray:
@@ -209,7 +209,7 @@ def resize_image(pixels: np.ndarray, *, token_cap: int = DEFAULT_IMAGE_TOKEN_CAP
     if (th, tw) == (height, width):
         return np.ascontiguousarray(pixels)
     resized = Image.fromarray(pixels).resize((tw, th), Image.Resampling.BICUBIC)
-    return np.asarray(resized, dtype=np.uint8)
+    return np.array(resized, dtype=np.uint8)
 
 
 def pixels_hash(pixels: np.ndarray) -> str:

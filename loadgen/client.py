@@ -62,23 +62,33 @@ def build_body(spec: RequestSpec, cfg: ClientConfig, tokens: TokenSource) -> tup
     return "/v1/completions", {**common, "prompt": prompt, **cfg.extra_body}
 
 
-def _choice_text(choice: dict[str, Any]) -> str:
-    text = choice.get("text")
-    if text is None:
-        delta = choice.get("delta") or {}
-        text = delta.get("content") or delta.get("reasoning_content")
-    return text if isinstance(text, str) else ""
+def is_output(choice: dict[str, Any]) -> bool:
+    """Does this choice carry generated output? Text chunks count even when their text is empty
+    (a detokenizer holding back a partial character); a chat delta that only announces the role
+    (vLLM's first chunk) and an empty closing chunk with a finish_reason do not."""
+    done = choice.get("finish_reason") is not None
+    if "text" in choice:
+        text = choice["text"]
+        return isinstance(text, str) and (bool(text) or not done)
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    if delta.get("content") or delta.get("reasoning_content"):
+        return True
+    return "content" in delta and "role" not in delta and not done
 
 
 class _Stream:
-    """Per-request stream state; `handle` consumes one SSE event at perf time t."""
+    """Per-request stream state; `handle` consumes one SSE event at perf time t.
+
+    Output chunk times are kept raw and turned into TTFT / ITL once the stream ends."""
 
     def __init__(self, rec: RequestRecord, t_send: float) -> None:
         self.rec, self.t_send = rec, t_send
         self.done = False
         self.t_done: float | None = None
-        self.last: float | None = None
-        self.counted = 0
+        self.times: list[float] = []  # perf times of output chunks
+        self.other: list[float] = []  # choice chunks not counted (role-only, empty closing)
 
     def handle(self, data: str, event: str, t: float) -> bool:
         """False once the stream must stop (done or an error)."""
@@ -100,20 +110,12 @@ class _Stream:
             msg = err.get("message", err) if isinstance(err, dict) else err
             rec.fail(f"server error event: {str(msg)[:ERROR_SNIPPET]}")
             return False
-        for choice in obj.get("choices") or ():
-            if not isinstance(choice, dict):
-                continue
+        choices = obj.get("choices")
+        if choices and isinstance(choices, list) and isinstance(choices[0], dict):
+            choice = choices[0]
             if choice.get("finish_reason"):
                 rec.finish_reason = str(choice["finish_reason"])
-            if _choice_text(choice):
-                if self.last is None:
-                    rec.ttft_s = t - self.t_send
-                else:
-                    rec.itl_s.append(t - self.last)
-                rec.chunk_wall.append(rec.send_wall + (t - self.t_send))  # type: ignore[operator]
-                self.last = t
-                self.counted += 1
-                break
+            (self.times if is_output(choice) else self.other).append(t)
         usage = obj.get("usage")
         if isinstance(usage, dict):
             rec.usage_present = True
@@ -122,6 +124,19 @@ class _Stream:
         if isinstance(obj.get("chunkscope"), dict):
             rec.server = obj["chunkscope"]
         return True
+
+    def finalize(self) -> None:
+        """Fill TTFT, ITL and chunk wall times. chunkscope (recognised by its `chunkscope`
+        block) sends one chunk per engine output, its first token in the role delta and its
+        last in the closing chunk even when their text is still empty, so for it every choice
+        chunk counts; vLLM and others announce the role before any token, so it does not."""
+        rec = self.rec
+        times = sorted(self.times + self.other) if rec.server is not None else self.times
+        if not times or rec.send_wall is None:
+            return
+        rec.ttft_s = times[0] - self.t_send
+        rec.itl_s = [b - a for a, b in zip(times, times[1:], strict=False)]
+        rec.chunk_wall = [rec.send_wall + (t - self.t_send) for t in times]
 
 
 @dataclass
@@ -211,12 +226,13 @@ async def send(
 
 
 def _finish(rec: RequestRecord, stream: _Stream, t_send: float) -> None:
+    stream.finalize()
     end = stream.t_done if stream.t_done is not None else time.perf_counter()
     rec.e2e_s = end - t_send  # to [DONE] (end of response), or to the failure
     if stream.done and rec.status == "pending":
         rec.status = "ok"
-    if rec.output_tokens is None and stream.counted:
-        rec.output_tokens = stream.counted  # usage missing: fall back to counted chunks
+    if rec.output_tokens is None and rec.chunk_wall:
+        rec.output_tokens = len(rec.chunk_wall)  # usage missing: fall back to counted chunks
     if rec.status == "ok" and rec.ttft_s is None:
         rec.fail("no output: stream finished without any text chunk")
     if rec.ttft_s is not None and rec.output_tokens and rec.output_tokens > 1:

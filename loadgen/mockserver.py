@@ -39,10 +39,13 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+SEEN = web.AppKey("seen", list)  # requests received, for tests
+
+
 def make_app(cfg: MockConfig) -> web.Application:
     app = web.Application(client_max_size=256 * 1024 * 1024)
     seen: list[dict[str, Any]] = []
-    app["seen"] = seen
+    app[SEEN] = seen
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response(
@@ -73,10 +76,6 @@ def make_app(cfg: MockConfig) -> web.Application:
             )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(req)
-        if chat:
-            await resp.write(
-                _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-            )
         start = time.perf_counter()
         times: list[float] = []
         for k in range(n):
@@ -94,8 +93,9 @@ def make_app(cfg: MockConfig) -> web.Application:
             if fault == "error_event" and k == n // 2:
                 await resp.write(_sse({"error": {"message": "engine overloaded"}}))
                 continue
+            delta = {"role": "assistant", "content": "x"} if k == 0 else {"content": "x"}
             choice = (
-                {"index": 0, "delta": {"content": "x"}, "finish_reason": None}
+                {"index": 0, "delta": delta, "finish_reason": None}
                 if chat
                 else {"index": 0, "text": "x", "finish_reason": None}
             )

@@ -72,11 +72,11 @@ PRESETS: dict[str, ModelArch] = {
     # than a decode step of 8 streams, which stays interactive (numbers in benchmarks/results/).
     "demo": ModelArch(
         vocab_size=BYTE_VOCAB,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
         head_dim=64,
         **_BYTE_SPECIALS,
     ),

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from loadgen.mockserver import MockConfig, make_app
+from loadgen.mockserver import SEEN, MockConfig, make_app
 
 
 @dataclass
@@ -21,14 +21,15 @@ class MockServer:
     cfg: MockConfig
 
 
-def _start(app: web.Application) -> tuple[str, asyncio.AbstractEventLoop, threading.Thread,
-                                          web.AppRunner]:
+def _start(
+    app: web.Application,
+) -> tuple[str, asyncio.AbstractEventLoop, threading.Thread, web.AppRunner]:
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     box: dict[str, Any] = {}
 
     async def up() -> None:
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -53,7 +54,7 @@ def mock_server() -> Iterator[MockServer]:
     app = make_app(cfg)
     url, loop, thread, runner = _start(app)
     try:
-        yield MockServer(url, app["seen"], cfg)
+        yield MockServer(url, app[SEEN], cfg)
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)

@@ -15,8 +15,9 @@ def _gaps(spec: ArrivalSpec, n: int = 40_000) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("kind", "shape", "cv"), [("poisson", 1.0, 1.0), ("gamma", 0.25, 2.0), ("gamma", 4.0, 0.5),
-                              ("constant", 1.0, 0.0)])
+    ("kind", "shape", "cv"),
+    [("poisson", 1.0, 1.0), ("gamma", 0.25, 2.0), ("gamma", 4.0, 0.5), ("constant", 1.0, 0.0)],
+)
 def test_rate_and_cv(kind: str, shape: float, cv: float) -> None:
     g = _gaps(ArrivalSpec(kind, rate=20.0, burstiness=shape))
     assert 1.0 / g.mean() == pytest.approx(20.0, rel=0.04)

@@ -24,8 +24,12 @@ def _spec(i: int = 0, n: int = 8, cls: str = "chat", at: float = 0.0) -> Request
 
 
 def _run(url: str, specs: list[RequestSpec], **kw: Any) -> list[RequestRecord]:
-    cfg = ClientConfig(base_url=url, model="mock", request_timeout_s=kw.pop("timeout", 10.0),
-                       prompt_format=kw.pop("prompt_format", "ids"))
+    cfg = ClientConfig(
+        base_url=url,
+        model="mock",
+        request_timeout_s=kw.pop("timeout", 10.0),
+        prompt_format=kw.pop("prompt_format", "ids"),
+    )
     out = asyncio.run(execute(specs, cfg, TokenSource(1), drain_timeout_s=10.0, **kw))
     return out.records
 
@@ -38,8 +42,16 @@ def _free_port() -> int:
 
 def test_ok_stream_timings_and_headers(mock_server: MockServer) -> None:
     specs = [_spec(i, n=10, at=0.01 * i) for i in range(5)]
-    specs.append(RequestSpec(5, "vlm", 0.0, 6, images=(ImageRef(32, 24, "png", 0),
-                                                       ImageRef(32, 24, "jpeg", 1)), text="hi"))
+    specs.append(
+        RequestSpec(
+            5,
+            "vlm",
+            0.0,
+            6,
+            images=(ImageRef(32, 24, "png", 0), ImageRef(32, 24, "jpeg", 1)),
+            text="hi",
+        )
+    )
     recs = _run(mock_server.url, specs)
     assert [r.status for r in recs] == ["ok"] * 6, [r.error for r in recs]
     for r in recs[:5]:
@@ -51,7 +63,7 @@ def test_ok_stream_timings_and_headers(mock_server: MockServer) -> None:
         assert max(abs(a - b) for a, b in zip(r.chunk_wall, tt, strict=True)) < 0.05
     vlm = recs[5]
     assert vlm.endpoint == "/v1/chat/completions" and vlm.output_tokens == 6
-    assert len(vlm.chunk_wall) == 6  # the role-only first delta is not a token chunk
+    assert len(vlm.chunk_wall) == 6
     seen = mock_server.seen
     assert sorted(s["class"] for s in seen) == ["chat"] * 5 + ["vlm"]
     chat_body = next(s["body"] for s in seen if s["path"] == "/v1/completions")
@@ -66,8 +78,14 @@ def test_ok_stream_timings_and_headers(mock_server: MockServer) -> None:
 
 @pytest.mark.parametrize(
     ("fault", "reason"),
-    [("http500", "http 500"), ("malformed", "malformed SSE"), ("cut", "stream cut"),
-     ("error_event", "server error event"), ("no_done", "stream cut")])
+    [
+        ("http500", "http 500"),
+        ("malformed", "malformed SSE"),
+        ("cut", "stream cut"),
+        ("error_event", "server error event"),
+        ("no_done", "stream cut"),
+    ],
+)
 def test_faults_are_recorded(mock_server: MockServer, fault: str, reason: str) -> None:
     mock_server.cfg.fault = fault
     recs = _run(mock_server.url, [_spec(i, n=6) for i in range(3)])
@@ -142,3 +160,55 @@ def test_drain_timeout_cancels_and_reports(raw_server: Any) -> None:
     out = asyncio.run(execute([_spec()], cfg, TokenSource(1), drain_timeout_s=0.3))
     (r,) = out.records
     assert r.status == "error" and r.error.startswith("cancelled") and out.duration_s < 5
+
+
+def _sse_server(raw_server: Any, events: list[bytes]) -> str:
+    async def handler(req: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        for ev in events:
+            await resp.write(ev)
+            await asyncio.sleep(0.01)
+        return resp
+
+    return raw_server(handler)
+
+
+def test_vllm_style_role_chunk_is_not_a_token(raw_server: Any) -> None:
+    ev = [b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n']
+    ev += [b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'] * 3
+    ev += [
+        b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":3}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    spec = RequestSpec(0, "vlm", 0.0, 3, images=(ImageRef(8, 8, "png", 0),), text="x")
+    (r,) = _run(_sse_server(raw_server, ev), [spec])
+    assert r.status == "ok" and len(r.chunk_wall) == 3 and r.ttft_s > 0.007
+    assert r.output_tokens == 3 and r.finish_reason == "length" and len(r.itl_s) == 2
+
+
+def test_chunkscope_counts_every_choice_chunk(raw_server: Any) -> None:
+    ev = [
+        b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":3},'
+        b'"chunkscope":{"token_times":[1,2,3]}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    spec = RequestSpec(0, "vlm", 0.0, 3, images=(ImageRef(8, 8, "png", 0),), text="x")
+    (r,) = _run(_sse_server(raw_server, ev), [spec])
+    assert r.status == "ok" and len(r.chunk_wall) == 3 and r.server is not None
+
+
+def test_completion_empty_text_chunks_count(raw_server: Any) -> None:
+    ev = [
+        b'data: {"choices":[{"index":0,"text":""}]}\n\n',
+        b'data: {"choices":[{"index":0,"text":"ab"}]}\n\n',
+        b'data: {"choices":[{"index":0,"text":"","finish_reason":"length"}]}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    (r,) = _run(_sse_server(raw_server, ev), [_spec(n=2)])
+    assert r.status == "ok" and len(r.chunk_wall) == 2 and r.output_tokens == 2
+    assert not r.usage_present and r.tpot_s is not None

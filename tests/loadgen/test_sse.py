@@ -14,8 +14,13 @@ STREAM = (
     b"id: 7\nretry: 10\ndata\n\n"
     b"data: [DONE]\n\n"
 )
-EXPECTED = [Event('{"a":1}'), Event("first\nsecond"), Event("no-space", "error"), Event(""),
-            Event("[DONE]")]
+EXPECTED = [
+    Event('{"a":1}'),
+    Event("first\nsecond"),
+    Event("no-space", "error"),
+    Event(""),
+    Event("[DONE]"),
+]
 
 
 def _all(parts: list[bytes]) -> tuple[list[Event], bool]:

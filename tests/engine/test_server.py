@@ -1,0 +1,489 @@
+"""The OpenAI-compatible server, driven by the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.config import EngineConfig
+from engine.events import StepEvent
+from engine.llm_engine import LLMEngine
+from engine.multimodal import encode_data_url, num_image_tokens
+from engine.server import ServerHandle, serve_in_thread
+
+CONTROL_TOKEN = "s3cret"
+MAX_MODEL_LEN = 512
+MAX_BODY = 1 << 20
+MAX_IMAGE_BYTES = 200_000
+
+
+class StepLog:
+    def __init__(self) -> None:
+        self.steps: list[StepEvent] = []
+
+    def __call__(self, event: object) -> None:
+        if isinstance(event, StepEvent):
+            self.steps.append(event)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerHandle]:
+    engine = LLMEngine(
+        EngineConfig(model="tiny", device="cpu", max_model_len=MAX_MODEL_LEN, token_budget=256)
+    )
+    log = StepLog()
+    engine.add_listener(log)
+    handle = serve_in_thread(
+        engine,
+        control_token=CONTROL_TOKEN,
+        max_body_bytes=MAX_BODY,
+        max_image_bytes=MAX_IMAGE_BYTES,
+    )
+    handle.step_log = log  # type: ignore[attr-defined]
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerHandle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerHandle) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=30) as c:
+        yield c
+
+
+def _image_url(h: int, w: int, fmt: str = "PNG") -> str:
+    pixels = np.random.default_rng(h * w).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    return encode_data_url(pixels, fmt)
+
+
+def _wait_idle(server: ServerHandle, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.state.engine.stats()
+        idle = stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_blocks_used == 0
+        if idle or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+# --- through the official client ------------------------------------------------------------
+
+
+def test_models_and_health(client: openai.OpenAI, http: httpx.Client) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert http.get("/v1/models").json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    health = http.get("/health").json()
+    assert health["status"] == "ok" and health["step_loop_alive"] is True
+
+
+def test_completion_exact_max_tokens(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model="tiny", prompt="hello world", max_tokens=9, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == len("hello world") + 1  # bytes + BOS
+    assert out.usage.completion_tokens == 9
+    ext = out.model_extra["chunkscope"]  # type: ignore[index]
+    assert len(ext["token_times"]) == 9 and ext["arrival_time"] <= ext["first_scheduled_time"]
+
+
+def test_completion_token_ids_prompt(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model="tiny", prompt=[256, 104, 105], max_tokens=3, temperature=0, seed=1,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert out.usage is not None and out.usage.prompt_tokens == 3
+    assert out.usage.completion_tokens == 3
+
+
+def test_completion_stream_with_usage(client: openai.OpenAI) -> None:
+    stream = client.completions.create(
+        model="tiny",
+        prompt="stream me",
+        max_tokens=7,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    content = [c for c in chunks if c.choices]
+    assert len(content) == 7
+    assert content[-1].choices[0].finish_reason == "length"
+    usage_chunk = chunks[-1]
+    assert not usage_chunk.choices and usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == 7
+    assert usage_chunk.usage.prompt_tokens == len("stream me") + 1
+    assert len(usage_chunk.model_extra["chunkscope"]["token_times"]) == 7  # type: ignore[index]
+
+
+def test_chat_non_stream_and_stream(client: openai.OpenAI) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say hi."},
+    ]
+    out = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].message.role == "assistant"
+    assert out.usage is not None and out.usage.completion_tokens == 5
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_completion_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    content = [c for c in chunks if c.choices]
+    assert content[0].choices[0].delta.role == "assistant"
+    assert len(content) == 6 and content[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_chat_with_image_counts_image_tokens(client: openai.OpenAI, fmt: str) -> None:
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}]}]
+    with_image = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": _image_url(100, 150, fmt)}},
+            ],
+        }
+    ]
+    base = client.chat.completions.create(model="tiny", messages=text_only, max_tokens=2)
+    out = client.chat.completions.create(
+        model="tiny", messages=with_image, max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    expected = num_image_tokens(100, 150)
+    assert expected == 20
+    assert base.usage is not None and out.usage is not None
+    assert out.usage.prompt_tokens == base.usage.prompt_tokens + expected
+    assert out.usage.completion_tokens == 3
+    assert out.model_extra["chunkscope"]["num_image_tokens"] == expected  # type: ignore[index]
+
+
+def test_32_concurrent_streams(server: ServerHandle) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, int]:
+        n = 4 + i % 9
+        stream = await client.completions.create(
+            model="tiny",
+            prompt=f"request number {i} " * (1 + i % 5),
+            max_tokens=n,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        count, usage = 0, None
+        async for chunk in stream:
+            if chunk.choices:
+                count += 1
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+        return n, count, usage or -1
+
+    async def run() -> list[tuple[int, int, int]]:
+        client = openai.AsyncOpenAI(
+            base_url=server.base_url + "/v1", api_key="unused", max_retries=0
+        )
+        async with client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(run())
+    assert all(n == count == usage for n, count, usage in results), results
+
+
+# --- scheduler control, metrics, disconnects ------------------------------------------------
+
+
+def test_scheduler_put_applies_at_next_step(
+    server: ServerHandle, http: httpx.Client, client: openai.OpenAI
+) -> None:
+    auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    before = http.get("/v1/scheduler").json()
+    assert before["token_budget"] == 256 and before["policy"] == "chunked"
+    r = http.put("/v1/scheduler", json={"token_budget": 48, "policy": "chunked"}, headers=auth)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["token_budget"] == 48 and body["applied_at_step"] is not None
+    assert [c["key"] for c in body["changes"]] == ["token_budget", "policy"]
+    applied = body["applied_at_step"]
+    client.completions.create(
+        model="tiny", prompt="x" * 200, max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    log: StepLog = server.step_log  # type: ignore[attr-defined]
+    after = [e for e in log.steps if e.step >= applied]
+    assert after and after[0].step == applied and after[0].token_budget == 48
+    assert all(e.num_scheduled_tokens <= 48 for e in after)
+    assert http.get("/v1/scheduler").json()["token_budget"] == 48
+    # restore
+    r = http.put("/v1/scheduler", json={"token_budget": 256}, headers=auth)
+    assert r.status_code == 200
+
+
+def test_metrics_parse(http: httpx.Client, client: openai.OpenAI) -> None:
+    client.completions.create(
+        model="tiny", prompt="metrics", max_tokens=4, extra_body={"ignore_eos": True},
+        extra_headers={"X-Traffic-Class": "rag"},
+    )  # fmt: skip
+    r = http.get("/metrics")
+    assert r.status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name in (
+        "chunkscope:time_to_first_token_seconds",
+        "chunkscope:inter_token_latency_seconds",
+        "chunkscope:request_time_per_output_token_seconds",
+        "chunkscope:e2e_request_latency_seconds",
+        "chunkscope:request_queue_time_seconds",
+        "chunkscope:num_requests_running",
+        "chunkscope:num_requests_waiting",
+        "chunkscope:kv_cache_usage_perc",
+        "chunkscope:token_budget",
+        "chunkscope:prompt_tokens",
+        "chunkscope:generation_tokens",
+        "chunkscope:num_preemptions",
+        "chunkscope:steps",
+        "chunkscope:tokens_per_step",
+    ):
+        assert name in families, name
+    ttft = families["chunkscope:time_to_first_token_seconds"]
+    classes = {s.labels.get("traffic_class") for s in ttft.samples}
+    assert "rag" in classes
+    gen = [s for s in families["chunkscope:generation_tokens"].samples if s.name.endswith("_total")]
+    assert gen and gen[0].value > 0
+
+
+def test_disconnect_frees_blocks(server: ServerHandle, http: httpx.Client) -> None:
+    _wait_idle(server)
+    body = {
+        "model": "tiny",
+        "prompt": "a long one " * 8,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(base_url=server.base_url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    seen += 1
+                if seen >= 3:
+                    break
+            assert server.state.engine.stats().kv_blocks_used > 0
+    # the connection is closed now: the request must be aborted and its blocks freed
+    deadline = time.monotonic() + 10
+    usage = None
+    while time.monotonic() < deadline:
+        families = text_string_to_metric_families(http.get("/metrics").text)
+        usage = next(
+            s.value
+            for f in families
+            if f.name == "chunkscope:kv_cache_usage_perc"
+            for s in f.samples
+        )
+        if usage == 0:
+            break
+        time.sleep(0.05)
+    assert usage == 0
+    stats = server.state.engine.stats()
+    assert stats.num_running == 0 and stats.kv_blocks_used == 0
+
+
+# --- bad input: each error, then a valid request still succeeds ------------------------------
+
+
+def _valid(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def _expect_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and len(err["message"]) > 10
+    return err
+
+
+def _image_body(url: str) -> dict[str, Any]:
+    part = {"type": "image_url", "image_url": {"url": url}}
+    return {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [part]}]}
+
+
+BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
+    ("malformed json", "/v1/completions", b'{"prompt": "x",', 400, None),
+    ("not an object", "/v1/completions", b"[1, 2]", 400, None),
+    ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("mistyped max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": "3"}, 400,
+     "max_tokens"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400,
+     "max_tokens"),
+    ("temperature out of range", "/v1/completions", {"prompt": "x", "temperature": 9}, 400,
+     "temperature"),
+    ("top_p out of range", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("token id out of vocab", "/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("prompt longer than context", "/v1/completions", {"prompt": "y" * (MAX_MODEL_LEN + 5)},
+     400, "prompt"),
+    ("prompt + max_tokens beyond context", "/v1/completions",
+     {"prompt": "y" * 100, "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 400, "model"),
+    ("chat without messages", "/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("chat bad role", "/v1/chat/completions",
+     {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ("chat unknown model", "/v1/chat/completions",
+     {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+    ("undecodable image", "/v1/chat/completions",
+     _image_body("data:image/png;base64," + base64.b64encode(b"garbage" * 10).decode()), 400,
+     "messages[0].content[0]"),
+    ("bad base64 image", "/v1/chat/completions", _image_body("data:image/png;base64,!!!"), 400,
+     "messages[0].content[0]"),
+    ("gif image", "/v1/chat/completions", _image_body("data:image/gif;base64,R0lGODlh"), 400,
+     "messages[0].content[0]"),
+    ("remote image", "/v1/chat/completions", _image_body("https://example.com/x.png"), 400,
+     "messages[0].content[0]"),
+    ("oversized image", "/v1/chat/completions", _image_body(_image_url(300, 300)), 400,
+     "messages[0].content[0]"),
+    ("bad traffic class", "/v1/completions", {"prompt": "x"}, 400, "X-Traffic-Class"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [case[1:] for case in BAD_REQUESTS],
+    ids=[case[0] for case in BAD_REQUESTS],
+)
+def test_bad_input_is_refused_and_engine_untouched(
+    server: ServerHandle, http: httpx.Client, path: str, body: Any, status: int, param: str | None
+) -> None:
+    _wait_idle(server)
+    before = server.state.engine.stats()
+    headers = {"X-Traffic-Class": "not valid!"} if param == "X-Traffic-Class" else {}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers["Content-Type"] = "application/json"
+    err = _expect_error(http.post(path, content=content, headers=headers), status)
+    if param is not None:
+        assert err["param"] == param, err
+    after = server.state.engine.stats()
+    assert after.step == before.step and after.num_waiting == 0 and after.num_running == 0
+    _valid(http)
+
+
+def test_oversized_body_413(http: httpx.Client) -> None:
+    body = json.dumps({"prompt": "z" * (MAX_BODY + 10)}).encode()
+    err = _expect_error(
+        http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"}),
+        413,
+    )
+    assert err["code"] == "request_too_large"
+    _valid(http)
+
+
+def test_scheduler_errors(server: ServerHandle, http: httpx.Client) -> None:
+    auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    before = http.get("/v1/scheduler").json()
+    _expect_error(http.put("/v1/scheduler", json={"token_budget": 64}), 401)
+    wrong = {"Authorization": "Bearer wrong"}
+    _expect_error(http.put("/v1/scheduler", json={"token_budget": 64}, headers=wrong), 401)
+    _expect_error(http.put("/v1/scheduler", json={"token_budget": 0}, headers=auth), 400)
+    _expect_error(http.put("/v1/scheduler", json={"token_budget": 10**9}, headers=auth), 400)
+    # one good and one bad value: nothing changes
+    both = {"token_budget": 64, "policy": "fastest"}
+    assert _expect_error(http.put("/v1/scheduler", json=both, headers=auth), 400)["param"] == (
+        "policy"
+    )
+    _expect_error(http.put("/v1/scheduler", json={"budget": 64}, headers=auth), 400)
+    _expect_error(http.put("/v1/scheduler", json={}, headers=auth), 400)
+    _expect_error(http.put("/v1/scheduler", content=b"{nope", headers=auth), 400)
+    assert http.get("/v1/scheduler").json()["token_budget"] == before["token_budget"]
+    _valid(http)
+
+
+def test_unknown_route_is_openai_error(http: httpx.Client) -> None:
+    _expect_error(http.get("/v1/nothing-here"), 404)
+
+
+# --- a server of its own: queue full and step-loop crashes -----------------------------------
+
+
+def test_queue_full_503_then_recovers() -> None:
+    engine = LLMEngine(
+        EngineConfig(model="tiny", device="cpu", max_model_len=256, max_num_seqs=1, max_waiting=1)
+    )
+    real_step = engine.step
+
+    def slow_step() -> Any:
+        time.sleep(0.01)  # so the first request surely runs while the others arrive
+        return real_step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
+    with (
+        serve_in_thread(engine) as handle,
+        httpx.Client(base_url=handle.base_url, timeout=30) as http,
+    ):
+        long = {"prompt": "q", "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+        async def fill_and_probe() -> list[int]:
+            async with httpx.AsyncClient(base_url=handle.base_url, timeout=30) as ac:
+                async with ac.stream("POST", "/v1/completions", json=long) as r1:
+                    lines = r1.aiter_lines()  # keep the iterator: closing it closes r1
+                    await lines.__anext__()  # the first request is running
+                    async with ac.stream("POST", "/v1/completions", json=long) as r2:
+                        # the second waits (max_num_seqs=1); the third finds the queue full
+                        deadline = time.monotonic() + 5
+                        while engine.stats().num_waiting < 1 and time.monotonic() < deadline:
+                            await asyncio.sleep(0.01)
+                        r3 = await ac.post("/v1/completions", json={"prompt": "x"})
+                        assert r3.headers.get("retry-after") == "1"
+                        assert r3.json()["error"]["code"] == "queue_full"
+                        return [r1.status_code, r2.status_code, r3.status_code]
+
+        assert asyncio.run(fill_and_probe()) == [200, 200, 503]
+        deadline = time.monotonic() + 10
+        while engine.stats().kv_blocks_used and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _valid(http)
+
+
+def test_step_crash_fails_requests_but_loop_survives() -> None:
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", max_model_len=256))
+    real_step = engine.step
+    crashes = {"left": 1}
+
+    def flaky_step() -> Any:
+        if crashes["left"]:
+            crashes["left"] -= 1
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    engine.step = flaky_step  # type: ignore[method-assign]
+    with (
+        serve_in_thread(engine) as handle,
+        httpx.Client(base_url=handle.base_url, timeout=30) as http,
+    ):
+        r = http.post("/v1/completions", json={"prompt": "boom", "max_tokens": 3})
+        err = _expect_error(r, 500)
+        assert "injected step failure" in err["message"]
+        health = http.get("/health").json()
+        assert health["step_loop_alive"] and health["step_errors"] == 1
+        _valid(http)
