@@ -487,3 +487,28 @@ def test_step_crash_fails_requests_but_loop_survives() -> None:
         health = http.get("/health").json()
         assert health["step_loop_alive"] and health["step_errors"] == 1
         _valid(http)
+
+
+def test_stop_string_ends_generation(server: ServerHandle, http: httpx.Client) -> None:
+    body = {"prompt": "stop test", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    clean = [i for i in range(3, len(full) - 1) if "\ufffd" not in full[i : i + 2]]
+    if not clean:
+        pytest.skip("greedy output has no clean two-character substring")
+    stop = full[clean[0] : clean[0] + 2]
+    expected = full[: full.index(stop)]
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={**body, "stop": [stop], "stream": stream})
+        assert r.status_code == 200
+        if stream:
+            chunks = [
+                json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")
+            ]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            reason = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            text = r.json()["choices"][0]["text"]
+            reason = r.json()["choices"][0]["finish_reason"]
+        assert text == expected and reason == "stop"
+    _wait_idle(server)
+    assert server.state.engine.stats().kv_blocks_used == 0

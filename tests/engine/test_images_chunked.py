@@ -1,0 +1,65 @@
+"""Image tokens are prompt tokens: chunked like text, and the result does not depend on the budget."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from engine.request import ImageInput
+from engine.sampling_params import SamplingParams
+
+
+def _image(h: int, w: int, seed: int) -> ImageInput:
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    pixels = np.stack([(xx * 255 // w), (yy * 255 // h), rng.integers(0, 255, (h, w))], -1)
+    pixels = pixels.astype(np.uint8)
+    return ImageInput(pixels, hashlib.sha256(pixels.tobytes()).hexdigest())
+
+
+def test_image_request_same_output_at_every_budget(make_engine) -> None:
+    engine = make_engine(token_budget=512, max_token_budget=512, enable_prefix_caching=False)
+    if engine.vision is None:
+        pytest.skip("no vision encoder in this build")
+    img_a, img_b = _image(56, 84, 1), _image(112, 56, 2)  # 6 and 8 image tokens
+    tok = engine.tokenizer
+    prompt = (tok.encode("<|user|>\n", add_bos=True) + [tok.image_token_id] * img_a.num_tokens
+              + tok.encode(" and ") + [tok.image_token_id] * img_b.num_tokens
+              + tok.encode(" describe both\n<|assistant|>\n"))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    results = []
+    for budget in (512, 5, 1):
+        engine.set_token_budget(budget)
+        engine.runner.keep_logits = True
+        engine.runner.kept_logits.clear()
+        rid = engine.add_request(prompt, params, images=[img_a, img_b])
+        tokens = []
+        while engine.has_unfinished_requests():
+            for out in engine.step().outputs:
+                assert out.num_image_tokens == 14
+                tokens.extend(out.new_token_ids)
+        results.append((tokens, engine.runner.kept_logits[rid][0]))
+    for tokens, logits in results[1:]:
+        assert tokens == results[0][0]
+        assert np.allclose(logits.numpy(), results[0][1].numpy(), atol=1e-4)
+    # the images change the output: same prompt with other pixels gives other logits
+    engine.runner.kept_logits.clear()
+    other = engine.add_request(prompt, params, images=[_image(56, 84, 9), img_b])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not np.allclose(engine.runner.kept_logits[other][0].numpy(), results[0][1].numpy())
+
+
+def test_image_token_count_mismatch_is_refused(make_engine) -> None:
+    engine = make_engine()
+    if engine.vision is None:
+        pytest.skip("no vision encoder in this build")
+    img = _image(56, 56, 0)  # 4 tokens
+    prompt = [1, 2] + [engine.tokenizer.image_token_id] * 3
+    with pytest.raises(ValueError, match="image"):
+        engine.add_request(prompt, SamplingParams(), images=[img])
+    with pytest.raises(ValueError, match="image"):
+        engine.add_request(prompt, SamplingParams())
+    assert not engine.has_unfinished_requests()
