@@ -779,21 +779,47 @@ def _error_chunk(exc: Exception) -> bytes:
     return _sse(error_body(str(exc), type="server_error", code="engine_error"))
 
 
+_TEXT_MARK = "\u0000TEXT\u0000"
+_REASON_MARK = "\u0000REASON\u0000"
+
+
+class _ChunkTemplate:
+    """An SSE chunk pre-encoded around its varying text and finish_reason: cheap per token.
+
+    ``choice`` holds ``_TEXT_MARK`` where the text goes.
+    """
+
+    def __init__(self, base: dict[str, Any], choice: dict[str, Any]) -> None:
+        doc = {**base, "choices": [{**choice, "finish_reason": _REASON_MARK}]}
+        raw = json.dumps(doc, separators=(",", ":"))
+        head, rest = raw.split(json.dumps(_TEXT_MARK), 1)
+        mid, tail = rest.split(json.dumps(_REASON_MARK), 1)
+        self._head = b"data: " + head.encode()
+        self._mid = mid.encode()
+        self._tail = tail.encode() + b"\n\n"
+
+    def render(self, text: str, finish_reason: str | None) -> bytes:
+        return b"".join(
+            (
+                self._head,
+                json.dumps(text).encode(),
+                self._mid,
+                b"null" if finish_reason is None else json.dumps(finish_reason).encode(),
+                self._tail,
+            )
+        )
+
+
 async def _completion_chunks(
     state: ServerState, req: CompletionRequest, gen: Generation, deltas: AsyncIterator[Delta]
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     base = {"id": gen.request_id, "object": "text_completion", "created": created}
     base["model"] = state.model_name
+    template = _ChunkTemplate(base, {"index": 0, "text": _TEXT_MARK, "logprobs": None})
     try:
         async for d in deltas:
-            choice = {
-                "index": 0,
-                "text": d.text,
-                "logprobs": None,
-                "finish_reason": d.finish_reason,
-            }
-            yield _sse({**base, "choices": [choice]})
+            yield template.render(d.text, d.finish_reason)
     except RequestFailed as exc:
         yield _error_chunk(exc)
         yield _SSE_DONE
@@ -809,20 +835,26 @@ async def _chat_chunks(
     created = int(time.time())
     base = {"id": f"chat{gen.request_id}", "object": "chat.completion.chunk", "created": created}
     base["model"] = state.model_name
+    template = _ChunkTemplate(
+        base, {"index": 0, "delta": {"content": _TEXT_MARK}, "logprobs": None}
+    )
     first = True
     try:
         async for d in deltas:
-            delta: dict[str, Any] = {"content": d.text} if (d.text or not d.finished) else {}
-            if first:
-                delta = {"role": "assistant", "content": d.text}
-                first = False
-            choice = {
-                "index": 0,
-                "delta": delta,
-                "logprobs": None,
-                "finish_reason": d.finish_reason,
-            }
-            yield _sse({**base, "choices": [choice]})
+            if first or (d.finished and not d.text):
+                delta: dict[str, Any] = {"content": d.text} if (d.text or not d.finished) else {}
+                if first:
+                    delta = {"role": "assistant", "content": d.text}
+                    first = False
+                choice = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": d.finish_reason,
+                }
+                yield _sse({**base, "choices": [choice]})
+            else:
+                yield template.render(d.text, d.finish_reason)
     except RequestFailed as exc:
         yield _error_chunk(exc)
         yield _SSE_DONE
