@@ -41,7 +41,7 @@ class StepEvent:
     kv_blocks_total: int
     num_preemptions: int
     chunks: list[ChunkRecord] = field(default_factory=list)
-    forward_time: float = 0.0  # seconds inside the model's forward pass and sampling
+    forward_time: float = 0.0  # seconds in the model forward and logits; the rest is overhead
 
     @property
     def duration(self) -> float:

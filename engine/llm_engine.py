@@ -316,7 +316,6 @@ class LLMEngine:
                 events.append(self._request_event("first_scheduled", req, start, plan.step))
         for req in plan.preempted:
             events.append(self._request_event("preempted", req, start, plan.step))
-        t0 = time.perf_counter()
         try:
             sampled = self.runner.execute(plan)
         except Exception as exc:  # noqa: BLE001 - one bad step must not stop the engine
@@ -327,7 +326,7 @@ class LLMEngine:
             self._update_stats()
             self._emit(events)
             return StepResult(None, outputs)
-        forward = time.perf_counter() - t0
+        forward = self.runner.last_forward_time
         end = time.time()
         produced = self.scheduler.update(plan, sampled, end)
         for req in produced:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -48,6 +49,9 @@ class ModelRunner:
         # When set, the logits behind every sampled token are kept per request (for tests and
         # debugging: they are what a one-shot prefill must reproduce).
         self.keep_logits = False
+        # Seconds of the last step spent in the model's forward pass and logits (the rest of a
+        # step - scheduling, tensor building, sampling, bookkeeping - is engine overhead).
+        self.last_forward_time = 0.0
         self.kept_logits: dict[str, list[torch.Tensor]] = {}
 
     @property
@@ -78,6 +82,7 @@ class ModelRunner:
                 sample_reqs.append(req)
         dev = self.device
         meta = self.backend.prepare_metadata(seqs, self.block_size, dev)
+        t0 = time.perf_counter()
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -88,8 +93,12 @@ class ModelRunner:
             torch.cat(embed_parts) if embed_parts else None,
         )
         if not sample_rows:
+            self._sync()
+            self.last_forward_time = time.perf_counter() - t0
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        self._sync()
+        self.last_forward_time = time.perf_counter() - t0
         if self.keep_logits:
             for r, row in zip(sample_reqs, logits.cpu(), strict=True):
                 self.kept_logits.setdefault(r.request_id, []).append(row)
@@ -97,6 +106,10 @@ class ModelRunner:
             logits, [r.request_id for r in sample_reqs], [r.params for r in sample_reqs]
         )
         return {r.request_id: t for r, t in zip(sample_reqs, tokens, strict=True)}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _image_embeds(
         self,
