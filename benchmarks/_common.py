@@ -23,7 +23,9 @@ def machine_info() -> dict[str, Any]:
 
     info: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
-        "sched_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "sched_affinity": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else None,
         "torch_version": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "torch_num_interop_threads": torch.get_num_interop_threads(),
@@ -43,9 +45,16 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     try:  # read-only
-        info["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
-        ).stdout.strip() or None
+        info["git_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
     except Exception:  # noqa: BLE001
         info["git_commit"] = None
     return info
@@ -117,7 +126,7 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 def table(rows: list[list[Any]], header: list[str]) -> str:
     cells = [[str(h) for h in header]] + [[_fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

@@ -50,12 +50,27 @@ class AttentionMetadata:
     block_table: torch.Tensor | None = None
 
 
-def _slots(block_ids: list[int], ctx_len: int, block_size: int) -> list[int]:
-    out: list[int] = []
-    for b in block_ids[: -(-ctx_len // block_size)]:
-        base = b * block_size
-        out.extend(range(base, base + block_size))
-    return out[:ctx_len]
+def block_table(seqs: list[SeqSlice], block_size: int) -> torch.Tensor:
+    """``[num_seqs, max_blocks]`` block ids of each sequence's context (padded with 0)."""
+    width = max(-(-s.ctx_len // block_size) for s in seqs)
+    rows = [s.block_ids[: -(-s.ctx_len // block_size)] for s in seqs]
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def context_slots(table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Cache slots of positions [0, length) for each row of ``table``: ``[rows, length]``."""
+    offsets = torch.arange(block_size)
+    return (table[:, :, None] * block_size + offsets).flatten(1)[:, :length]
+
+
+def slot_mapping(seqs: list[SeqSlice], table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slot of every new token of the step, in batch order: ``[T]``."""
+    q_lens = torch.tensor([s.q_len for s in seqs])
+    starts = torch.tensor([s.ctx_len - s.q_len for s in seqs])
+    rows = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
+    first_row = torch.cumsum(q_lens, 0) - q_lens
+    pos = torch.arange(int(q_lens.sum())) - first_row[rows] + starts[rows]
+    return table[rows, pos // block_size] * block_size + pos % block_size
 
 
 class AttentionBackend(Protocol):
@@ -76,15 +91,6 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _slot_mapping(seqs: list[SeqSlice], block_size: int) -> list[int]:
-    slots: list[int] = []
-    for s in seqs:
-        start = s.ctx_len - s.q_len
-        for pos in range(start, s.ctx_len):
-            slots.append(s.block_ids[pos // block_size] * block_size + pos % block_size)
-    return slots
-
-
 class SdpaBackend:
     """PyTorch scaled_dot_product_attention over K/V gathered from the paged cache.
 
@@ -97,18 +103,17 @@ class SdpaBackend:
     def prepare_metadata(
         self, seqs: list[SeqSlice], block_size: int, device: torch.device
     ) -> AttentionMetadata:
-        total = sum(s.q_len for s in seqs)
+        table = block_table(seqs, block_size)
         meta = AttentionMetadata(
-            num_tokens=total,
-            slot_mapping=torch.tensor(
-                _slot_mapping(seqs, block_size), dtype=torch.long, device=device
-            ),
+            num_tokens=sum(s.q_len for s in seqs),
+            slot_mapping=slot_mapping(seqs, table, block_size).to(device),
         )
-        decodes = [s for s in seqs if s.q_len == 1]
-        for s in seqs:
+        decodes: list[tuple[int, SeqSlice]] = []
+        for row, s in enumerate(seqs):
             if s.q_len == 1:
+                decodes.append((row, s))
                 continue
-            kv = torch.tensor(_slots(s.block_ids, s.ctx_len, block_size), dtype=torch.long)
+            kv = context_slots(table[row : row + 1], block_size, s.ctx_len)[0]
             start = s.ctx_len - s.q_len
             mask = None
             if start > 0:
@@ -116,23 +121,21 @@ class SdpaBackend:
                 mask = (torch.arange(s.ctx_len).unsqueeze(0) <= q_pos).to(device)
             meta.prefills.append((s, kv.to(device), mask))
         # Group decodes so that padding at most doubles the keys read per sequence.
-        decodes.sort(key=lambda s: s.ctx_len, reverse=True)
+        decodes.sort(key=lambda d: d[1].ctx_len, reverse=True)
         i = 0
         while i < len(decodes):
-            longest = decodes[i].ctx_len
+            longest = decodes[i][1].ctx_len
             j = i
-            while j < len(decodes) and decodes[j].ctx_len * 2 >= longest:
+            while j < len(decodes) and decodes[j][1].ctx_len * 2 >= longest:
                 j += 1
             group = decodes[i:j]
-            slots = torch.zeros(len(group), longest, dtype=torch.long)
-            lens = torch.tensor([s.ctx_len for s in group])
-            for r, s in enumerate(group):
-                slots[r, : s.ctx_len] = torch.tensor(_slots(s.block_ids, s.ctx_len, block_size))
+            slots = context_slots(table[[row for row, _ in group]], block_size, longest)
+            lens = torch.tensor([s.ctx_len for _, s in group])
             mask = None
             if bool((lens < longest).any()):
                 mask = (torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
                 mask = mask.to(device)
-            rows = torch.tensor([s.q_start for s in group], dtype=torch.long, device=device)
+            rows = torch.tensor([s.q_start for _, s in group], dtype=torch.long, device=device)
             meta.decode_groups.append(DecodeGroup(rows, slots.to(device), mask))
             i = j
         return meta
@@ -162,8 +165,10 @@ class SdpaBackend:
             out[s.q_start : s.q_start + s.q_len] = o.squeeze(0).transpose(0, 1)
         for g in meta.decode_groups:
             qs = q.index_select(0, g.rows).unsqueeze(2)  # [B, Hq, 1, D]
-            ks = k_flat[g.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
-            vs = v_flat[g.kv_slots].transpose(1, 2)
+            shape = (*g.kv_slots.shape, num_kv_heads, head_dim)
+            flat_slots = g.kv_slots.reshape(-1)
+            ks = k_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+            vs = v_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, enable_gqa=True)
             out.index_copy_(0, g.rows, o.squeeze(2))
         return out
@@ -181,21 +186,17 @@ class FlashAttnBackend:
     def prepare_metadata(
         self, seqs: list[SeqSlice], block_size: int, device: torch.device
     ) -> AttentionMetadata:
-        slot_mapping = torch.tensor(_slot_mapping(seqs, block_size), dtype=torch.long)
-        max_blocks = max(-(-s.ctx_len // block_size) for s in seqs)
-        table = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-        for r, s in enumerate(seqs):
-            n = -(-s.ctx_len // block_size)
-            table[r, :n] = torch.tensor(s.block_ids[:n], dtype=torch.int32)
+        table = block_table(seqs, block_size)
+        slots = slot_mapping(seqs, table, block_size)
         cu_q = torch.tensor([0] + [s.q_len for s in seqs], dtype=torch.int32).cumsum(0)
         return AttentionMetadata(
             num_tokens=int(cu_q[-1]),
-            slot_mapping=slot_mapping.to(device),
+            slot_mapping=slots.to(device),
             cu_seqlens_q=cu_q.to(torch.int32).to(device),
             seqused_k=torch.tensor([s.ctx_len for s in seqs], dtype=torch.int32, device=device),
             max_seqlen_q=max(s.q_len for s in seqs),
             max_seqlen_k=max(s.ctx_len for s in seqs),
-            block_table=table.to(device),
+            block_table=table.to(torch.int32).to(device),
         )
 
     def forward(
