@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import contextlib
 import hmac
 import json
@@ -70,12 +71,19 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self._prefix = 0
         self._read = 0
+        # Byte-level tokenizers: an incremental UTF-8 decoder is exact and much cheaper.
+        self._bytes = getattr(tokenizer, "decode_bytes", None)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, new_ids: list[int]) -> str:
+        if self._bytes is not None:
+            return str(self._utf8.decode(self._bytes(new_ids)))
         self.ids.extend(new_ids)
         return self._delta(final=False)
 
     def flush(self) -> str:
+        if self._bytes is not None:
+            return str(self._utf8.decode(b"", final=True))
         return self._delta(final=True)
 
     def _delta(self, *, final: bool) -> str:
@@ -640,7 +648,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         deltas = session.generate(gen, queue, req.stop_list)
         if req.stream:
             return _stream_response(_completion_chunks(state, req, gen, deltas))
-        return JSONResponse(await _completion_body(state, gen, deltas))
+        return JSONResponse(await _completion_body(state, gen, _until_disconnect(request, deltas)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -662,7 +670,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         deltas = session.generate(gen, queue, req.stop_list)
         if req.stream:
             return _stream_response(_chat_chunks(state, req, gen, deltas))
-        return JSONResponse(await _chat_body(state, gen, deltas))
+        return JSONResponse(await _chat_body(state, gen, _until_disconnect(request, deltas)))
 
 
 def _load_chat_images(state: ServerState, req: ChatCompletionRequest) -> tuple[list, list]:
@@ -864,10 +872,48 @@ async def _chat_chunks(
     yield _SSE_DONE
 
 
+class ClientGone(Exception):
+    """The client of a non-streaming request closed its connection."""
+
+
+async def _until_disconnect(request: Request, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """Pass ``deltas`` through; stop (and so abort the request) if the client disconnects.
+
+    The body has been read already, so the next ASGI message is ``http.disconnect``.
+    """
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(deltas))
+            done, _ = await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if step not in done:
+                step.cancel()
+                with contextlib.suppress(BaseException):
+                    await step
+                raise ClientGone()
+            try:
+                yield step.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        watcher.cancel()
+        await deltas.aclose()  # type: ignore[attr-defined]
+
+
 async def _drain(gen: Generation, deltas: AsyncIterator[Delta]) -> None:
     try:
         async for _ in deltas:
             pass
+    except ClientGone as exc:
+        logger.info("client of %s disconnected; request aborted", gen.request_id)
+        raise APIError(400, "client disconnected", code="client_disconnected") from exc
     except RequestFailed as exc:
         raise APIError(500, str(exc), type="server_error", code="engine_error") from exc
 
@@ -1032,9 +1078,9 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--collector-url", {"default": None,
                          "help": "telemetry collector to stream events to; accepted and "
                          "stored now, used once the telemetry collector lands"}),
-    ("--control-token", {"default": os.environ.get("CHUNKSCOPE_CONTROL_TOKEN"),
-                         "help": "bearer token that PUT /v1/scheduler requires (default: "
-                         "$CHUNKSCOPE_CONTROL_TOKEN; unset: no token needed)"}),
+    ("--control-token", {"default": None,
+                         "help": "bearer token that PUT /v1/scheduler requires; falls back to "
+                         "$CHUNKSCOPE_CONTROL_TOKEN (keeps it out of ps); neither: no token"}),
     ("--max-body-bytes", {"type": int, "default": DEFAULT_MAX_BODY_BYTES,
                           "help": "largest request body accepted; larger gets 413"}),
     ("--max-image-bytes", {"type": int, "default": DEFAULT_MAX_IMAGE_BYTES,
@@ -1107,7 +1153,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = build_app(
         engine,
-        control_token=args.control_token,
+        control_token=args.control_token or os.environ.get("CHUNKSCOPE_CONTROL_TOKEN"),
         collector_url=args.collector_url,
         max_body_bytes=args.max_body_bytes,
         max_image_bytes=args.max_image_bytes,

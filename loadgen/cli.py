@@ -7,23 +7,15 @@ import asyncio
 import json
 import logging
 import os
-import secrets
 import sys
-import time
 from typing import Any
 
 from loadgen import __version__
 from loadgen.arrivals import ARRIVALS
-from loadgen.client import ClientConfig
-from loadgen.metrics import Slo, summarize_all
+from loadgen.orchestrate import PlanError, run_from_args
 from loadgen.profiles import Profiles, apply_override, validate
-from loadgen.progress import Progress
-from loadgen.report import table, write_json
-from loadgen.runner import execute, prefetch_images, probe_prompt_format, probe_server
-from loadgen.spec import RequestSpec
-from loadgen.tokens import TokenSource
-from loadgen.traces import FORMATS, load_trace, trace_specs
-from loadgen.workload import PROFILES, PlanOptions, build_plan
+from loadgen.traces import FORMATS
+from loadgen.workload import PROFILES
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--profile", choices=PROFILES, default="chat")
     p.add_argument("--rate", type=_positive(float), help="total req/s (default: the profile's)")
-    p.add_argument("--arrival", choices=ARRIVALS, help="arrival process (default: per class)")
+    p.add_argument(
+        "--arrival",
+        choices=ARRIVALS,
+        help="arrival process for every class (default: each class's own; chat and rag "
+        "poisson, vlm gamma)",
+    )
     p.add_argument(
         "--burstiness",
         type=_positive(float),
@@ -96,15 +93,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="rise linearly from --ramp-from to --rate over SECONDS, then hold",
     )
-    p.add_argument("--ramp-from", type=_non_negative, default=0.0, metavar="RATE")
-    p.add_argument("--duration", type=_positive(float), help="seconds of arrivals")
+    p.add_argument(
+        "--ramp-from",
+        type=_non_negative,
+        default=0.0,
+        metavar="RATE",
+        help="req/s at the start of the ramp (default 0)",
+    )
+    p.add_argument(
+        "--duration",
+        type=_positive(float),
+        help="seconds of arrivals (with --num-requests: whichever ends first)",
+    )
     p.add_argument(
         "--num-requests",
         type=_positive(int),
         help=f"request count (default {DEFAULT_NUM_REQUESTS} if no --duration)",
     )
     p.add_argument("--max-concurrency", type=_positive(int), help="cap on in-flight requests")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds arrivals, lengths and images")
     p.add_argument(
         "--prompt-salt",
         type=int,
@@ -112,7 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the server's prefix cache; fix it for identical prompts)",
     )
     p.add_argument("--trace", metavar="FILE", help="replay an Azure CSV or Mooncake JSONL trace")
-    p.add_argument("--trace-format", choices=FORMATS, default="auto")
+    p.add_argument(
+        "--trace-format",
+        choices=FORMATS,
+        default="auto",
+        help="azure: TIMESTAMP,ContextTokens,GeneratedTokens CSV; mooncake: JSONL",
+    )
     p.add_argument(
         "--time-scale",
         type=_positive(float),
@@ -125,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="tokens per Mooncake hash block",
     )
-    p.add_argument("--slo-ttft-ms", type=_positive(float))
+    p.add_argument("--slo-ttft-ms", type=_positive(float), help="goodput SLO on TTFT")
     p.add_argument("--slo-itl-ms", type=_positive(float), help="SLO on each request's TPOT")
     p.add_argument("--out", metavar="result.json", help="write the full result JSON here")
     p.add_argument(
@@ -143,7 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(int),
         help="context length for clipping (default: the server's, else 8192)",
     )
-    p.add_argument("--token-id-range", type=_id_range, default=(32, 126), metavar="LO,HI")
+    p.add_argument(
+        "--token-id-range",
+        type=_id_range,
+        default=(32, 126),
+        metavar="LO,HI",
+        help="prompt token ids are drawn from [LO, HI] (default 32,126)",
+    )
     p.add_argument(
         "--prompt-format",
         choices=("auto", "ids", "text"),
@@ -156,7 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="do not send ignore_eos (outputs may end early)",
     )
-    p.add_argument("--request-timeout", type=_positive(float), default=600.0, metavar="S")
+    p.add_argument(
+        "--request-timeout",
+        type=_positive(float),
+        default=600.0,
+        metavar="S",
+        help="per-request limit (default 600)",
+    )
     p.add_argument(
         "--drain-timeout",
         type=_positive(float),
@@ -164,7 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="after the last send, wait at most S for in-flight requests",
     )
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as a Bearer token (default: $OPENAI_API_KEY)",
+    )
     p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -174,111 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.add_argument("--version", action="version", version=f"loadgen {__version__}")
     return p
-
-
-def _plan(
-    args: argparse.Namespace, profiles: Profiles, ctx: int
-) -> tuple[list[RequestSpec], dict[str, Any]]:
-    if args.trace:
-        limit = args.num_requests
-        trace = load_trace(args.trace, args.trace_format, args.time_scale, limit=limit)
-        specs = trace_specs(
-            trace,
-            ctx,
-            block_size=args.trace_block_size,
-            duration=args.duration,
-            num_requests=args.num_requests,
-        )
-        return specs, {
-            "format": trace.fmt,
-            "rows": len(trace.rows),
-            "skipped_rows": trace.skipped,
-            "skip_reasons": trace.skip_reasons,
-        }
-    opts = PlanOptions(
-        profile=args.profile,
-        rate=args.rate,
-        arrival=args.arrival,
-        burstiness=args.burstiness,
-        ramp_s=args.ramp,
-        ramp_from=args.ramp_from,
-        duration=args.duration,
-        num_requests=args.num_requests,
-        seed=args.seed,
-        max_model_len=ctx,
-    )
-    return build_plan(profiles, opts), {}
-
-
-async def _run(args: argparse.Namespace, profiles: Profiles) -> int:
-    base = args.url.rstrip("/")
-    info = await probe_server(base, args.api_key)
-    if info.error:
-        logger.warning("server probe: %s", info.error)
-    ctx = args.max_model_len or info.max_model_len or 8192
-    model = args.model or info.model or "default"
-    specs, trace_info = _plan(args, profiles, ctx)
-    cfg = ClientConfig(
-        base_url=base,
-        model=model,
-        ignore_eos=args.ignore_eos,
-        request_timeout_s=args.request_timeout,
-        api_key=args.api_key,
-    )
-    needs_ids = any(not s.is_chat for s in specs)
-    if args.prompt_format != "auto":
-        cfg.prompt_format = args.prompt_format
-    elif needs_ids and info.reachable:
-        cfg.prompt_format = await probe_prompt_format(cfg, token=args.token_id_range[0])
-    n_img = await asyncio.to_thread(prefetch_images, specs)
-    salt = args.prompt_salt if args.prompt_salt is not None else secrets.randbits(31)
-    lo, hi = args.token_id_range
-    tokens = TokenSource((args.seed * 1_000_003 + salt) & 0x7FFFFFFF, lo, hi)
-    show = args.progress if args.progress is not None else sys.stderr.isatty()
-    logger.info("running %d requests (%d distinct images) against %s", len(specs), n_img, base)
-    outcome = await execute(
-        specs,
-        cfg,
-        tokens,
-        max_concurrency=args.max_concurrency,
-        drain_timeout_s=args.drain_timeout,
-        progress=Progress(len(specs), enabled=show),
-    )
-    slo = Slo(args.slo_ttft_ms, args.slo_itl_ms)
-    summary = summarize_all(outcome.records, slo)
-    config = {k: v for k, v in vars(args).items() if k != "api_key"}
-    config.update(
-        prompt_salt=salt,
-        max_model_len_used=ctx,
-        model_used=model,
-        prompt_format_used=cfg.prompt_format,
-        profiles=profiles.as_dict(),
-    )
-    result = {
-        "tool": "chunkscope-loadgen",
-        "version": __version__,
-        "created": time.time(),
-        "config": config,
-        "server": {
-            "url": base,
-            "reachable": info.reachable,
-            "models": info.models,
-            "max_model_len": info.max_model_len,
-            "probe_error": info.error,
-        },
-        "trace": trace_info or None,
-        "run": {
-            "wall_start": outcome.wall_start,
-            "wall_end": outcome.wall_end,
-            "duration_s": outcome.duration_s,
-        },
-        "summary": summary,
-        "requests": [r.as_dict() for r in outcome.records],
-    }
-    if args.out:
-        write_json(args.out, result)
-    print(table(summary))
-    return 0 if summary["overall"]["ok"] > 0 or not specs else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,10 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.url.startswith(("http://", "https://")):
         parser.error(f"--url must start with http:// or https://, got {args.url!r}")
     try:
-        return asyncio.run(_run(args, profiles))
-    except ValueError as exc:  # bad plan parameters discovered late (e.g. trace format)
+        rc, summary_table = asyncio.run(run_from_args(args, profiles))
+    except PlanError as exc:  # e.g. an unreadable trace, found once the context is known
         parser.error(str(exc))
     except KeyboardInterrupt:
         logger.warning("interrupted")
         return 130
-    return 2  # unreachable: parser.error exits
+    print(summary_table)
+    return rc

@@ -78,6 +78,7 @@ def make_app(cfg: MockConfig) -> web.Application:
         await resp.prepare(req)
         start = time.perf_counter()
         times: list[float] = []
+        wall0 = time.time() - (time.perf_counter() - start)
         for k in range(n):
             due = start + (cfg.ttft_ms + k * cfg.interval_ms) / 1000.0
             delay = due - time.perf_counter()
@@ -108,6 +109,9 @@ def make_app(cfg: MockConfig) -> web.Application:
                 "arrival_time": arrival,
                 "first_scheduled_time": arrival,
                 "token_times": times,
+                "due_times": [  # the schedule, to tell server lateness from client error
+                    wall0 + (cfg.ttft_ms + k * cfg.interval_ms) / 1000.0 for k in range(len(times))
+                ],
             },
         }
         if fault != "no_usage":

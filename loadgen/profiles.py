@@ -10,9 +10,11 @@ Defaults and their sources (copies in shared/traces, see shared/traces/SOURCES.m
   repeat), document lognormal(median 8,000, p90 24,000) clipped to the server context; up to
   32,000 tokens, so a 50-page report (~30k tokens) fits where the context allows
   (`--set rag.doc_tokens=30000` makes every document one).
-- vlm: ServeGen mm-image (alibaba/ServeGen, Apache-2.0, Qwen-VL production): mostly one image
-  per request, image tokens per image clustered at 1,196/1,222 (Qwen2-VL's 720p/1080p counts),
-  output p50 97 / p90 265 tokens; arrivals gamma.
+- vlm: ServeGen mm-image (alibaba/ServeGen, Apache-2.0, Qwen-VL production): of requests with
+  images ~90% carry one (we keep 80% one, 2..9 otherwise, for more multi-image load); image
+  tokens per image clustered at 1,196/1,222 (Qwen2-VL's 720p/1080p counts), hence 720p/1080p
+  resolutions; output p50 97 / p90 265 tokens; the median inter-arrival CV over its 2,094
+  client windows is 1.37, hence gamma arrivals with shape 0.5 (CV 1.41).
 - mixed: chat / rag / vlm together (60/20/20 of the total rate), each its own arrival process.
 """
 

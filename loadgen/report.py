@@ -53,8 +53,8 @@ def _row(name: str, s: dict[str, Any]) -> list[str]:
         _ms(p["p50"]),
         _ms(e["p50"]),
         _ms(e["p99"]),
-        f"{s['throughput']['output_tokens_per_s']:.1f}",
-        f"{s['goodput']['requests_per_s']:.2f}",
+        _num(s["throughput"]["output_tokens_per_s"], 1),
+        _num(s["goodput"]["requests_per_s"], 2),
     ]
 
 
@@ -66,10 +66,12 @@ def table(summary: dict[str, Any]) -> str:
     lines = [head, "-" * len(head)]
     lines += [" ".join(v.rjust(w) for v, (_, w) in zip(r, _COLS, strict=True)) for r in rows]
     ov = summary["overall"]
+    g = ov["goodput"]
+    slos = (("TTFT", g["slo_ttft_ms"]), ("TPOT", g["slo_itl_ms"]))
+    slo = ", ".join(f"{name} <= {v:g} ms" for name, v in slos if v is not None)
     lines.append(
-        f"window {ov['throughput']['window_s']:.2f} s; times in ms; "
-        f"goodput = requests/s meeting the SLOs ({ov['goodput']['slo_ttft_ms']} ms TTFT, "
-        f"{ov['goodput']['slo_itl_ms']} ms TPOT)"
+        f"window {_num(ov['throughput']['window_s'], 2)} s; times in ms; good/s = requests/s "
+        f"that succeeded{' with ' + slo if slo else ' (no SLO set)'}"
     )
     if ov["error_kinds"]:
         lines.append("errors: " + ", ".join(f"{k}: {v}" for k, v in ov["error_kinds"].items()))
@@ -81,7 +83,12 @@ def write_json(path: str | Path, result: dict[str, Any]) -> None:
     if p.parent and not p.parent.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1, allow_nan=False, default=_default))
+    try:
+        text = json.dumps(result, separators=(",", ":"), allow_nan=False, default=_default)
+    except ValueError:  # a server sent NaN/Infinity in its own block: keep it, non-strict
+        logger.warning("result holds NaN/Infinity (from a server response); writing it anyway")
+        text = json.dumps(result, separators=(",", ":"), default=_default)
+    tmp.write_text(text)
     tmp.replace(p)
     logger.info("wrote %s", p)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -144,6 +145,10 @@ async def execute(
                 progress.update(counts["sent"], counts["done"], counts["errors"])
             await asyncio.sleep(0.25)
 
+    # Objects alive now (plan, images, modules) are never garbage: moving them out of the
+    # collector's reach removes the ~20 ms full-collection pauses that would delay chunk stamps.
+    gc.collect()
+    gc.freeze()
     wall_start = time.time()
     t0 = time.perf_counter()
     tick = asyncio.create_task(ticker())
@@ -192,4 +197,5 @@ async def execute(
                 await tick
             if progress is not None:
                 progress.update(counts["sent"], counts["done"], counts["errors"], final=True)
+            gc.unfreeze()
     return RunOutcome(records, wall_start, time.time(), time.perf_counter() - t0)

@@ -309,6 +309,15 @@ def test_disconnect_frees_blocks(server: ServerHandle, http: httpx.Client) -> No
     assert stats.num_running == 0 and stats.kv_blocks_used == 0
 
 
+def test_non_stream_disconnect_frees_blocks(server: ServerHandle) -> None:
+    _wait_idle(server)
+    body = {"prompt": "patience " * 4, "max_tokens": 450, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/completions", json=body, timeout=0.3)
+    stats = _wait_idle(server)
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0
+
+
 # --- bad input: each error, then a valid request still succeeds ------------------------------
 
 

@@ -60,3 +60,14 @@ def test_earliest_of_several_stops_wins() -> None:
     acc = TextAccumulator(["zz", "b"])
     acc.add("aazzb")
     assert acc.stopped and acc.take(final=True) == "aa"
+
+
+def test_byte_fast_path_matches_generic_path() -> None:
+    from engine.tokenizer import ByteTokenizer
+
+    data = "héllo €uro ✓".encode() + b"\xc3A\xe2\x82"
+    ids = list(data) + [257]
+    fast, slow = IncrementalDetokenizer(ByteTokenizer()), IncrementalDetokenizer(ByteTok())
+    fast_text = "".join(fast.add([i]) for i in ids) + fast.flush()
+    slow_text = "".join(slow.add([i]) for i in ids) + slow.flush()
+    assert fast_text == slow_text == data.decode("utf-8", errors="replace")

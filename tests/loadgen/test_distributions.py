@@ -114,3 +114,14 @@ def test_bad_override() -> None:
     apply_override(p, "chat.input_p90=10")
     with pytest.raises(ValueError):
         validate(p)
+
+
+def test_camera_mode() -> None:
+    specs = _plan(
+        "vlm", 60, vlm__camera_streams="3", vlm__camera_fps="5", vlm__camera_resolution="320x240"
+    )
+    assert len(specs) == 60
+    assert {(i.width, i.height, i.fmt) for s in specs for i in s.images} == {(320, 240, "jpeg")}
+    assert {s.meta["stream"] for s in specs} == {0, 1, 2}
+    frames = [s.meta["frame"] for s in specs if s.meta["stream"] == 0]
+    assert frames == list(range(len(frames)))
