@@ -162,24 +162,28 @@ class Request:
 def _image_spans(
     prompt: list[int], images: list[ImageInput], image_token_id: int | None
 ) -> list[tuple[int, int]]:
-    """Find each image's run of placeholder tokens, in order; check the counts match."""
+    """Place each image on the next ``num_tokens`` placeholder positions, in order.
+
+    Images may sit back to back (one long run of placeholders holds several images); every
+    placeholder must belong to exactly one image.
+    """
     if image_token_id is None:
         raise ValueError("this model has no image token, so it cannot take images")
-    spans: list[tuple[int, int]] = []
-    i, n = 0, len(prompt)
-    while i < n:
-        if prompt[i] == image_token_id:
-            j = i
-            while j < n and prompt[j] == image_token_id:
-                j += 1
-            spans.append((i, j - i))
-            i = j
-        else:
-            i += 1
+    positions = [i for i, t in enumerate(prompt) if t == image_token_id]
     expected = [img.num_tokens for img in images]
-    if [length for _, length in spans] != expected:
+    if len(positions) != sum(expected):
         raise ValueError(
-            f"prompt has image placeholder runs of {[s[1] for s in spans]} tokens, but the "
-            f"images need {expected} tokens each (one run of image tokens per image, in order)"
+            f"prompt has {len(positions)} image placeholder tokens, but the images need "
+            f"{expected} tokens each ({sum(expected)} in all)"
         )
+    spans: list[tuple[int, int]] = []
+    k = 0
+    for n in expected:
+        start = positions[k]
+        if positions[k + n - 1] != start + n - 1:
+            raise ValueError(
+                f"the {n} placeholder tokens of image {len(spans) + 1} must be consecutive"
+            )
+        spans.append((start, n))
+        k += n
     return spans

@@ -63,3 +63,20 @@ def test_image_token_count_mismatch_is_refused(make_engine) -> None:
     with pytest.raises(ValueError, match="image"):
         engine.add_request(prompt, SamplingParams())
     assert not engine.has_unfinished_requests()
+
+
+def test_back_to_back_images_share_one_placeholder_run(make_engine) -> None:
+    engine = make_engine()
+    if engine.vision is None:
+        pytest.skip("no vision encoder in this build")
+    imgs = [_image(56, 84, 1), _image(56, 56, 2), _image(56, 56, 3)]  # 6, 4, 4 tokens
+    image_id = engine.tokenizer.image_token_id
+    prompt = [1, 2] + [image_id] * 14 + [3]
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True), images=imgs)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step().outputs)
+    assert outputs[-1].request_id == rid and outputs[-1].num_image_tokens == 14
+    with pytest.raises(ValueError, match="consecutive"):
+        engine.add_request([image_id] * 3 + [5] + [image_id] * 5, SamplingParams(),
+                           images=imgs[1:])

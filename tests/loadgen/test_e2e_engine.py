@@ -202,12 +202,6 @@ def test_profiles_against_engine(engine_url: str, tmp_path: Path, profile: str, 
         assert set(summary["classes"]) == {"chat", "rag", "vlm"}
 
 
-@pytest.mark.xfail(
-    reason="engine answers 400 to several consecutive images in one message "
-    "('placeholder runs of [14] tokens, but the images need [6, 4, 4]'); "
-    "reported to the engine owners",
-    strict=False,
-)
 def test_multi_image_requests(engine_url: str, tmp_path: Path) -> None:
     res = _run(
         engine_url,
@@ -222,7 +216,9 @@ def test_multi_image_requests(engine_url: str, tmp_path: Path) -> None:
     assert res["summary"]["overall"]["ok"] == 4
 
 
-AZURE = Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv")
+AZURE = (
+    Path(__file__).resolve().parents[3] / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+)
 
 
 @pytest.mark.skipif(not AZURE.exists(), reason="shared Azure trace not present")

@@ -10,7 +10,9 @@ import pytest
 from loadgen.tokens import TokenSource
 from loadgen.traces import detect_format, load_trace, trace_specs
 
-AZURE = Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv")
+AZURE = (
+    Path(__file__).resolve().parents[3] / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+)
 
 
 def _azure(tmp_path: Path) -> Path:
