@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
-from engine.events import StepEvent
+from engine.events import RequestEvent, StepEvent
 from engine.llm_engine import LLMEngine
 from engine.multimodal import encode_data_url, num_image_tokens
 from engine.server import ServerHandle, serve_in_thread
@@ -316,6 +317,67 @@ def test_non_stream_disconnect_frees_blocks(server: ServerHandle) -> None:
         httpx.post(server.base_url + "/v1/completions", json=body, timeout=0.3)
     stats = _wait_idle(server)
     assert stats.kv_blocks_used == 0 and stats.num_running == 0
+
+
+@pytest.mark.parametrize("spec_version", ["server", "2.4"])
+def test_stream_disconnect_before_first_chunk_aborts(spec_version: str) -> None:
+    """A client that leaves during a long prefill is aborted at once, not run to max_tokens.
+
+    ``2.4``: the ASGI scope says spec 2.4, under which Starlette's StreamingResponse stops
+    listening for ``http.disconnect`` itself (uvicorn's own scope says 2.3), so the server
+    must watch the connection on its own.
+    """
+    engine = LLMEngine(
+        EngineConfig(model="tiny", device="cpu", max_model_len=8192, token_budget=16)
+    )
+    events: list[RequestEvent] = []
+    engine.add_listener(lambda e: events.append(e) if isinstance(e, RequestEvent) else None)
+    with serve_in_thread(engine) as handle:
+        if spec_version != "server":
+            inner = handle.server.config.loaded_app  # read by each new connection
+            seen: list[str] = []
+
+            async def with_spec(scope: Any, receive: Any, send: Any) -> None:
+                if scope["type"] == "http":
+                    scope = {**scope, "asgi": {**scope["asgi"], "spec_version": spec_version}}
+                    seen.append(scope["asgi"]["spec_version"])
+                await inner(scope, receive, send)
+
+            handle.server.config.loaded_app = with_spec
+        # ~6000 prompt tokens at 16 per step: hundreds of prefill steps before a first token
+        body = json.dumps(
+            {"prompt": "x" * 6000, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        ).encode()
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with socket.create_connection((handle.host, handle.port), timeout=10) as sock:
+            sock.sendall(head + body)
+            deadline = time.monotonic() + 10
+            while not events and time.monotonic() < deadline:  # wait until it is in the engine
+                time.sleep(0.002)
+        # closed without reading a byte: the request must be aborted and its blocks freed
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if engine.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests():
+                break
+            time.sleep(0.02)
+        assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests()
+        kinds = [e.kind for e in events]
+        assert kinds[0] == "arrived" and kinds[-1] == "aborted", kinds
+        assert "first_token" not in kinds and "finished" not in kinds, kinds
+        metrics = text_string_to_metric_families(httpx.get(handle.base_url + "/metrics").text)
+        finished = {
+            s.labels["finished_reason"]: s.value
+            for f in metrics
+            if f.name == "chunkscope:request_success"
+            for s in f.samples
+            if s.name.endswith("_total")
+        }
+        assert finished == {"abort": 1.0}
+        if spec_version != "server":
+            assert seen == [spec_version, spec_version]  # the request, then GET /metrics
 
 
 # --- bad input: each error, then a valid request still succeeds ------------------------------

@@ -1,0 +1,172 @@
+"""One request's life: submit it to the engine, turn its outputs into text deltas, and abort it
+the moment its client goes away (shared by completions and chat, streaming or not)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from engine.protocol import APIError
+from engine.serving.detokenize import IncrementalDetokenizer, TextAccumulator
+from engine.serving.engine_loop import RequestFailed
+from engine.serving.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request finished."""
+
+
+@dataclass
+class Delta:
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_new_tokens: int
+
+
+@dataclass
+class Generation:
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    num_image_tokens: int = 0
+    num_cached_tokens: int = 0
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_output_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
+        }
+        if self.num_cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
+        return usage
+
+    def extension(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "arrival_time": self.arrival_time,
+            "first_scheduled_time": self.first_scheduled_time,
+            "token_times": self.token_times,
+            "num_image_tokens": self.num_image_tokens,
+        }
+
+
+class Session:
+    """Submits HTTP requests to the engine and consumes their outputs."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def submit(
+        self,
+        request: Request,
+        prompt: list[int],
+        params: Any,
+        *,
+        stops: list[str],
+        traffic_class: str | None,
+        images: list[Any] | None = None,
+    ) -> tuple[Generation, AsyncIterator[Delta]]:
+        """Queue the request in the engine; return its record and its text deltas.
+
+        From here on a task watches the connection, so a client that goes away is aborted at
+        once, whether or not the deltas are ever iterated (a stream whose first chunk never
+        went out) and whatever the ASGI server does about disconnects.
+        """
+        rid, queue = self._add(prompt, params, traffic_class, images)
+        gen = Generation(request_id=rid, num_prompt_tokens=len(prompt))
+        watcher = asyncio.ensure_future(self._abort_on_disconnect(request, rid, queue))
+        return gen, self._deltas(gen, queue, stops, watcher)
+
+    def _add(
+        self, prompt: list[int], params: Any, traffic_class: str | None, images: list[Any] | None
+    ) -> tuple[str, asyncio.Queue[Any]]:
+        from engine.llm_engine import QueueFullError
+
+        try:
+            return self.state.loop.submit(
+                prompt, params, traffic_class=traffic_class, images=images
+            )
+        except QueueFullError as exc:
+            raise APIError(
+                503,
+                f"the engine's waiting queue is full ({exc}); retry shortly",
+                type="server_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            ) from exc
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
+
+    async def _abort_on_disconnect(
+        self, request: Request, request_id: str, queue: asyncio.Queue[Any]
+    ) -> None:
+        """The body has been read already, so the next ASGI message is ``http.disconnect``."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        logger.info("client of %s disconnected; request aborted", request_id)
+        self.state.loop.abort(request_id)
+        queue.put_nowait(ClientGone())  # wakes the consumer, if there is one
+
+    async def _deltas(
+        self,
+        gen: Generation,
+        queue: asyncio.Queue[Any],
+        stops: list[str],
+        watcher: asyncio.Future[None],
+    ) -> AsyncIterator[Delta]:
+        """Yield text deltas until the request finishes; abort the engine request on exit.
+
+        Raises ``ClientGone`` when the client disconnects, ``RequestFailed`` when the engine
+        fails the request.
+        """
+        detok = IncrementalDetokenizer(self.state.engine.tokenizer)
+        acc = TextAccumulator(stops)
+        done = False
+        try:
+            while not done:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    done = True
+                    raise out
+                if getattr(out, "error", None):
+                    done = True
+                    raise RequestFailed(f"the engine failed this request: {out.error}")
+                gen.num_output_tokens = out.num_output_tokens
+                gen.num_image_tokens = out.num_image_tokens
+                gen.num_cached_tokens = out.num_cached_tokens
+                gen.num_prompt_tokens = out.num_prompt_tokens
+                gen.arrival_time = out.arrival_time
+                gen.first_scheduled_time = out.first_scheduled_time
+                gen.token_times.extend(out.token_times)
+                acc.add(detok.add(list(out.new_token_ids)))
+                if out.finished:
+                    acc.add(detok.flush())
+                if acc.stopped and not out.finished:
+                    self.state.loop.abort(gen.request_id)
+                    done = True
+                    gen.finish_reason = "stop"
+                elif out.finished:
+                    done = True
+                    gen.finish_reason = "stop" if acc.stopped else out.finish_reason
+                text = acc.take(final=done)
+                gen.text = acc.text[: acc.emitted]
+                yield Delta(text, done, gen.finish_reason, len(out.new_token_ids))
+        finally:
+            watcher.cancel()
+            if not done:  # the consumer stopped early (a failed send, a cancelled handler)
+                logger.info("request %s cancelled before finishing; aborting", gen.request_id)
+                self.state.loop.abort(gen.request_id)

@@ -1,0 +1,28 @@
+"""What every handler needs: the engine, its step loop, metrics and the server's limits."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.metrics import EngineMetrics
+from engine.multimodal import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
+from engine.serving.engine_loop import EngineLoop
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class ServerState:
+    engine: Any
+    loop: EngineLoop
+    metrics: EngineMetrics
+    model_name: str
+    engine_id: str
+    control_token: str | None = None
+    collector_url: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    started: float = field(default_factory=time.time)
