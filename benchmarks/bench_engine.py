@@ -185,9 +185,12 @@ def bench_step_time(args: argparse.Namespace, machine: dict[str, Any]) -> dict[s
         else [64, 128, 256, 512, 1024, 2048, 4096, 8192]
     )
     batches = [1, 2, 4, 8, 16, 32] if args.quick else [1, 2, 4, 8, 16, 32, 64]
-    reps_prefill = lambda n: (
-        (2 if n <= 512 else 1) if args.quick else (7 if n <= 1024 else 5 if n <= 2048 else 3)
-    )  # noqa: E731
+
+    def reps_prefill(n: int) -> int:
+        if args.quick:
+            return 2 if n <= 512 else 1
+        return 7 if n <= 1024 else 5 if n <= 2048 else 3
+
     decode_n = 5 if args.quick else 15
     decode_warm = 3
     prompt_len = args.decode_prompt_len
@@ -226,7 +229,8 @@ def bench_step_time(args: argparse.Namespace, machine: dict[str, Any]) -> dict[s
                 }
             )
             print(
-                f"  [{preset}] prefill {n:5d}: {dur['median_ms']:9.2f} ms (min {dur['min_ms']:.2f})",
+                f"  [{preset}] prefill {n:5d}: {dur['median_ms']:9.2f} ms (min "
+                f"{dur['min_ms']:.2f})",
                 flush=True,
             )
         rows_d = []
@@ -256,7 +260,8 @@ def bench_step_time(args: argparse.Namespace, machine: dict[str, Any]) -> dict[s
                 }
             )
             print(
-                f"  [{preset}] decode B={b:3d}: {dur['median_ms']:9.2f} ms (min {dur['min_ms']:.2f})",
+                f"  [{preset}] decode B={b:3d}: {dur['median_ms']:9.2f} ms (min "
+                f"{dur['min_ms']:.2f})",
                 flush=True,
             )
         entry: dict[str, Any] = {
@@ -300,7 +305,8 @@ def bench_step_time(args: argparse.Namespace, machine: dict[str, Any]) -> dict[s
 def print_step_time(res: dict[str, Any]) -> None:
     for preset, e in res["presets"].items():
         print(
-            f"\n== step time, preset {preset} ({e['engine_config']['num_params'] / 1e6:.1f}M params) =="
+            f"\n== step time, preset {preset} ({e['engine_config']['num_params'] / 1e6:.1f}M "
+            "params) =="
         )
         rows = [
             [
@@ -333,11 +339,13 @@ def print_step_time(res: dict[str, Any]) -> None:
         if "key_ratio" in e:
             k = e["key_ratio"]
             print(
-                f"KEY RATIO demo: prefill {k['prefill_chunk_tokens']} = {k['prefill_step_ms']:.1f} ms / "
+                f"KEY RATIO demo: prefill {k['prefill_chunk_tokens']} = "
+                f"{k['prefill_step_ms']:.1f} ms / "
                 f"decode B=8 = {k['decode_step_ms']:.2f} ms -> {k['ratio']:.1f}x "
                 f"(target >= 20: {'OK' if k['meets_ratio'] else 'MISS'}; decode <= 40 ms: "
                 f"{'OK' if k['meets_decode'] else 'MISS'}); from min times: "
-                f"{k['prefill_step_ms_min']:.1f} / {k['decode_step_ms_min']:.2f} -> {k['ratio_from_min_times']:.1f}x"
+                f"{k['prefill_step_ms_min']:.1f} / {k['decode_step_ms_min']:.2f} -> "
+                f"{k['ratio_from_min_times']:.1f}x"
             )
 
 
@@ -806,8 +814,10 @@ def bench_throughput(args: argparse.Namespace, machine: dict[str, Any]) -> dict[
         hf_all()
         pw["hf_forward_use_cache_false"].append(time.perf_counter() - t0)
     how = {
-        "plain_forward_ours": "our LlamaModel's weights, contiguous causal SDPA, no KV cache/paging, one prompt per call, last-row logits",
-        "hf_forward_use_cache_false": f"LlamaForCausalLM(input_ids=[prompt], use_cache=False, logits_to_keep=1), one prompt per call, attn={hf_attn}",
+        "plain_forward_ours": "our LlamaModel's weights, contiguous causal SDPA, no KV "
+        "cache/paging, one prompt per call, last-row logits",
+        "hf_forward_use_cache_false": "LlamaForCausalLM(input_ids=[prompt], use_cache=False, "
+        "logits_to_keep=1), one prompt per call, attn={hf_attn}",
     }
     prefill_workload: dict[str, Any] = {
         "method": (
@@ -890,7 +900,8 @@ def bench_throughput(args: argparse.Namespace, machine: dict[str, Any]) -> dict[
             }
         )
         print(
-            f"  prefill chunk {n}: engine {e_med:.1f} ms, plain {o_med:.1f} ms, hf {h_med:.1f} ms (min {e_min:.1f}/{o_min:.1f}/{h_min:.1f})",
+            f"  prefill chunk {n}: engine {e_med:.1f} ms, plain {o_med:.1f} ms, hf {h_med:.1f} "
+            f"ms (min {e_min:.1f}/{o_min:.1f}/{h_min:.1f})",
             flush=True,
         )
     out["prefill_single_chunk"] = chunk_rows
@@ -999,7 +1010,8 @@ def print_throughput(res: dict[str, Any]) -> None:
     for k, v in res["ratios_output_tokens_per_s"].items():
         print(f"  ratio {k}: {v:.2f}x")
     print(
-        "\n-- prefill tokens/s: engine (prefill-only steps) vs plain forward (target ratio >= 0.9) --"
+        "\n-- prefill tokens/s: engine (prefill-only steps) vs plain forward (target ratio >= "
+        "0.9) --"
     )
     p = res["prefill_workload"]
     rows = []
@@ -1082,7 +1094,8 @@ def main() -> None:
     sections = [s for s in args.sections.split(",") if s]
     machine = machine_info()
     print(
-        f"machine: {machine['cpu_count']} cpus, torch {machine['torch_version']} ({machine['torch_num_threads']} threads), transformers {machine['transformers_version']}"
+        f"machine: {machine['cpu_count']} cpus, torch {machine['torch_version']} "
+        f"({machine['torch_num_threads']} threads), transformers {machine['transformers_version']}"
     )
     out_dir = Path(args.out_dir)
     argd = {k: v for k, v in vars(args).items()}

@@ -1,4 +1,4 @@
-"""GPU checks in one bounded script (run on a CUDA machine; writes benchmarks/results/gpu_check.json).
+"""GPU checks in one bounded script (on a CUDA machine; writes benchmarks/results/gpu_check.json).
 
 1. Correctness: last-position logits of the CUDA SDPA path (bf16) and, when flash-attn imports,
    the flash-attn path, against the same model in fp32 on the CPU, at two budgets.

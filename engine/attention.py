@@ -73,6 +73,22 @@ def slot_mapping(seqs: list[SeqSlice], table: torch.Tensor, block_size: int) -> 
     return table[rows, pos // block_size] * block_size + pos % block_size
 
 
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the step's new K/V rows into their cache slots; return the caches as flat
+    ``[num_slots, num_kv_heads, head_dim]`` views."""
+    k_flat = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+    v_flat = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+    k_flat.index_copy_(0, slots, k)
+    v_flat.index_copy_(0, slots, v)
+    return k_flat, v_flat
+
+
 class AttentionBackend(Protocol):
     name: str
 
@@ -150,10 +166,7 @@ class SdpaBackend:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        k_flat, v_flat = store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         for s, kv_slots, mask in meta.prefills:
             qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)
@@ -208,9 +221,7 @@ class FlashAttnBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         assert meta.seqused_k is not None and meta.cu_seqlens_q is not None
         cu_k = torch.nn.functional.pad(meta.seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
         return self._func(

@@ -61,7 +61,8 @@ def run_phase(engine: LLMEngine, policy: str, long_prompt: int, streams: int, qu
         if not quiet:
             print(
                 f"step {ev.step:4d} budget {ev.token_budget:5d} decode {ev.num_decode_tokens:3d} "
-                f"prefill {ev.num_prefill_tokens:5d} |{_bar(ev.num_decode_tokens, ev.num_prefill_tokens, ev.token_budget)}| "
+                f"prefill {ev.num_prefill_tokens:5d} "
+                f"|{_bar(ev.num_decode_tokens, ev.num_prefill_tokens, ev.token_budget)}| "
                 f"{(ev.end_time - ev.start_time) * 1000:7.1f} ms"
             )
     worst = max(gaps) if gaps else 0.0
@@ -99,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     chunked = run_phase(engine, "chunked", args.long_prompt, args.streams, args.quiet)
     unchunked = run_phase(engine, "unchunked", args.long_prompt, args.streams, args.quiet)
     print(
-        f"\nworst chat stall: chunked {chunked * 1000:.0f} ms vs unchunked {unchunked * 1000:.0f} ms"
-        f" ({unchunked / max(chunked, 1e-9):.1f}x)"
+        f"\nworst chat stall: chunked {chunked * 1000:.0f} ms vs unchunked "
+        f"{unchunked * 1000:.0f} ms ({unchunked / max(chunked, 1e-9):.1f}x)"
     )
     return 0
 

@@ -68,18 +68,13 @@ async def completion_chunks(
     base = {"id": gen.request_id, "object": "text_completion", "created": created}
     base["model"] = model_name
     template = _ChunkTemplate(base, {"index": 0, "text": _TEXT_MARK, "logprobs": None})
-    try:
+
+    async def chunks() -> AsyncIterator[bytes]:
         async for d in deltas:
             yield template.render(d.text, d.finish_reason)
-    except ClientGone:
-        return  # already aborted; nobody is listening
-    except RequestFailed as exc:
-        yield _error_chunk(exc)
-        yield _SSE_DONE
-        return
-    if req.include_usage:
-        yield _sse({**base, "choices": [], "usage": gen.usage(), "chunkscope": gen.extension()})
-    yield _SSE_DONE
+
+    async for chunk in _framed(base, req.include_usage, gen, chunks()):
+        yield chunk
 
 
 async def chat_chunks(
@@ -91,8 +86,9 @@ async def chat_chunks(
     template = _ChunkTemplate(
         base, {"index": 0, "delta": {"content": _TEXT_MARK}, "logprobs": None}
     )
-    first = True
-    try:
+
+    async def chunks() -> AsyncIterator[bytes]:
+        first = True
         async for d in deltas:
             if first or (d.finished and not d.text):
                 delta: dict[str, Any] = {"content": d.text} if (d.text or not d.finished) else {}
@@ -108,13 +104,26 @@ async def chat_chunks(
                 yield _sse({**base, "choices": [choice]})
             else:
                 yield template.render(d.text, d.finish_reason)
+
+    async for chunk in _framed(base, req.include_usage, gen, chunks()):
+        yield chunk
+
+
+async def _framed(
+    base: dict[str, Any], include_usage: bool, gen: Generation, chunks: AsyncIterator[bytes]
+) -> AsyncIterator[bytes]:
+    """The token chunks, then the usage chunk (when asked for) and ``[DONE]``; an engine error
+    becomes an error chunk; a client that left gets nothing more (its request is aborted)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
     except ClientGone:
-        return  # already aborted; nobody is listening
+        return
     except RequestFailed as exc:
         yield _error_chunk(exc)
         yield _SSE_DONE
         return
-    if req.include_usage:
+    if include_usage:
         yield _sse({**base, "choices": [], "usage": gen.usage(), "chunkscope": gen.extension()})
     yield _SSE_DONE
 

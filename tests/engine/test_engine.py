@@ -28,8 +28,9 @@ def _drain(engine) -> dict[str, list[int]]:
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(make_engine) -> None:
-    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
     alone = make_engine().generate([_prompt(30)], params)[0].token_ids
     engine = make_engine(token_budget=16)
     others = [_prompt(50 + i, i + 1) for i in range(4)]
@@ -39,22 +40,26 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(make_engine) -> None
 
 def test_top_k_one_is_greedy(make_engine) -> None:
     engine = make_engine()
-    greedy = engine.generate([_prompt(20)], SamplingParams(max_tokens=8, temperature=0.0,
-                                                           ignore_eos=True))
-    top1 = engine.generate([_prompt(20)], SamplingParams(max_tokens=8, temperature=1.5, top_k=1,
-                                                         ignore_eos=True))
+    greedy = engine.generate(
+        [_prompt(20)], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    )
+    top1 = engine.generate(
+        [_prompt(20)], SamplingParams(max_tokens=8, temperature=1.5, top_k=1, ignore_eos=True)
+    )
     assert greedy[0].token_ids == top1[0].token_ids
 
 
 def test_stop_token_and_max_tokens(make_engine) -> None:
     engine = make_engine()
-    full = engine.generate([_prompt(20)], SamplingParams(max_tokens=10, temperature=0.0,
-                                                         ignore_eos=True))[0]
+    full = engine.generate(
+        [_prompt(20)], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    )[0]
     assert len(full.token_ids) == 10 and full.finish_reason == "length"
     stop_at = full.token_ids[3]
     first = full.token_ids.index(stop_at)
-    stopped = engine.generate([_prompt(20)], SamplingParams(
-        max_tokens=10, temperature=0.0, stop_token_ids=(stop_at,)))[0]
+    stopped = engine.generate(
+        [_prompt(20)], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(stop_at,))
+    )[0]
     assert stopped.token_ids == full.token_ids[: first + 1] and stopped.finish_reason == "stop"
 
 
@@ -72,8 +77,13 @@ def test_refuses_requests_that_can_never_fit(make_engine) -> None:
 
 
 def test_bad_config_is_refused() -> None:
-    for bad in (dict(token_budget=0), dict(token_budget=10, max_token_budget=5),
-                dict(policy="fast"), dict(block_size=0), dict(device="tpu")):
+    for bad in (
+        dict(token_budget=0),
+        dict(token_budget=10, max_token_budget=5),
+        dict(policy="fast"),
+        dict(block_size=0),
+        dict(device="tpu"),
+    ):
         with pytest.raises((ValueError, TypeError)):
             EngineConfig(**bad).validate()  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown model"):
@@ -128,8 +138,9 @@ def test_events_round_trip_and_request_lifecycle(make_engine) -> None:
     engine = make_engine(token_budget=16)
     events = []
     engine.add_listener(events.append)
-    rid = engine.add_request(_prompt(40), SamplingParams(max_tokens=3, ignore_eos=True),
-                             traffic_class="rag")
+    rid = engine.add_request(
+        _prompt(40), SamplingParams(max_tokens=3, ignore_eos=True), traffic_class="rag"
+    )
     _drain(engine)
     kinds = [e.kind for e in events if isinstance(e, RequestEvent)]
     assert kinds == ["arrived", "first_scheduled", "first_token", "finished"]
@@ -160,8 +171,10 @@ def test_preemption_under_memory_pressure_keeps_outputs(make_engine) -> None:
     tight_engine = make_engine(token_budget=64, num_kv_blocks=20, block_size=16)
     preempted = []
     tight_engine.add_listener(
-        lambda e: preempted.append(e) if isinstance(e, RequestEvent) and e.kind == "preempted"
-        else None)
+        lambda e: (
+            preempted.append(e) if isinstance(e, RequestEvent) and e.kind == "preempted" else None
+        )
+    )
     tight = tight_engine.generate(prompts, params)
     assert preempted, "the tight cache should force preemptions"
     assert [r.token_ids for r in tight] == [r.token_ids for r in roomy]

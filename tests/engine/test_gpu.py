@@ -27,13 +27,25 @@ def _last_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
 
 def _compare(backend: str, block_size: int) -> None:
     prompt = [random.Random(0).randrange(256) for _ in range(1000)]
-    ref = _last_logits(LLMEngine(EngineConfig(model="demo", device="cpu", token_budget=1000,
-                                              max_token_budget=1000)), prompt)
+    ref = _last_logits(
+        LLMEngine(
+            EngineConfig(model="demo", device="cpu", token_budget=1000, max_token_budget=1000)
+        ),
+        prompt,
+    )
     for budget in (64, 1000):
-        gpu = LLMEngine(EngineConfig(model="demo", device="cuda", dtype="bfloat16",
-                                     attention_backend=backend, block_size=block_size,
-                                     token_budget=budget, max_token_budget=1000,
-                                     num_kv_blocks=64 if block_size == 256 else 1024))
+        gpu = LLMEngine(
+            EngineConfig(
+                model="demo",
+                device="cuda",
+                dtype="bfloat16",
+                attention_backend=backend,
+                block_size=block_size,
+                token_budget=budget,
+                max_token_budget=1000,
+                num_kv_blocks=64 if block_size == 256 else 1024,
+            )
+        )
         got = _last_logits(gpu, prompt).cpu()
         # bf16 vs fp32: compare the distributions, not bits
         assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.99

@@ -32,8 +32,11 @@ ARCHES = {
         tie_word_embeddings=True,
         rope_theta=500000.0,
         rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
         },
     ),
     "bias-linear-rope": PRESETS["tiny"].with_(
@@ -94,8 +97,13 @@ def test_batch_matches_transformers_under_every_budget_and_policy(
     reference = _reference(folder, prompts)
 
     engine = LLMEngine(
-        EngineConfig(model=str(folder), device="cpu", max_model_len=2048, max_token_budget=2048,
-                     enable_prefix_caching=False)
+        EngineConfig(
+            model=str(folder),
+            device="cpu",
+            max_model_len=2048,
+            max_token_budget=2048,
+            enable_prefix_caching=False,
+        )
     )
     outcomes: dict[str, int] = {"equal": 0, "tie": 0}
     first: list[list[int]] | None = None
@@ -111,6 +119,8 @@ def test_batch_matches_transformers_under_every_budget_and_policy(
             else:  # the engine agrees with itself exactly, whatever the budget and policy
                 assert ours == first, f"{policy} budget {budget}"
     total = sum(outcomes.values())
-    print(f"\n{arch_name}: {outcomes['equal']}/{total} sequences equal to transformers, "
-          f"{outcomes['tie']} stopped at a near-tie (gap < {TIE_GAP})")
+    print(
+        f"\n{arch_name}: {outcomes['equal']}/{total} sequences equal to transformers, "
+        f"{outcomes['tie']} stopped at a near-tie (gap < {TIE_GAP})"
+    )
     assert outcomes["equal"] >= total // 2

@@ -1,4 +1,4 @@
-"""Image tokens are prompt tokens: chunked like text, and the result does not depend on the budget."""
+"""Image tokens are prompt tokens: chunked like text; the result does not depend on the budget."""
 
 from __future__ import annotations
 
@@ -25,9 +25,13 @@ def test_image_request_same_output_at_every_budget(make_engine) -> None:
         pytest.skip("no vision encoder in this build")
     img_a, img_b = _image(56, 84, 1), _image(112, 56, 2)  # 6 and 8 image tokens
     tok = engine.tokenizer
-    prompt = (tok.encode("<|user|>\n", add_bos=True) + [tok.image_token_id] * img_a.num_tokens
-              + tok.encode(" and ") + [tok.image_token_id] * img_b.num_tokens
-              + tok.encode(" describe both\n<|assistant|>\n"))
+    prompt = (
+        tok.encode("<|user|>\n", add_bos=True)
+        + [tok.image_token_id] * img_a.num_tokens
+        + tok.encode(" and ")
+        + [tok.image_token_id] * img_b.num_tokens
+        + tok.encode(" describe both\n<|assistant|>\n")
+    )
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     results = []
     for budget in (512, 5, 1):
@@ -78,5 +82,4 @@ def test_back_to_back_images_share_one_placeholder_run(make_engine) -> None:
         outputs.extend(engine.step().outputs)
     assert outputs[-1].request_id == rid and outputs[-1].num_image_tokens == 14
     with pytest.raises(ValueError, match="consecutive"):
-        engine.add_request([image_id] * 3 + [5] + [image_id] * 5, SamplingParams(),
-                           images=imgs[1:])
+        engine.add_request([image_id] * 3 + [5] + [image_id] * 5, SamplingParams(), images=imgs[1:])

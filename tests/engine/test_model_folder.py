@@ -20,15 +20,17 @@ def _folder_with_hf_tokenizer(tmp_path: Path) -> Path:
 
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=200,
-                                             special_tokens=["<unk>", "<s>", "</s>"])
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]
+    )
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
     model = LlamaModel(PRESETS["tiny"].with_(bos_token_id=1, eos_token_id=2), max_positions=512)
     model.init_synthetic(3)
     folder = save_hf_folder(model, tmp_path / "folder")
     (folder / BYTE_TOKENIZER_MARKER).unlink()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(folder)
     return folder
 
 

@@ -15,19 +15,22 @@ from engine.scheduler import Scheduler, StepPlan
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   arrival_time=0.0)
+    return Request(
+        rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=0.0
+    )
 
 
 def fake_sample(plan: StepPlan) -> dict[str, int]:
-    return {
-        c.request_id: sum(c.request.token_ids) % 251
-        for c in plan.chunks if c.produces_token
-    }
+    return {c.request_id: sum(c.request.token_ids) % 251 for c in plan.chunks if c.produces_token}
 
 
-def make_scheduler(budget: int = 16, blocks: int = 64, block_size: int = 4, policy: str = "chunked",
-                   caching: bool = True) -> Scheduler:
+def make_scheduler(
+    budget: int = 16,
+    blocks: int = 64,
+    block_size: int = 4,
+    policy: str = "chunked",
+    caching: bool = True,
+) -> Scheduler:
     bm = BlockManager(blocks, block_size, caching)
     return Scheduler(bm, token_budget=budget, max_token_budget=4096, policy=policy)
 
@@ -39,15 +42,22 @@ def test_decodes_first_then_partial_prefills_then_waiting() -> None:
         s.add(r)
     p0 = s.schedule()
     assert [(x.request_id, x.kind, x.start, x.num_tokens) for x in p0.chunks] == [
-        ("a", "prefill", 0, 3), ("b", "prefill", 0, 7)]
+        ("a", "prefill", 0, 3),
+        ("b", "prefill", 0, 7),
+    ]
     s.update(p0, fake_sample(p0), 0.0)
     p1 = s.schedule()
     assert [(x.request_id, x.kind, x.start, x.num_tokens) for x in p1.chunks] == [
-        ("a", "decode", 3, 1), ("b", "prefill", 7, 9)]
+        ("a", "decode", 3, 1),
+        ("b", "prefill", 7, 9),
+    ]
     s.update(p1, fake_sample(p1), 0.0)
     p2 = s.schedule()
     assert [(x.request_id, x.kind, x.num_tokens) for x in p2.chunks] == [
-        ("a", "decode", 1), ("b", "prefill", 4), ("c", "prefill", 5)]
+        ("a", "decode", 1),
+        ("b", "prefill", 4),
+        ("c", "prefill", 5),
+    ]
 
 
 def test_budget_smaller_than_decodes_serves_oldest_first() -> None:
@@ -72,7 +82,9 @@ def test_unchunked_never_splits_and_always_admits_one() -> None:
     s.update(p, fake_sample(p), 0.0)
     p = s.schedule()  # "long" does not fit the budget, but no other prompt is prefilling
     assert [(c.request_id, c.kind, c.num_tokens) for c in p.chunks] == [
-        ("short", "decode", 1), ("long", "prefill", 30)]
+        ("short", "decode", 1),
+        ("long", "prefill", 30),
+    ]
 
 
 def test_bad_budget_and_policy_are_refused_and_keep_old_values() -> None:
@@ -103,8 +115,10 @@ def test_preemption_recomputes_most_recent_arrival() -> None:
 def test_scheduler_imports_no_torch() -> None:
     import subprocess
 
-    code = ("import sys, engine.scheduler, engine.block_manager, engine.events, engine.config;"
-            "sys.exit('torch' in sys.modules)")
+    code = (
+        "import sys, engine.scheduler, engine.block_manager, engine.events, engine.config;"
+        "sys.exit('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -133,8 +147,9 @@ def test_schedule_properties(arrivals, budgets, blocks, policy) -> None:
 
 def _simulate(arrivals, budgets, blocks, policy, caching):
     block_size = 4
-    s = make_scheduler(budget=16, blocks=blocks, block_size=block_size, policy=policy,
-                       caching=caching)
+    s = make_scheduler(
+        budget=16, blocks=blocks, block_size=block_size, policy=policy, caching=caching
+    )
     prefixes = {k: [100 + k] * (8 * k) for k in range(4)}
     pending = sorted(
         (step, i, prefixes[pre] + [i % 7 + 1] * length, mt)
