@@ -8,15 +8,17 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.admission import QueueFullError, RequestLimits, check_queue, check_request
 from engine.attention import select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.events import ChunkRecord, ControlEvent, Event, RequestEvent, StepEvent
 from engine.model.loader import load_model, resolve_model
+from engine.outputs import EngineStats, RequestOutput
 from engine.request import ImageInput, Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -27,43 +29,10 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV cache on CPU: 2 GiB (or what fits max_model_len x 4)
 
 
-class QueueFullError(RuntimeError):
-    """The waiting queue holds ``max_waiting`` requests already; retry later."""
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    token_times: list[float]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_image_tokens: int
-    num_cached_tokens: int
-    traffic_class: str | None
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    error: str | None = None
-
-
 @dataclass
 class StepResult:
     event: StepEvent | None
     outputs: list[RequestOutput] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    step: int
-    token_budget: int
-    policy: str
 
 
 def resolve_device(name: str) -> torch.device:
@@ -141,6 +110,16 @@ class LLMEngine:
         self._num_unfinished = 0
         self._listeners: list[Callable[[Event], None]] = []
         self._stats = EngineStats(0, 0, 0, num_blocks, 0, config.token_budget, config.policy)
+        self.limits = RequestLimits(
+            model_name=self.model_name,
+            vocab_size=arch.vocab_size,
+            max_model_len=self.max_model_len,
+            num_kv_blocks=num_blocks,
+            block_size=bs,
+            accepts_images=self.vision is not None,
+            image_token_id=self.tokenizer.image_token_id,
+            max_waiting=config.max_waiting,
+        )
 
     # --- construction helpers -----------------------------------------------------------------
     def _build_vision(self, hidden: int, seed: int) -> torch.nn.Module | None:
@@ -202,32 +181,8 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         """Validate and queue a request; the step loop picks it up at its next step."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError("params must be a SamplingParams")
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt must contain at least one token")
-        vocab = self.arch.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {t!r}")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model's context of {self.max_model_len} tokens"
-            )
-        needed = self.block_manager.blocks_for(total)
-        if needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"this request needs {needed} KV blocks but the whole cache has "
-                f"{self.block_manager.num_blocks}: shorten the prompt or max_tokens"
-            )
-        if images and self.vision is None:
-            raise ValueError(f"model {self.model_name!r} does not accept images")
+        prompt = check_request(prompt_token_ids, params, images, self.limits)
         image_id = self.tokenizer.image_token_id
-        if not images and image_id is not None and image_id in prompt:
-            raise ValueError("prompt contains image placeholder tokens but no images were given")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         req = Request(
             request_id,
@@ -241,10 +196,7 @@ class LLMEngine:
         )
         with self._cond:
             waiting = self._stats.num_waiting + sum(1 for k, _ in self._inbox if k == "add")
-            if waiting >= self.config.max_waiting:
-                raise QueueFullError(
-                    f"{waiting} requests are waiting (max_waiting={self.config.max_waiting})"
-                )
+            check_queue(waiting, self.limits)
             self._inbox.append(("add", req))
             self._num_unfinished += 1
             self._cond.notify_all()
@@ -267,7 +219,9 @@ class LLMEngine:
             return self._num_unfinished > 0 or bool(self._inbox)
 
     def stats(self) -> EngineStats:
-        return self._stats
+        """Counts as of the last step; budget and policy as in force now."""
+        s = self._stats
+        return replace(s, token_budget=self.scheduler.token_budget, policy=self.scheduler.policy)
 
     def set_token_budget(self, value: object, source: str = "api") -> ControlEvent:
         return self._control(self.scheduler.set_token_budget(value), source)

@@ -23,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from engine.events import RequestEvent, StepEvent
+from engine.events import ControlEvent, RequestEvent, StepEvent
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,9 @@ class EngineMetrics:
                 self._on_step(event)
             elif isinstance(event, RequestEvent):
                 self._on_request(event)
+            elif isinstance(event, ControlEvent):
+                if event.accepted and event.key == "token_budget":
+                    self.budget.labels(**self._labels).set(event.new_value)
         except Exception:
             logger.exception("metrics: failed to record %s", type(event).__name__)
 

@@ -88,3 +88,26 @@ def test_registries_are_independent() -> None:
     a.on_event(_step(0, 1.0, []))
     assert 'engine_id="b"' not in a.render()[0].decode()
     assert b.render()[0]
+
+
+def test_budget_gauge_follows_an_accepted_change_before_the_next_step() -> None:
+    from engine.events import ControlEvent
+
+    m = EngineMetrics(model_name="m", engine_id="e")
+    m.on_event(
+        ControlEvent(
+            key="token_budget",
+            old_value=512,
+            new_value=64,
+            accepted=True,
+            time=0.0,
+            applied_at_step=3,
+        )
+    )
+    m.on_event(
+        ControlEvent(
+            key="token_budget", old_value=64, new_value=0, accepted=False, time=0.0, reason="bad"
+        )
+    )
+    text = m.render()[0].decode()
+    assert 'chunkscope:token_budget{engine_id="e",model_name="m"} 64.0' in text
