@@ -3,14 +3,17 @@
 The same seeded workload (N requests x P prompt tokens x O output tokens, ignore_eos) runs
 
   offline  through ``LLMEngine`` directly (all requests added, ``step()`` until done), and
-  http     through ``python -m engine`` in a subprocess (its own GIL), driven by N concurrent
-           streaming aiohttp clients (``/v1/completions``, ``stream_options.include_usage``).
+  http     through ``python -m engine`` in a subprocess, driven by N concurrent streaming
+           aiohttp clients (``/v1/completions``, ``stream_options.include_usage``), in both
+           server modes: ``thread`` (``--engine-in-thread``: the step loop shares the HTTP
+           process's GIL) and ``process`` (the default: the engine core in a child process).
 
 Throughput is output tokens / wall time (first request sent to last token received). Added
 latency per streamed token is (client receive time of the chunk) - (engine token time from the
 ``chunkscope.token_times`` extension), both wall clock on the same machine. Each side runs a
-warm-up pass first; measured passes alternate offline / http ``--repeats`` times (so load from
-other processes hits both alike); best and median are reported.
+warm-up pass first; measured passes alternate offline / thread / process ``--repeats`` times
+(so load from other processes hits all alike); best and median are reported, with the 1-minute
+load average before and after.
 
 Run from the repo root:  .venv/bin/python benchmarks/bench_server.py [--models tiny,demo]
 Writes benchmarks/results/server_throughput.json (configuration and machine included).
@@ -28,6 +31,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -83,25 +87,46 @@ class Offline:
         return {"wall": wall, "tokens": tokens, "steps": steps}
 
 
-def start_server(a: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+MODES = {"thread": ["--engine-in-thread"], "process": []}  # server mode -> extra flags
+
+
+def start_server(a: argparse.Namespace, mode: str) -> tuple[subprocess.Popen[str], str]:
     cmd = [
         sys.executable, "-m", "engine", "--model", a.model, "--port", "0",
         "--token-budget", str(a.token_budget), "--max-model-len", str(a.max_model_len),
         "--device", a.device, "--dtype", a.dtype, "--no-prefix-caching", "--seed", "0",
-        "--log-level", "warning",
+        "--log-level", "warning", *MODES[mode],
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        if line.startswith("chunkscope engine listening on "):
-            return proc, line.strip().rsplit(" ", 1)[-1]
-    proc.kill()
-    raise RuntimeError("the server did not start")
+    ready = threading.Event()
+    found: list[str] = []
+
+    def pump() -> None:  # keep draining stderr so the server never blocks on a full pipe
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if not found and line.startswith("chunkscope engine listening on "):
+                found.append(line.strip().rsplit(" ", 1)[-1])
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(180) or not found:
+        proc.kill()
+        raise RuntimeError(f"the {mode} server did not start")
+    return proc, found[0]
+
+
+def stop_server(proc: subprocess.Popen[str]) -> float:
+    """SIGINT, as a user would; the seconds it took to exit (engine core included)."""
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    return time.perf_counter() - t0
 
 
 async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], a: Any) -> dict:
@@ -215,36 +240,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compare(a: argparse.Namespace) -> dict[str, Any]:
-    """Offline vs HTTP for one model; interleaved passes."""
+    """Offline vs HTTP (both server modes) for one model; interleaved passes."""
     prompts = workload(a.num_requests, a.prompt_len, a.seed)
     warm = prompts[: max(2, len(prompts) // 4)]
+    load_before = os.getloadavg()[0]
     offline = Offline(a)
     offline.run(warm)
-    proc, url = start_server(a)
+    servers: dict[str, tuple[subprocess.Popen[str], str]] = {}
     off_runs: list[dict[str, Any]] = []
-    http_runs: list[dict[str, Any]] = []
+    http_runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    stop_seconds: dict[str, float] = {}
     try:
-        asyncio.run(_http_pass(url, warm, a))
-        for _ in range(a.repeats):  # interleaved, so background load hits both sides alike
+        for mode in MODES:
+            servers[mode] = start_server(a, mode)
+            asyncio.run(_http_pass(servers[mode][1], warm, a))
+        for _ in range(a.repeats):  # interleaved, so background load hits every side alike
             off_runs.append(offline.run(prompts))
-            h = asyncio.run(_http_pass(url, prompts, a))
-            h["tokens"] = sum(r["usage"].get("completion_tokens", 0) for r in h["results"])
-            http_runs.append(h)
+            for mode, (_, url) in servers.items():
+                h = asyncio.run(_http_pass(url, prompts, a))
+                h["tokens"] = sum(r["usage"].get("completion_tokens", 0) for r in h["results"])
+                http_runs[mode].append(h)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    off_tps, http_tps = _tps(off_runs), _tps(http_runs)
-    best_http = max(http_runs, key=lambda r: r["tokens"] / r["wall"])
-    http = {
-        "tokens_per_s_best": max(http_tps),
-        "tokens_per_s_median": statistics.median(http_tps),
-        "all_runs_tokens_per_s": http_tps,
-        "output_tokens": best_http["tokens"],
-        **summarize_http(best_http, a),
-    }
+        for mode, (proc, _) in servers.items():
+            stop_seconds[mode] = stop_server(proc)
+    off_tps = _tps(off_runs)
     off = {
         "tokens_per_s_best": max(off_tps),
         "tokens_per_s_median": statistics.median(off_tps),
@@ -252,25 +271,55 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
         "output_tokens": off_runs[0]["tokens"],
         "steps": off_runs[0]["steps"],
     }
-    ratio = http["tokens_per_s_best"] / off["tokens_per_s_best"]
-    ratio_median = http["tokens_per_s_median"] / off["tokens_per_s_median"]
-    lat = http["added_latency_per_token_ms"]
     print(f"offline: best {off['tokens_per_s_best']:.0f} tok/s, "
           f"median {off['tokens_per_s_median']:.0f}")  # fmt: skip
-    print(f"http:    best {http['tokens_per_s_best']:.0f} tok/s, "
-          f"median {http['tokens_per_s_median']:.0f}; ratio best {ratio:.3f}, "
-          f"median {ratio_median:.3f}")  # fmt: skip
-    print(f"added latency per token: mean {lat['mean']:.2f} ms, p50 {lat['p50']:.2f} ms, "
-          f"p99 {lat['p99']:.2f} ms")  # fmt: skip
+    modes = {
+        mode: summarize_mode(mode, runs, off, stop_seconds[mode], a)
+        for mode, runs in http_runs.items()
+    }
     return {
         "model": a.model,
         "engine_config": engine_args(a),
+        "loadavg_1m_before": load_before,
+        "loadavg_1m_after": os.getloadavg()[0],
         "offline": off,
-        "http": http,
+        "http": modes,
+        "http_over_offline": {m: r["http_over_offline"] for m, r in modes.items()},
+        "http_over_offline_median": {m: r["http_over_offline_median"] for m, r in modes.items()},
+        "meets_target": {m: r["meets_target"] for m, r in modes.items()},
+    }
+
+
+def summarize_mode(
+    mode: str,
+    runs: list[dict[str, Any]],
+    off: dict[str, Any],
+    stop_seconds: float,
+    a: argparse.Namespace,
+) -> dict[str, Any]:
+    tps = _tps(runs)
+    best = max(runs, key=lambda r: r["tokens"] / r["wall"])
+    ratio = max(tps) / off["tokens_per_s_best"]
+    ratio_median = statistics.median(tps) / off["tokens_per_s_median"]
+    summary = {
+        "server_flags": MODES[mode],
+        "tokens_per_s_best": max(tps),
+        "tokens_per_s_median": statistics.median(tps),
+        "all_runs_tokens_per_s": tps,
+        "output_tokens": best["tokens"],
+        **summarize_http(best, a),
         "http_over_offline": ratio,
         "http_over_offline_median": ratio_median,
         "meets_target": ratio >= 0.9,
+        "shutdown_seconds": stop_seconds,
     }
+    lat = summary["added_latency_per_token_ms"]
+    print(
+        f"http {mode:7s}: best {max(tps):.0f} tok/s, median {statistics.median(tps):.0f}; "
+        f"ratio best {ratio:.3f}, median {ratio_median:.3f}; added latency per token: "
+        f"mean {lat['mean']:.2f} ms, p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms"
+    )
+    return summary
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
+
+BYTE_TOKENIZER_MARKER = "chunkscope_tokenizer.json"  # in a model folder: use the byte tokenizer
 
 
 class Tokenizer(Protocol):
@@ -61,3 +64,13 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return str(self.hf.decode(ids, skip_special_tokens=True))
+
+
+def make_tokenizer(
+    folder: str | Path | None, vocab_size: int, eos_token_id: int | None
+) -> Tokenizer:
+    """The tokenizer of a synthetic preset (``folder`` None) or of a model folder; loads no
+    weights, so the HTTP server process builds its own copy of the engine's tokenizer."""
+    if folder is None or (Path(folder) / BYTE_TOKENIZER_MARKER).exists():
+        return ByteTokenizer()
+    return HFTokenizer(str(folder), vocab_size, eos_token_id)

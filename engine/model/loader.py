@@ -12,11 +12,9 @@ import torch
 
 from engine.model.arch import PRESETS, ModelArch, arch_from_hf_config
 from engine.model.llama import LlamaModel
-from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engine.tokenizer import BYTE_TOKENIZER_MARKER, ByteTokenizer, Tokenizer, make_tokenizer
 
 logger = logging.getLogger(__name__)
-
-BYTE_TOKENIZER_MARKER = "chunkscope_tokenizer.json"
 
 
 @dataclass
@@ -63,15 +61,9 @@ def load_model(
     model = _build(source.arch, max_positions, device, dtype)
     if source.folder is None:
         model.init_synthetic(seed)
-        return LoadedModel(source.name, source.arch, model, ByteTokenizer())
-    load_safetensors(model, source.folder)
-    tokenizer: Tokenizer
-    if (source.folder / BYTE_TOKENIZER_MARKER).exists():
-        tokenizer = ByteTokenizer()
     else:
-        tokenizer = HFTokenizer(
-            str(source.folder), source.arch.vocab_size, source.arch.eos_token_id
-        )
+        load_safetensors(model, source.folder)
+    tokenizer = make_tokenizer(source.folder, source.arch.vocab_size, source.arch.eos_token_id)
     return LoadedModel(source.name, source.arch, model, tokenizer)
 
 

@@ -17,6 +17,7 @@ from engine.metrics import EngineMetrics
 from engine.multimodal import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 from engine.protocol import APIError, error_body
 from engine.serving.engine_loop import EngineLoop
+from engine.serving.engine_proc import EngineClient, ProcessLoop
 from engine.serving.routes_control import add_control_routes
 from engine.serving.routes_openai import add_openai_routes
 from engine.serving.state import DEFAULT_MAX_BODY_BYTES, ServerState
@@ -34,7 +35,11 @@ def build_app(
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     engine_id: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving ``engine``; its lifespan starts and stops the step-loop thread."""
+    """The FastAPI app serving ``engine``; its lifespan starts and stops the step loop.
+
+    ``engine`` is an ``LLMEngine`` (stepped on a thread of this process) or an ``EngineClient``
+    (process mode: the app's shutdown stops the engine core process).
+    """
     model_name = str(engine.model_name)
     eid = (
         engine_id
@@ -46,7 +51,7 @@ def build_app(
     engine.add_listener(metrics.on_event)
     state = ServerState(
         engine=engine,
-        loop=EngineLoop(engine),
+        loop=ProcessLoop(engine) if isinstance(engine, EngineClient) else EngineLoop(engine),
         metrics=metrics,
         model_name=model_name,
         engine_id=eid,

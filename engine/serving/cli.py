@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.multimodal import DEFAULT_MAX_IMAGE_BYTES
 from engine.serving.app import build_app
+from engine.serving.engine_proc import EngineClient, EngineStartError
 from engine.serving.serve import bind_socket, uvicorn_server
 from engine.serving.state import DEFAULT_MAX_BODY_BYTES
 
@@ -58,6 +59,11 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
                           "help": "largest request body accepted; larger gets 413"}),
     ("--max-image-bytes", {"type": int, "default": DEFAULT_MAX_IMAGE_BYTES,
                            "help": "largest encoded image accepted; larger gets 400"}),
+    ("--engine-in-thread", {"action": "store_true",
+                            "help": "step the engine on a thread of the HTTP server process "
+                            "instead of in its own process (by default the engine core runs "
+                            "in a child process, so HTTP handling and the steps do not share "
+                            "one GIL)"}),
     ("--log-level", {"default": "info", "choices": ("debug", "info", "warning", "error"),
                      "help": "log level"}),
 ]  # fmt: skip
@@ -67,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m engine",
         description="Serve a chunked-prefill engine behind an OpenAI-compatible HTTP API "
-        "(/v1/completions, /v1/chat/completions, /v1/models, /v1/scheduler, /metrics, /health).",
+        "(/v1/completions, /v1/chat/completions, /v1/models, /v1/scheduler, /metrics, /health). "
+        "The engine core (model, scheduler, step loop) runs in a child process and the HTTP "
+        "server process is a thin client of it; --engine-in-thread keeps both in one process.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for flag, kwargs in _FLAGS:
@@ -117,13 +125,27 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
-    from engine.llm_engine import LLMEngine
-
     try:
-        engine = LLMEngine(config)
-    except (OSError, ValueError) as exc:
+        engine = _start_engine(config, in_thread=args.engine_in_thread)
+    except (OSError, ValueError, EngineStartError) as exc:
         print(f"chunkscope engine: cannot start: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _serve(engine, args)
+    finally:
+        if isinstance(engine, EngineClient):
+            engine.shutdown()  # idempotent: the app's shutdown stops it already
+
+
+def _start_engine(config: Any, *, in_thread: bool) -> Any:
+    if not in_thread:
+        return EngineClient(config)
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(config)
+
+
+def _serve(engine: Any, args: argparse.Namespace) -> int:
     app = build_app(
         engine,
         control_token=args.control_token or os.environ.get("CHUNKSCOPE_CONTROL_TOKEN"),

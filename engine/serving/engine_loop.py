@@ -1,8 +1,10 @@
-"""The step loop: runs ``engine.step()`` on its own thread, routes outputs to asyncio queues.
+"""Step loops: route engine outputs to per-request asyncio queues.
 
-HTTP handlers only queue requests into the engine (thread-safe) and read their outputs from
-per-request asyncio queues that the step thread fills with ``loop.call_soon_threadsafe``. So
-HTTP handling never blocks a step, and a step never waits on a client.
+HTTP handlers only queue requests into the engine and read their outputs from per-request
+asyncio queues that another thread fills with ``loop.call_soon_threadsafe``. So HTTP handling
+never blocks a step, and a step never waits on a client. ``EngineLoop`` runs ``engine.step()``
+on a thread of the server process; ``engine_proc.ProcessLoop`` reads the outputs of an engine
+core running in its own process. Both share ``StreamRouter``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from engine.protocol import APIError
 
@@ -32,40 +34,30 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
 
 
-class EngineLoop:
-    """Runs ``engine.step()`` on its own thread and routes outputs to per-request queues."""
+class StreamRouter:
+    """Submit requests, route their outputs to per-request queues, fail them on errors.
 
-    def __init__(self, engine: Any, *, idle_wait: float = 0.05) -> None:
+    Subclasses run the steps (or receive them) and implement ``alive``, ``start`` and ``stop``.
+    """
+
+    mode: ClassVar[str]  # where the engine steps: "thread" (this process) or "process"
+
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.idle_wait = idle_wait
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
-        self._running = False
-        self._thread: threading.Thread | None = None
-        self._abort_pending = threading.Event()
         self.last_error: str | None = None
         self.num_step_errors = 0
-        self.last_step_time: float | None = None
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        raise NotImplementedError
 
     def start(self) -> None:
-        if self.alive:
-            return
-        self._running = True
-        self._thread = threading.Thread(target=self._run, name="chunkscope-step-loop", daemon=True)
-        self._thread.start()
+        raise NotImplementedError
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._running = False
-        if self._thread is not None:
-            self._thread.join(timeout)
-        with self._lock:
-            streams, self._streams = self._streams, {}
-        for rid, stream in streams.items():
-            self._deliver(stream, RequestFailed(f"server shutting down; request {rid} stopped"))
+        raise NotImplementedError
 
     # request side (event loop thread) ------------------------------------------------------
     def submit(
@@ -110,27 +102,8 @@ class EngineLoop:
             self.engine.abort_request(request_id)
         except Exception:
             logger.exception("abort of %s failed", request_id)
-        self._abort_pending.set()
 
-    # engine thread -------------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        logger.info("step loop started")
-        while self._running:
-            try:
-                if not engine.has_unfinished_requests() and not self._abort_pending.is_set():
-                    engine.wait_for_work(self.idle_wait)
-                    continue
-                self._abort_pending.clear()
-                result = engine.step()
-                self.last_step_time = time.time()
-            except Exception as exc:  # the loop never dies: fail what was in flight, go on
-                self._on_step_error(exc)
-                continue
-            if result.outputs:
-                self._dispatch(result.outputs)
-        logger.info("step loop stopped")
-
+    # step side (any thread) ----------------------------------------------------------------
     def _dispatch(self, outputs: list[Any]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         with self._lock:
@@ -146,26 +119,90 @@ class EngineLoop:
             with contextlib.suppress(RuntimeError):  # loop closed: server shutting down
                 loop.call_soon_threadsafe(_put_all, items)
 
-    def _deliver(self, stream: _Stream, item: Any) -> None:
-        with contextlib.suppress(RuntimeError):
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-
-    def _on_step_error(self, exc: Exception) -> None:
-        self.num_step_errors += 1
-        self.last_error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        logger.error("engine step failed:\n%s", traceback.format_exc())
-        rid = getattr(exc, "request_id", None)
+    def _fail_all(self, message: str) -> None:
+        """Fail every request in flight with ``message`` (shutdown, a dead engine)."""
         with self._lock:
-            if rid is not None and rid in self._streams:
-                victims = {rid: self._streams.pop(rid)}
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            _deliver(stream, RequestFailed(message))
+
+    def _on_step_error(self, error: str, request_id: str | None) -> bool:
+        """Fail the request a step failed on, or all in flight if the error names none, and
+        abort them in the engine. True if there were any."""
+        self.num_step_errors += 1
+        self.last_error = error
+        with self._lock:
+            if request_id is not None and request_id in self._streams:
+                victims = {request_id: self._streams.pop(request_id)}
             else:  # not attributable: fail everything in flight so the engine can recover
                 victims, self._streams = self._streams, {}
         for victim_id, stream in victims.items():
-            self._deliver(stream, RequestFailed(f"engine step failed: {self.last_error}"))
+            _deliver(stream, RequestFailed(f"engine step failed: {error}"))
             with contextlib.suppress(Exception):
                 self.engine.abort_request(victim_id)
-        if not victims:
-            time.sleep(self.idle_wait)  # avoid a hot error loop
+        return bool(victims)
+
+
+class EngineLoop(StreamRouter):
+    """Runs ``engine.step()`` on its own thread of the server process."""
+
+    mode = "thread"
+
+    def __init__(self, engine: Any, *, idle_wait: float = 0.05) -> None:
+        super().__init__(engine)
+        self.idle_wait = idle_wait
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._abort_pending = threading.Event()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.alive:
+            return
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="chunkscope-step-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._running = False
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_all("server shutting down; request stopped")
+
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        self._abort_pending.set()
+
+    def _run(self) -> None:
+        engine = self.engine
+        logger.info("step loop started")
+        while self._running:
+            try:
+                if not engine.has_unfinished_requests() and not self._abort_pending.is_set():
+                    engine.wait_for_work(self.idle_wait)
+                    continue
+                self._abort_pending.clear()
+                result = engine.step()
+            except Exception as exc:  # the loop never dies: fail what was in flight, go on
+                logger.error("engine step failed:\n%s", traceback.format_exc())
+                if not self._on_step_error(describe_error(exc), getattr(exc, "request_id", None)):
+                    time.sleep(self.idle_wait)  # avoid a hot error loop
+                continue
+            if result.outputs:
+                self._dispatch(result.outputs)
+        logger.info("step loop stopped")
+
+
+def describe_error(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+def _deliver(stream: _Stream, item: Any) -> None:
+    with contextlib.suppress(RuntimeError):
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
+from engine.admission import QueueFullError
 from engine.protocol import APIError
 from engine.serving.detokenize import IncrementalDetokenizer, TextAccumulator
 from engine.serving.engine_loop import RequestFailed
@@ -94,8 +95,6 @@ class Session:
     def _add(
         self, prompt: list[int], params: Any, traffic_class: str | None, images: list[Any] | None
     ) -> tuple[str, asyncio.Queue[Any]]:
-        from engine.llm_engine import QueueFullError
-
         try:
             return self.state.loop.submit(
                 prompt, params, traffic_class=traffic_class, images=images

@@ -27,6 +27,7 @@ def add_control_routes(app: FastAPI, state: ServerState) -> None:
         body = {
             "status": "ok" if alive else "error",
             "step_loop_alive": alive,
+            "engine_mode": state.loop.mode,
             "model": state.model_name,
             "engine_id": state.engine_id,
             "uptime_s": round(time.time() - state.started, 3),

@@ -10,13 +10,16 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from engine.config import EngineConfig
 from engine.serving.app import build_app
+from engine.serving.engine_proc import EngineClient
 from engine.serving.state import ServerState
 
 
 @dataclass
 class ServerHandle:
-    """A server running on a background thread (tests, benchmarks)."""
+    """A server running on a background thread (tests, benchmarks); ``stop()`` also stops the
+    engine core process in process mode."""
 
     base_url: str
     host: str
@@ -75,8 +78,28 @@ def serve_in_thread(
 ) -> ServerHandle:
     """Build the app for ``engine`` and serve it from a background thread on ``host:port``.
 
-    ``port=0`` picks a free port; the returned handle has ``base_url`` and ``stop()``.
+    ``engine`` is an ``LLMEngine`` (stepped on a thread of this process) or an ``EngineConfig``
+    (process mode: the engine core starts in a child process). ``port=0`` picks a free port;
+    the returned handle has ``base_url`` and ``stop()``.
     """
+    if isinstance(engine, EngineConfig):
+        engine = EngineClient(engine)
+    try:
+        return _serve(engine, host, port, log_level, startup_timeout, app_options)
+    except BaseException:
+        if isinstance(engine, EngineClient):
+            engine.shutdown()
+        raise
+
+
+def _serve(
+    engine: Any,
+    host: str,
+    port: int,
+    log_level: str,
+    startup_timeout: float,
+    app_options: dict[str, Any],
+) -> ServerHandle:
     app = build_app(engine, **app_options)
     sock = bind_socket(host, port)
     real_port = int(sock.getsockname()[1])

@@ -1,4 +1,4 @@
-"""What every handler needs: the engine, its step loop, metrics and the server's limits."""
+"""What every handler needs: the engine (or its client), its step loop, metrics and limits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from engine.metrics import EngineMetrics
 from engine.multimodal import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
-from engine.serving.engine_loop import EngineLoop
+from engine.serving.engine_loop import StreamRouter
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -16,7 +16,7 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 @dataclass
 class ServerState:
     engine: Any
-    loop: EngineLoop
+    loop: StreamRouter
     metrics: EngineMetrics
     model_name: str
     engine_id: str
