@@ -18,10 +18,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
-from engine.events import StepEvent
 from engine.multimodal import encode_data_url, num_image_tokens
 from engine.server import ServerHandle, build_parser, serve_in_thread
 from engine.serving.engine_proc import EngineClient
+from tests.engine.serving_helpers import StepLog
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTROL_TOKEN = "s3cret"
@@ -58,15 +58,6 @@ def _kv_usage(http: httpx.Client) -> float:
     )
 
 
-class StepLog:
-    def __init__(self) -> None:
-        self.steps: list[StepEvent] = []
-
-    def __call__(self, event: object) -> None:
-        if isinstance(event, StepEvent):
-            self.steps.append(event)
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerHandle]:
     handle = serve_in_thread(_config(token_budget=256), control_token=CONTROL_TOKEN)
@@ -79,17 +70,6 @@ def server() -> Iterator[ServerHandle]:
     yield handle
     handle.stop()
     assert _gone(pid)
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerHandle) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerHandle) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=30) as c:
-        yield c
 
 
 def test_health_reports_process_mode(http: httpx.Client) -> None:

@@ -17,24 +17,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
-from engine.events import RequestEvent, StepEvent
+from engine.events import RequestEvent
 from engine.llm_engine import LLMEngine
 from engine.multimodal import encode_data_url, num_image_tokens
 from engine.server import ServerHandle, serve_in_thread
+from tests.engine.serving_helpers import StepLog
 
 CONTROL_TOKEN = "s3cret"
 MAX_MODEL_LEN = 512
 MAX_BODY = 1 << 20
 MAX_IMAGE_BYTES = 200_000
-
-
-class StepLog:
-    def __init__(self) -> None:
-        self.steps: list[StepEvent] = []
-
-    def __call__(self, event: object) -> None:
-        if isinstance(event, StepEvent):
-            self.steps.append(event)
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +45,6 @@ def server() -> Iterator[ServerHandle]:
     handle.step_log = log  # type: ignore[attr-defined]
     yield handle
     handle.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerHandle) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerHandle) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=30) as c:
-        yield c
 
 
 def _image_url(h: int, w: int, fmt: str = "PNG") -> str:
