@@ -1,0 +1,144 @@
+"""Step cost model: a step's time as a linear function of its work. No torch.
+
+A step runs one forward over every chunk it scheduled. Its time is modelled as
+
+    t = c0 + c_prefill * P + c_decode * D + c_attn * A
+
+where ``P`` is the number of prefill tokens, ``D`` the number of decode tokens and ``A`` the
+attention pairs: for each chunk of ``n`` new tokens starting at position ``s``, every new token
+attends to its context, so the chunk adds ``n * s + n * (n + 1) / 2`` (query, key) pairs::
+
+    positions   0 ........ s-1 | s ... s+n-1
+                 cached context | new tokens (causal among themselves)
+    pairs       n * s           + 1 + 2 + ... + n
+
+Fitted by ordinary least squares (numpy), it is the instrument's reference for what a step
+should cost: a served step much slower than its prediction is time the engine did not spend
+computing. ``fit`` reports its own error, so a user can judge it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+FEATURES = ("const", "prefill_tokens", "decode_tokens", "attention_pairs")
+
+
+def chunk_pairs(start: int, num_tokens: int) -> int:
+    """(query, key) pairs of one chunk: ``num_tokens`` new tokens after ``start`` cached ones."""
+    if start < 0 or num_tokens < 0:
+        raise ValueError(f"start and num_tokens must be >= 0, got {start}, {num_tokens}")
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+
+
+@dataclass(frozen=True)
+class StepWork:
+    prefill_tokens: int
+    decode_tokens: int
+    attention_pairs: int
+
+    @classmethod
+    def from_chunks(cls, chunks: Iterable[Mapping[str, Any] | Any]) -> StepWork:
+        """From chunk records (dicts or objects with ``kind``, ``start``, ``num_tokens``)."""
+        prefill = decode = pairs = 0
+        for c in chunks:
+            get = c.get if isinstance(c, Mapping) else lambda k, c=c: getattr(c, k)
+            n, s = int(get("num_tokens")), int(get("start"))
+            if get("kind") == "decode":
+                decode += n
+            else:
+                prefill += n
+            pairs += chunk_pairs(s, n)
+        return cls(prefill, decode, pairs)
+
+    def row(self) -> list[float]:
+        return [
+            1.0,
+            float(self.prefill_tokens),
+            float(self.decode_tokens),
+            float(self.attention_pairs),
+        ]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per step = ``const + prefill*P + decode*D + attn*A``."""
+
+    const: float
+    prefill: float
+    decode: float
+    attn: float
+    # how well it fits the steps it was fitted on: relative error |pred - t| / t
+    num_steps: int = 0
+    rel_err_p50: float = 0.0
+    rel_err_p95: float = 0.0
+    r2: float = 0.0
+
+    def predict(self, work: StepWork) -> float:
+        return (
+            self.const
+            + self.prefill * work.prefill_tokens
+            + self.decode * work.decode_tokens
+            + self.attn * work.attention_pairs
+        )
+
+    def predict_many(self, works: Sequence[StepWork]) -> np.ndarray:
+        x = np.array([w.row() for w in works], dtype=np.float64).reshape(-1, 4)
+        return x @ np.array([self.const, self.prefill, self.decode, self.attn])
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CostModel:
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def fit(works: Sequence[StepWork], seconds: Sequence[float]) -> CostModel:
+    """Least-squares fit of the step cost model to measured step times.
+
+    Coefficients are kept non-negative (a negative cost per token is an artefact of noise or of
+    a feature the steps never varied): a coefficient that comes out negative is fixed at zero and
+    the others refitted.
+    """
+    if len(works) != len(seconds):
+        raise ValueError(f"{len(works)} steps but {len(seconds)} times")
+    if len(works) < len(FEATURES):
+        raise ValueError(f"need at least {len(FEATURES)} steps to fit the cost model")
+    x = np.array([w.row() for w in works], dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    if not np.all(np.isfinite(y)) or np.any(y < 0):
+        raise ValueError("step times must be finite and non-negative")
+    active = [i for i in range(x.shape[1]) if i == 0 or np.ptp(x[:, i]) > 0 or x[:, i].any()]
+    coef = np.zeros(x.shape[1])
+    while True:
+        # scale columns so that tokens (~1e3) and pairs (~1e7) are solved with equal care
+        cols = x[:, active]
+        scale = np.where(np.abs(cols).max(axis=0) > 0, np.abs(cols).max(axis=0), 1.0)
+        sol, *_ = np.linalg.lstsq(cols / scale, y, rcond=None)
+        sol = sol / scale
+        negative = [a for a, v in zip(active, sol, strict=True) if v < 0 and a != 0]
+        if not negative:
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        active = [a for a in active if a not in negative]
+    pred = x @ coef
+    rel = np.abs(pred - y) / np.maximum(y, 1e-9)
+    ss_res = float(np.sum((y - pred) ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    return CostModel(
+        const=float(coef[0]),
+        prefill=float(coef[1]),
+        decode=float(coef[2]),
+        attn=float(coef[3]),
+        num_steps=len(y),
+        rel_err_p50=float(np.percentile(rel, 50)),
+        rel_err_p95=float(np.percentile(rel, 95)),
+        r2=1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+    )
