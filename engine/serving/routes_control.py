@@ -11,7 +11,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.protocol import APIError, SchedulerUpdate, parse_request
+from engine.protocol import APIError, parse_json_body
+from engine.serving.control import ControlRefused, apply_scheduler_update
 from engine.serving.prepare import read_body
 from engine.serving.state import ServerState
 
@@ -65,8 +66,8 @@ def add_control_routes(app: FastAPI, state: ServerState) -> None:
     @app.put("/v1/scheduler")
     async def put_scheduler(request: Request) -> dict[str, Any]:
         _check_control_token(state, request)
-        update = parse_request(SchedulerUpdate, await read_body(request, 64 * 1024))
-        return _apply_scheduler_update(state, update)
+        body = parse_json_body(await read_body(request, 64 * 1024))
+        return await _apply_scheduler_update(state, body)
 
 
 def _check_control_token(state: ServerState, request: Request) -> None:
@@ -102,48 +103,19 @@ def _scheduler_view(state: ServerState) -> dict[str, Any]:
     }
 
 
-def _apply_scheduler_update(state: ServerState, update: SchedulerUpdate) -> dict[str, Any]:
-    from engine.config import POLICIES
-
-    engine = state.engine
-    if update.token_budget is None and update.policy is None:
+async def _apply_scheduler_update(state: ServerState, body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
         raise APIError(
             400,
-            'send {"token_budget": N} and/or {"policy": "chunked" | "unchunked"}',
+            'send a JSON object: {"token_budget": N} and/or {"policy": "chunked" | "unchunked"}',
             code="invalid_value",
         )
-    # Check both before applying either, so a bad pair changes nothing.
-    if update.token_budget is not None and not 1 <= update.token_budget <= engine.max_token_budget:
-        raise APIError(
-            400,
-            f"token_budget must be from 1 to max_token_budget ({engine.max_token_budget}), "
-            f"got {update.token_budget}",
-            param="token_budget",
-            code="invalid_value",
-        )
-    if update.policy is not None and update.policy not in POLICIES:
-        raise APIError(
-            400,
-            f"policy must be one of {list(POLICIES)}, got {update.policy!r}",
-            param="policy",
-            code="invalid_value",
-        )
-    changes = []
-    if update.token_budget is not None:
-        changes.append(engine.set_token_budget(update.token_budget, source="api"))
-    if update.policy is not None:
-        changes.append(engine.set_policy(update.policy, source="api"))
-    refused = [c for c in changes if not c.accepted]
-    if refused:
-        c = refused[0]
-        raise APIError(
-            400, f"{c.key} change refused: {c.reason}", param=c.key, code="change_refused"
-        )
-    applied = [c.applied_at_step for c in changes if c.applied_at_step is not None]
+    try:
+        change = await apply_scheduler_update(state.engine, body, source="api")
+    except ControlRefused as exc:
+        raise APIError(400, exc.reason, param=exc.param, code="invalid_value") from exc
     view = _scheduler_view(state)
-    for c in changes:  # the values that will be in force at applied_at_step
-        view[c.key] = c.new_value
-    view["applied_at_step"] = max(applied) if applied else None
-    view["changes"] = [c.to_dict() for c in changes]
-    logger.info("scheduler update: %s", view["changes"])
+    view.update(change.new)  # the values in force from applied_at_step on
+    view["applied_at_step"] = change.applied_at_step
+    view["changes"] = [e.to_dict() for e in change.events]
     return view

@@ -1,0 +1,141 @@
+"""Live scheduler changes: the one implementation behind ``PUT /v1/scheduler`` and the relay.
+
+``apply_scheduler_update`` checks every key and value before anything is applied (a bad pair
+changes nothing), applies the changes without blocking the caller's event loop, and reports
+what was applied. It knows nothing of HTTP: the route maps ``ControlRefused`` to a 400, the
+telemetry relay to a ``control_ack`` with ``ok: false``. It may be awaited on any event loop
+(the server's, or the relay's own on another thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import POLICIES
+from engine.events import ControlEvent
+
+logger = logging.getLogger(__name__)
+
+CONTROL_KEYS = ("token_budget", "policy")
+
+
+class ControlRefused(ValueError):
+    """A scheduler change refused before anything was applied; ``reason`` says why."""
+
+    def __init__(self, reason: str, param: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.param = param
+
+
+@dataclass
+class SchedulerChange:
+    """What a change did: the step it applies at, the values before and after, its events."""
+
+    applied_at_step: int | None
+    old: dict[str, object] = field(default_factory=dict)
+    new: dict[str, object] = field(default_factory=dict)
+    events: list[ControlEvent] = field(default_factory=list)
+
+
+def check_changes(changes: Mapping[str, object], max_token_budget: int) -> dict[str, object]:
+    """The changes as a dict in ``CONTROL_KEYS`` order, or ``ControlRefused`` for the first
+    bad key or value. Pure: the server and the engine core run the very same checks."""
+    if not isinstance(changes, Mapping):
+        raise ControlRefused(f"changes must be an object of key: value, got {changes!r}")
+    unknown = [k for k in changes if k not in CONTROL_KEYS]
+    if unknown:
+        raise ControlRefused(
+            f"unknown scheduler key {unknown[0]!r}; the keys are {list(CONTROL_KEYS)}",
+            param=str(unknown[0]),
+        )
+    if not changes:
+        raise ControlRefused('send {"token_budget": N} and/or {"policy": "chunked" | "unchunked"}')
+    if "token_budget" in changes:
+        value = changes["token_budget"]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ControlRefused(
+                f"token_budget must be an integer, got {value!r}", param="token_budget"
+            )
+        if not 1 <= value <= max_token_budget:
+            raise ControlRefused(
+                f"token_budget must be from 1 to max_token_budget ({max_token_budget}), "
+                f"got {value}",
+                param="token_budget",
+            )
+    if "policy" in changes and changes["policy"] not in POLICIES:
+        raise ControlRefused(
+            f"policy must be one of {list(POLICIES)}, got {changes['policy']!r}", param="policy"
+        )
+    return {k: changes[k] for k in CONTROL_KEYS if k in changes}
+
+
+def apply_changes(
+    engine: Any, changes: Mapping[str, object], source: str, request_id: str | None
+) -> list[ControlEvent]:
+    """Apply checked changes to an ``LLMEngine`` (on the thread that owns the call): its
+    ``ControlEvent`` per key. Used by the engine core and by embedders without a core."""
+    checked = check_changes(changes, int(engine.max_token_budget))
+    events = []
+    for key, value in checked.items():
+        setter = engine.set_token_budget if key == "token_budget" else engine.set_policy
+        kwargs: dict[str, object] = {"source": source}
+        if request_id is not None and _takes(setter, "request_id"):
+            kwargs["request_id"] = request_id
+        events.append(setter(value, **kwargs))
+    return events
+
+
+async def apply_scheduler_update(
+    engine: Any,
+    changes: dict[str, object],
+    *,
+    source: str,
+    request_id: str | None = None,
+) -> SchedulerChange:
+    """Check, then apply ``changes`` (``token_budget`` and/or ``policy``) to ``engine``.
+
+    ``engine`` is the server's ``EngineClient`` (the change is a round trip to the engine core,
+    awaited without blocking the loop, with no timeout that could misreport an applied change)
+    or an ``LLMEngine`` (its setters run on a worker thread). Raises ``ControlRefused`` when a
+    key or value is bad or the engine refuses (nothing is applied then); the client raises its
+    ``engine_dead`` error if the core is gone.
+    """
+    checked = check_changes(changes, int(engine.max_token_budget))
+    control = getattr(engine, "control", None)
+    if control is not None and inspect.iscoroutinefunction(control):
+        events: list[ControlEvent] = await control(checked, source=source, request_id=request_id)
+    else:
+        events = await asyncio.to_thread(apply_changes, engine, checked, source, request_id)
+    refused = [e for e in events if not e.accepted]
+    if refused:
+        first = refused[0]
+        raise ControlRefused(f"{first.key} change refused: {first.reason}", param=first.key)
+    steps = [e.applied_at_step for e in events if e.applied_at_step is not None]
+    change = SchedulerChange(
+        applied_at_step=max(steps) if steps else None,
+        old={e.key: e.old_value for e in events},
+        new={e.key: e.new_value for e in events},
+        events=events,
+    )
+    logger.info(
+        "scheduler change from %s%s: %s -> %s at step %s",
+        source,
+        f" ({request_id})" if request_id else "",
+        change.old,
+        change.new,
+        change.applied_at_step,
+    )
+    return change
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
