@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -56,23 +55,4 @@ def test_one_shot_step_layout(make_engine) -> None:
     assert len(layouts) == 3 + 7
 
 
-@pytest.mark.parametrize("policy", ["chunked", "unchunked"])
-def test_prefix_cache_hit_changes_no_output(make_engine, policy: str) -> None:
-    prompt = _prompt(300, 3)
-    engine = make_engine(token_budget=128, policy=policy)
-    _, first = _run(engine, prompt)
-    prefill_tokens = 0
-    engine.runner.kept_logits.clear()
-    rid = engine.add_request(prompt, GREEDY)
-    second: list[int] = []
-    while engine.has_unfinished_requests():
-        res = engine.step()
-        if res.event is not None:
-            prefill_tokens += res.event.num_prefill_tokens
-        for out in res.outputs:
-            second.extend(out.new_token_ids)
-            if out.finished:
-                assert out.num_cached_tokens == 288  # 18 full blocks of 16
-    assert second == first
-    assert prefill_tokens == 300 - 288
-    assert rid in engine.runner.kept_logits
+# Prefix-cache hits: tests/engine/test_prefix_cache.py (logits against a cold run).
