@@ -212,7 +212,7 @@ def bench_step_time(args: argparse.Namespace, machine: dict[str, Any]) -> dict[s
             prefill_step(engine, rng, n)  # untimed run of this configuration
             evs = [prefill_step(engine, rng, n) for _ in range(reps_prefill(n))]
             dur = summarize([e.duration for e, _ in evs])
-            fwd = summarize([e.forward_time for e, _ in evs])
+            fwd = summarize([(e.forward_ns / 1e9) for e, _ in evs])
             wall = summarize([w for _, w in evs])
             rows_p.append(
                 {
@@ -238,10 +238,10 @@ def bench_step_time(args: argparse.Namespace, machine: dict[str, Any]) -> dict[s
             budget = max(2048, b)
             evs = decode_steps(engine, rng, b, prompt_len, decode_warm, decode_n, budget)
             dur = summarize([e.duration for e, _ in evs])
-            fwd = summarize([e.forward_time for e, _ in evs])
+            fwd = summarize([(e.forward_ns / 1e9) for e, _ in evs])
             wall = summarize([w for _, w in evs])
-            ovh = summarize([e.duration - e.forward_time for e, _ in evs])
-            ovh_wall = summarize([w - e.forward_time for e, w in evs])
+            ovh = summarize([e.duration - (e.forward_ns / 1e9) for e, _ in evs])
+            ovh_wall = summarize([w - (e.forward_ns / 1e9) for e, w in evs])
             rows_d.append(
                 {
                     "batch": b,
@@ -414,10 +414,10 @@ def bench_overhead(args: argparse.Namespace, machine: dict[str, Any]) -> dict[st
         evs = decode_steps(engine, rng, batch, args.decode_prompt_len, warm, n, budget=2048)
         plain = {
             "step_time": summarize([e.duration for e, _ in evs]),
-            "forward_time": summarize([e.forward_time for e, _ in evs]),
-            "overhead_event": summarize([e.duration - e.forward_time for e, _ in evs]),
+            "forward_time": summarize([(e.forward_ns / 1e9) for e, _ in evs]),
+            "overhead_event": summarize([e.duration - (e.forward_ns / 1e9) for e, _ in evs]),
             "step_call_wall": summarize([w for _, w in evs]),
-            "overhead_step_call": summarize([w - e.forward_time for e, w in evs]),
+            "overhead_step_call": summarize([w - (e.forward_ns / 1e9) for e, w in evs]),
         }
         # Instrumented run: where does a decode step's time go? (instance-level wrappers only)
         timers = _Timers()
@@ -638,7 +638,7 @@ def bench_throughput(args: argparse.Namespace, machine: dict[str, Any]) -> dict[
         evs = r["events"]
         return r["outputs"], {
             "num_steps": len(evs),
-            "sum_forward_s": sum(e.forward_time for e in evs),
+            "sum_forward_s": sum((e.forward_ns / 1e9) for e in evs),
             "sum_step_event_s": sum(e.duration for e in evs),
         }
 

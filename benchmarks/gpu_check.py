@@ -139,7 +139,7 @@ def throughput(model: str, quick: bool, roof: dict[str, float]) -> dict[str, obj
             )
             ev = eng.step().event
             assert ev is not None
-            times.append(ev.end_time - ev.start_time)
+            times.append(ev.duration)
         t = sorted(times)[1]
         flops = 2 * params * n  # attention FLOPs excluded: the roofline ratio is a lower bound
         out["prefill"].append(
@@ -161,7 +161,7 @@ def throughput(model: str, quick: bool, roof: dict[str, float]) -> dict[str, obj
         while eng.has_unfinished_requests():
             ev = eng.step().event
             if ev is not None and ev.num_prefill_tokens == 0 and ev.num_decode_tokens == batch:
-                times.append(ev.end_time - ev.start_time)
+                times.append(ev.duration)
         t = sorted(times[5:])[len(times[5:]) // 2]
         bytes_read = params * 2 + batch * 552 * arch.kv_bytes_per_token(2)
         out["decode"].append(

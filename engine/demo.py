@@ -63,7 +63,7 @@ def run_phase(engine: LLMEngine, policy: str, long_prompt: int, streams: int, qu
                 f"step {ev.step:4d} budget {ev.token_budget:5d} decode {ev.num_decode_tokens:3d} "
                 f"prefill {ev.num_prefill_tokens:5d} "
                 f"|{_bar(ev.num_decode_tokens, ev.num_prefill_tokens, ev.token_budget)}| "
-                f"{(ev.end_time - ev.start_time) * 1000:7.1f} ms"
+                f"{ev.duration * 1000:7.1f} ms"
             )
     worst = max(gaps) if gaps else 0.0
     print(f"streamed text of one chat request: {engine.tokenizer.decode(text)!r}")

@@ -1,4 +1,9 @@
-"""The engine: add requests from any thread, step on one thread (schedule, run, update, emit)."""
+"""The engine: add requests from any thread, step on one thread (schedule, run, update, emit).
+
+Every time the engine reads is ``time.monotonic_ns()``; ``clock_anchor`` (read once, at
+construction) turns them into the wall-clock seconds of ``RequestOutput``. Events reach the
+listeners on the step thread in causal order (``engine/step_events.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,26 +12,36 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-
-import torch
 
 from engine.admission import QueueFullError, RequestLimits, check_queue, check_request
 from engine.attention import select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.events import ChunkRecord, ControlEvent, Event, RequestEvent, StepEvent
+from engine.engine_setup import (
+    build_vision,
+    default_num_blocks,
+    resolve_device,
+    resolve_dtype,
+)
+from engine.events import ClockAnchor, ControlEvent, StepEvent
 from engine.model.loader import load_model, resolve_model
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import ImageInput, Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ControlResult, Scheduler, StepPlan
+from engine.step_events import (
+    EventBus,
+    Listener,
+    StepEvents,
+    request_event,
+    request_output,
+    step_event,
+)
 
 logger = logging.getLogger(__name__)
-
-CPU_KV_CACHE_BYTES = 2 << 30  # default KV cache on CPU: 2 GiB (or what fits max_model_len x 4)
 
 
 @dataclass
@@ -35,23 +50,10 @@ class StepResult:
     outputs: list[RequestOutput] = field(default_factory=list)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config.validate()
+        self.clock_anchor = ClockAnchor.now()
         self.engine_id = config.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -68,9 +70,13 @@ class LLMEngine:
         self.model_name = loaded.name
         self.arch = arch
         self.tokenizer = loaded.tokenizer
-        self.vision = self._build_vision(arch.hidden_size, config.seed)
+        self.vision = build_vision(
+            self.tokenizer.image_token_id, arch.hidden_size, config.seed, self.device, self.dtype
+        )
         bs = config.block_size
-        num_blocks = config.num_kv_blocks or self._default_num_blocks(bs)
+        num_blocks = config.num_kv_blocks or default_num_blocks(
+            config, arch, self.device, self.dtype, self.max_model_len, bs
+        )
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -106,9 +112,13 @@ class LLMEngine:
         )
         self._inbox: deque[tuple[str, object]] = deque()
         self._cond = threading.Condition()
+        # Held while scheduling and while applying a control change: a change lands wholly
+        # before a step's plan (and its event is emitted before that step) or after it.
+        self._control_lock = threading.Lock()
+        self._step_thread: int | None = None  # the thread that steps (set by step/wait/flush)
         self._requests: dict[str, Request] = {}
         self._num_unfinished = 0
-        self._listeners: list[Callable[[Event], None]] = []
+        self._bus = EventBus()
         self._stats = EngineStats(0, 0, 0, num_blocks, 0, config.token_budget, config.policy)
         self.limits = RequestLimits(
             model_name=self.model_name,
@@ -120,39 +130,6 @@ class LLMEngine:
             image_token_id=self.tokenizer.image_token_id,
             max_waiting=config.max_waiting,
         )
-
-    # --- construction helpers -----------------------------------------------------------------
-    def _build_vision(self, hidden: int, seed: int) -> torch.nn.Module | None:
-        if self.tokenizer.image_token_id is None:
-            return None
-        try:
-            from engine.model.vision import VisionEncoder
-        except ImportError:
-            logger.warning("no vision encoder available: image inputs are refused")
-            return None
-        with torch.device(self.device):
-            enc = VisionEncoder(hidden, seed=seed)
-        return enc.to(self.dtype).eval()
-
-    def _default_num_blocks(self, block_size: int) -> int:
-        per_token = self.arch.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
-        if self.device.type == "cuda":
-            fraction = self.config.kv_memory_fraction or 0.9
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * fraction) - (total - free)
-        else:
-            budget = (
-                self.config.kv_memory_fraction
-                and int(self.config.kv_memory_fraction * _total_memory())
-                or min(CPU_KV_CACHE_BYTES, max(4 * self.max_model_len, 65536) * per_token)
-            )
-        blocks = budget // (per_token * block_size)
-        if blocks < -(-self.max_model_len // block_size):
-            raise ValueError(
-                f"the KV cache ({blocks} blocks of {block_size}) cannot hold one request of "
-                f"max_model_len={self.max_model_len}: lower max_model_len or give more memory"
-            )
-        return int(blocks)
 
     # --- thread-safe API ----------------------------------------------------------------------
     @property
@@ -167,8 +144,9 @@ class LLMEngine:
     def max_token_budget(self) -> int:
         return self.scheduler.max_token_budget
 
-    def add_listener(self, fn: Callable[[Event], None]) -> None:
-        self._listeners.append(fn)
+    def add_listener(self, fn: Listener) -> None:
+        """Call ``fn(event)`` for every event, on the step thread, in causal order."""
+        self._bus.add_listener(fn)
 
     def add_request(
         self,
@@ -179,16 +157,30 @@ class LLMEngine:
         traffic_class: str | None = None,
         images: list[ImageInput] | None = None,
         arrival_time: float | None = None,
+        arrival_ns: int | None = None,
     ) -> str:
-        """Validate and queue a request; the step loop picks it up at its next step."""
+        """Validate and queue a request; the step loop picks it up at its next step.
+
+        The arrival is now, or ``arrival_ns`` (``time.monotonic_ns()``, exact; on Linux the
+        monotonic clock is shared by the processes of a host), or ``arrival_time`` (wall-clock
+        seconds, mapped through ``clock_anchor``).
+        """
+        if arrival_time is not None and arrival_ns is not None:
+            raise ValueError("give arrival_time (wall seconds) or arrival_ns (monotonic), not both")
         prompt = check_request(prompt_token_ids, params, images, self.limits)
+        if arrival_ns is None:
+            arrival_ns = (
+                time.monotonic_ns()
+                if arrival_time is None
+                else self.clock_anchor.to_mono_ns(arrival_time)
+            )
         image_id = self.tokenizer.image_token_id
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         req = Request(
             request_id,
             prompt,
             params,
-            arrival_time=time.time() if arrival_time is None else arrival_time,
+            arrival_ns=arrival_ns,
             traffic_class=traffic_class,
             images=images,
             image_token_id=image_id,
@@ -202,9 +194,16 @@ class LLMEngine:
             self._cond.notify_all()
         return request_id
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request at the next step. ``reason`` becomes its ``finish_reason`` (in its
+        ``aborted`` event and last output): ``"abort"``, or ``"stop"`` when the caller matched a
+        stop string."""
+        if not isinstance(reason, str):
+            raise TypeError(f"abort reason must be a str, got {type(reason).__name__}")
+        if not reason:
+            raise ValueError("abort reason must not be empty (use 'abort' or 'stop')")
         with self._cond:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(("abort", (request_id, reason)))
             self._cond.notify_all()
 
     def has_unfinished_requests(self) -> bool:
@@ -212,34 +211,62 @@ class LLMEngine:
             return self._num_unfinished > 0 or bool(self._inbox)
 
     def wait_for_work(self, timeout: float) -> bool:
+        """Step thread, while idle: wait up to ``timeout`` s for requests or aborts. Control
+        events held for the step thread are emitted here when there is nothing to step."""
+        self._step_thread = threading.get_ident()
         with self._cond:
-            if self._num_unfinished > 0 or self._inbox:
-                return True
-            self._cond.wait(timeout)
-            return self._num_unfinished > 0 or bool(self._inbox)
+            if not (self._num_unfinished > 0 or self._inbox or self._bus.has_held):
+                self._cond.wait(timeout)
+            has_work = self._num_unfinished > 0 or bool(self._inbox)
+        if not has_work:
+            self.flush_events()
+        return has_work
+
+    def flush_events(self) -> None:
+        """Step thread, between steps: emit the control events held since the last step."""
+        self._step_thread = threading.get_ident()
+        self._bus.emit(self._bus.take_held())
 
     def stats(self) -> EngineStats:
         """Counts as of the last step; budget and policy as in force now."""
         s = self._stats
         return replace(s, token_budget=self.scheduler.token_budget, policy=self.scheduler.policy)
 
-    def set_token_budget(self, value: object, source: str = "api") -> ControlEvent:
-        return self._control(self.scheduler.set_token_budget(value), source)
+    def set_token_budget(
+        self, value: object, source: str = "api", request_id: str | None = None
+    ) -> ControlEvent:
+        """Change the token budget from the next step on (any thread). Returns at once; the
+        event reaches listeners from the step thread, right before the step it applies at."""
+        return self._control(self.scheduler.set_token_budget, value, source, request_id)
 
-    def set_policy(self, value: object, source: str = "api") -> ControlEvent:
-        return self._control(self.scheduler.set_policy(value), source)
+    def set_policy(
+        self, value: object, source: str = "api", request_id: str | None = None
+    ) -> ControlEvent:
+        """Change the policy from the next step on (any thread); see ``set_token_budget``."""
+        return self._control(self.scheduler.set_policy, value, source, request_id)
 
-    def _control(self, result: ControlResult, source: str) -> ControlEvent:
-        event = ControlEvent(
-            key=result.key,
-            old_value=result.old_value,
-            new_value=result.new_value,
-            accepted=result.accepted,
-            time=time.time(),
-            source=source,
-            applied_at_step=result.applied_at_step,
-            reason=result.reason,
-        )
+    def _control(
+        self,
+        setter: Callable[[object], ControlResult],
+        value: object,
+        source: str,
+        request_id: str | None,
+    ) -> ControlEvent:
+        on_step_thread = threading.get_ident() == self._step_thread
+        with self._control_lock:
+            result = setter(value)
+            event = ControlEvent(
+                key=result.key,
+                old_value=result.old_value,
+                new_value=result.new_value,
+                accepted=result.accepted,
+                time_ns=time.monotonic_ns(),
+                source=source,
+                applied_at_step=result.applied_at_step,
+                reason=result.reason,
+                request_id=request_id,
+            )
+            self._bus.hold(event)
         if result.accepted:
             logger.info(
                 "%s %s -> %s from step %s (%s)",
@@ -249,27 +276,35 @@ class LLMEngine:
                 result.applied_at_step,
                 source,
             )
-        self._emit([event])
+        if on_step_thread:  # between steps on the step thread: its place in the stream is now
+            self.flush_events()
+        else:
+            with self._cond:  # wake an idle step thread, which emits it
+                self._cond.notify_all()
         return event
 
     # --- the step (engine thread only) --------------------------------------------------------
     def step(self) -> StepResult:
-        events: list[Event] = []
+        self._step_thread = threading.get_ident()
+        events = StepEvents()
         outputs: list[RequestOutput] = []
         self._drain_inbox(events, outputs)
-        start = time.time()
-        plan = self.scheduler.schedule()
+        start_ns = time.monotonic_ns()
+        with self._control_lock:
+            plan = self.scheduler.schedule()
+            events.before.extend(self._bus.take_held())
+        step = None if plan.is_empty else plan.step
+        for req in plan.preempted:
+            events.before.append(request_event("preempted", req, start_ns, step))
         if plan.is_empty:
             self._update_stats()
-            self._emit(events)
+            self._bus.emit(events.ordered(None))
             return StepResult(None, outputs)
         for chunk in plan.chunks:
             req = chunk.request
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = start
-                events.append(self._request_event("first_scheduled", req, start, plan.step))
-        for req in plan.preempted:
-            events.append(self._request_event("preempted", req, start, plan.step))
+            if req.first_scheduled_ns is None:
+                req.first_scheduled_ns = start_ns
+                events.before.append(request_event("first_scheduled", req, start_ns, plan.step))
         try:
             sampled = self.runner.execute(plan)
         except Exception as exc:  # noqa: BLE001 - one bad step must not stop the engine
@@ -278,24 +313,24 @@ class LLMEngine:
             )
             self._fail_plan(plan, str(exc), events, outputs)
             self._update_stats()
-            self._emit(events)
+            self._bus.emit(events.ordered(None))
             return StepResult(None, outputs)
-        forward = self.runner.last_forward_time
-        end = time.time()
-        produced = self.scheduler.update(plan, sampled, end)
+        forward_ns = round(self.runner.last_forward_time * 1e9)
+        end_ns = time.monotonic_ns()
+        produced = self.scheduler.update(plan, sampled, end_ns)
         for req in produced:
             if req.num_output_tokens == 1:
-                events.append(self._request_event("first_token", req, end, plan.step))
+                events.after.append(request_event("first_token", req, end_ns, plan.step))
             if req.status.finished:
-                events.append(self._request_event("finished", req, end, plan.step))
+                events.after.append(request_event("finished", req, end_ns, plan.step))
                 self._retire(req)
-            outputs.append(self._output(req, [req.token_ids[-1]], [end]))
+            outputs.append(request_output(req, self.clock_anchor, [req.token_ids[-1]], [end_ns]))
         self._update_stats()
-        step_event = self._step_event(plan, start, end, forward)
-        self._emit([step_event, *events])
-        return StepResult(step_event, outputs)
+        event = step_event(plan, self._stats, start_ns, end_ns, forward_ns)
+        self._bus.emit(events.ordered(event))
+        return StepResult(event, outputs)
 
-    def _drain_inbox(self, events: list[Event], outputs: list[RequestOutput]) -> None:
+    def _drain_inbox(self, events: StepEvents, outputs: list[RequestOutput]) -> None:
         with self._cond:
             items = list(self._inbox)
             self._inbox.clear()
@@ -304,29 +339,31 @@ class LLMEngine:
                 assert isinstance(item, Request)
                 self._requests[item.request_id] = item
                 self.scheduler.add(item)
-                events.append(self._request_event("arrived", item, item.arrival_time, None))
+                events.before.append(request_event("arrived", item, item.arrival_ns, None))
             else:
-                req = self._requests.get(str(item))
+                request_id, reason = item  # type: ignore[misc]
+                req = self._requests.get(request_id)
                 if req is None or req.status.finished:
                     continue
                 self.scheduler.abort(req.request_id)
-                now = time.time()
-                events.append(self._request_event("aborted", req, now, None))
+                req.abort_reason = reason
+                now_ns = time.monotonic_ns()
+                events.before.append(request_event("aborted", req, now_ns, None))
                 self._retire(req)
-                outputs.append(self._output(req, [], []))
+                outputs.append(request_output(req, self.clock_anchor, [], []))
 
     def _fail_plan(
-        self, plan: StepPlan, error: str, events: list[Event], outputs: list[RequestOutput]
+        self, plan: StepPlan, error: str, events: StepEvents, outputs: list[RequestOutput]
     ) -> None:
-        now = time.time()
+        now_ns = time.monotonic_ns()
         for chunk in plan.chunks:
             req = chunk.request
             if req.status.finished:
                 continue
             self.scheduler.abort(req.request_id)
-            events.append(self._request_event("aborted", req, now, plan.step))
+            events.after.append(request_event("aborted", req, now_ns, plan.step))
             self._retire(req)
-            outputs.append(self._output(req, [], [], error=error))
+            outputs.append(request_output(req, self.clock_anchor, [], [], error=error))
 
     def _retire(self, req: Request) -> None:
         self._requests.pop(req.request_id, None)
@@ -345,72 +382,6 @@ class LLMEngine:
             token_budget=s.token_budget,
             policy=s.policy,
         )
-
-    def _step_event(self, plan: StepPlan, start: float, end: float, forward: float) -> StepEvent:
-        return StepEvent(
-            step=plan.step,
-            start_time=start,
-            end_time=end,
-            token_budget=plan.token_budget,
-            policy=plan.policy,
-            num_decode_tokens=plan.num_decode_tokens,
-            num_prefill_tokens=plan.num_prefill_tokens,
-            num_scheduled_tokens=plan.num_scheduled_tokens,
-            num_running=self._stats.num_running,
-            num_waiting=self._stats.num_waiting,
-            kv_blocks_used=self._stats.kv_blocks_used,
-            kv_blocks_total=self._stats.kv_blocks_total,
-            num_preemptions=len(plan.preempted),
-            chunks=[
-                ChunkRecord(c.request_id, c.kind, c.start, c.num_tokens, c.produces_token)
-                for c in plan.chunks
-            ],
-            forward_time=forward,
-        )
-
-    @staticmethod
-    def _request_event(kind: str, req: Request, when: float, step: int | None) -> RequestEvent:
-        return RequestEvent(
-            kind=kind,
-            request_id=req.request_id,
-            time=when,
-            traffic_class=req.traffic_class,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_image_tokens=req.num_image_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            finish_reason=req.finish_reason,
-            step=step,
-        )
-
-    @staticmethod
-    def _output(
-        req: Request, new: list[int], times: list[float], error: str | None = None
-    ) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=new,
-            token_times=times,
-            finished=req.status.finished,
-            finish_reason=req.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_image_tokens=req.num_image_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            traffic_class=req.traffic_class,
-            arrival_time=req.arrival_time,
-            first_scheduled_time=req.first_scheduled_time,
-            first_token_time=req.first_token_time,
-            error=error,
-        )
-
-    def _emit(self, events: Iterable[Event]) -> None:
-        for event in events:
-            for fn in self._listeners:
-                try:
-                    fn(event)
-                except Exception:  # noqa: BLE001 - an observer never stops the engine
-                    logger.exception("event listener %r failed", fn)
 
     # --- offline use --------------------------------------------------------------------------
     def generate(
@@ -443,15 +414,9 @@ class LLMEngine:
 class GenerationResult:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # wall-clock seconds
     finish_reason: str | None = None
     text: str = ""
-
-
-def _total_memory() -> int:
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 __all__ = [
@@ -462,4 +427,6 @@ __all__ = [
     "RequestOutput",
     "RequestStatus",
     "StepResult",
+    "resolve_device",
+    "resolve_dtype",
 ]

@@ -3,8 +3,11 @@
 :class:`EngineMetrics` owns its own ``CollectorRegistry`` (one per server, so tests can run many)
 and is fed from the engine's listener (``StepEvent`` / ``RequestEvent`` / ``ControlEvent``); the
 gauges are refreshed from ``engine.stats()`` at scrape time so they are current even when the
-engine is idle. Unlike vLLM's ``iteration_tokens_total``, ``chunkscope:tokens_per_step`` counts
-every step, prefill-only chunks included.
+engine is idle. Event times are monotonic nanoseconds; every latency is a difference of two of
+them, in seconds. The engine emits events in causal order (a request's ``arrived`` before the
+step that gives its first token), which the token counting here relies on. Unlike vLLM's
+``iteration_tokens_total``, ``chunkscope:tokens_per_step`` counts every step, prefill-only chunks
+included.
 """
 
 from __future__ import annotations
@@ -50,10 +53,14 @@ TOKENS_PER_STEP_BUCKETS = (
 
 @dataclass
 class _Track:
-    arrival: float
+    arrival_ns: int
     traffic_class: str
-    first_token: float | None = None
-    last_token: float | None = None
+    first_token_ns: int | None = None
+    last_token_ns: int | None = None
+
+
+def _seconds(t0_ns: int, t1_ns: int) -> float:
+    return max(0, t1_ns - t0_ns) / 1e9
 
 
 class EngineMetrics:
@@ -166,13 +173,13 @@ class EngineMetrics:
                 track = self._tracks.get(chunk.request_id)
                 if track is None:
                     continue
-                if track.last_token is not None:
+                if track.last_token_ns is not None:
                     self.itl.labels(**self._lat(track.traffic_class)).observe(
-                        max(0.0, ev.end_time - track.last_token)
+                        _seconds(track.last_token_ns, ev.end_ns)
                     )
-                if track.first_token is None:
-                    track.first_token = ev.end_time
-                track.last_token = ev.end_time
+                if track.first_token_ns is None:
+                    track.first_token_ns = ev.end_ns
+                track.last_token_ns = ev.end_ns
         if produced:
             self.generation_tokens.labels(**labels).inc(produced)
         self.running.labels(**labels).set(ev.num_running)
@@ -186,25 +193,24 @@ class EngineMetrics:
         tc = ev.traffic_class or DEFAULT_TRAFFIC_CLASS
         with self._lock:
             if ev.kind == "arrived":
-                self._tracks[ev.request_id] = _Track(arrival=ev.time, traffic_class=tc)
+                self._tracks[ev.request_id] = _Track(arrival_ns=ev.time_ns, traffic_class=tc)
                 return
             track = self._tracks.get(ev.request_id)
             if track is None:
                 return
             lat = self._lat(track.traffic_class)
             if ev.kind == "first_scheduled":
-                self.queue_time.labels(**lat).observe(max(0.0, ev.time - track.arrival))
+                self.queue_time.labels(**lat).observe(_seconds(track.arrival_ns, ev.time_ns))
             elif ev.kind == "first_token":
-                self.ttft.labels(**lat).observe(max(0.0, ev.time - track.arrival))
+                self.ttft.labels(**lat).observe(_seconds(track.arrival_ns, ev.time_ns))
                 self.prompt_tokens.labels(**self._labels).inc(ev.num_prompt_tokens)
             elif ev.kind in ("finished", "aborted"):
                 del self._tracks[ev.request_id]
-                self.e2e.labels(**lat).observe(max(0.0, ev.time - track.arrival))
+                self.e2e.labels(**lat).observe(_seconds(track.arrival_ns, ev.time_ns))
                 n = ev.num_output_tokens
-                if n > 1 and track.first_token is not None and track.last_token is not None:
-                    self.tpot.labels(**lat).observe(
-                        max(0.0, track.last_token - track.first_token) / (n - 1)
-                    )
+                first, last = track.first_token_ns, track.last_token_ns
+                if n > 1 and first is not None and last is not None:
+                    self.tpot.labels(**lat).observe(_seconds(first, last) / (n - 1))
                 reason = ev.finish_reason or ("abort" if ev.kind == "aborted" else "unknown")
                 self.requests_finished.labels(**self._labels, finished_reason=reason).inc()
 

@@ -69,7 +69,7 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        arrival_time: float,
+        arrival_ns: int,
         traffic_class: str | None = None,
         images: list[ImageInput] | None = None,
         image_token_id: int | None = None,
@@ -79,7 +79,7 @@ class Request:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
         self.params = params
-        self.arrival_time = arrival_time
+        self.arrival_ns = arrival_ns  # monotonic nanoseconds, like every engine time
         self.arrival_index = next(_arrival_counter)
         self.traffic_class = traffic_class
         self.images: list[ImageInput] = list(images or [])
@@ -92,9 +92,10 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.status = RequestStatus.WAITING
-        self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.token_times: list[float] = []
+        self.first_scheduled_ns: int | None = None
+        self.first_token_ns: int | None = None
+        self.token_times_ns: list[int] = []
+        self.abort_reason: str | None = None  # finish reason of an abort ("abort" if None)
         self.num_preemptions = 0
         self.image_spans: list[tuple[int, int]] = []
         self.image_embeds: Any = None  # filled by the runner on first use
@@ -129,13 +130,15 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
+        if self.status == RequestStatus.FINISHED_ABORTED and self.abort_reason is not None:
+            return self.abort_reason
         return self.status.value if self.status.finished else None
 
-    def append_token(self, token_id: int, now: float) -> None:
+    def append_token(self, token_id: int, now_ns: int) -> None:
         self.token_ids.append(token_id)
-        self.token_times.append(now)
-        if self.first_token_time is None:
-            self.first_token_time = now
+        self.token_times_ns.append(now_ns)
+        if self.first_token_ns is None:
+            self.first_token_ns = now_ns
 
     def check_stop(self) -> RequestStatus | None:
         """Stop condition after a new token: stop token, EOS, or max_tokens."""

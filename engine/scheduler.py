@@ -15,7 +15,7 @@ not (so none waits forever) - which is exactly what makes long prompts stall dec
 When the KV cache runs out, the most recently arrived running request that has no chunk in this
 step yet is preempted (its blocks freed, to be recomputed later). The budget and policy are read
 once at the start of each step; ``set_token_budget`` / ``set_policy`` may be called from any
-thread and take effect at the next step.
+thread and take effect at the next step that schedules tokens.
 """
 
 from __future__ import annotations
@@ -179,9 +179,18 @@ class Scheduler:
 
     # --- the step -----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        """The next step's plan. Holds the control lock throughout, so a budget or policy
+        change lands either before this plan (in force now) or after it (``applied_at_step`` is
+        the next index). A plan without chunks takes no step index: the indices of the steps that
+        run are consecutive, and ``applied_at_step`` names a step that runs."""
         with self._lock:
             plan = StepPlan(self._next_step, self._token_budget, self._policy)
-            self._next_step += 1
+            self._fill(plan)
+            if plan.chunks:
+                self._next_step += 1
+        return plan
+
+    def _fill(self, plan: StepPlan) -> None:
         left = plan.token_budget
         scheduled: set[str] = set()
         chunked = plan.policy == "chunked"
@@ -244,7 +253,6 @@ class Scheduler:
             left -= n
 
         self._check_plan(plan)
-        return plan
 
     def _tokens_that_fit(self, req: Request, hits: list[int]) -> int:
         bm = self.block_manager
@@ -287,9 +295,10 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs
 
     # --- after the model ran ------------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[str, int], now: float) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests. Returns the
-        requests that produced a token this step (finished ones included)."""
+    def update(self, plan: StepPlan, sampled: dict[str, int], now_ns: int) -> list[Request]:
+        """Advance computed counts, append sampled tokens (stamped ``now_ns``, monotonic
+        nanoseconds), finish requests. Returns the requests that produced a token this step
+        (finished ones included)."""
         produced: list[Request] = []
         for chunk in plan.chunks:
             req = chunk.request
@@ -299,7 +308,7 @@ class Scheduler:
             self.block_manager.cache_full_blocks(req)
             if not chunk.produces_token:
                 continue
-            req.append_token(sampled[req.request_id], now)
+            req.append_token(sampled[req.request_id], now_ns)
             produced.append(req)
             stop = req.check_stop()
             if stop is None and req.num_tokens >= self.max_model_len:

@@ -1,4 +1,4 @@
-"""Prometheus metrics fed from synthetic engine events."""
+"""Prometheus metrics fed from synthetic engine events (times in monotonic ns)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.events import ChunkRecord, RequestEvent, StepEvent
 from engine.metrics import EngineMetrics
 
+S = 1_000_000_000  # nanoseconds per second
+
+
+def _ns(t: float) -> int:
+    return round(t * S)
+
 
 def _step(i: int, t: float, chunks: list[ChunkRecord], **kw: int) -> StepEvent:
     return StepEvent(
         step=i,
-        start_time=t - 0.01,
-        end_time=t,
+        start_ns=_ns(t - 0.01),
+        end_ns=_ns(t),
         token_budget=kw.get("budget", 64),
         policy="chunked",
         num_decode_tokens=0,
@@ -41,16 +47,23 @@ def _samples(text: str) -> dict[str, float]:
 def test_metrics_from_events() -> None:
     m = EngineMetrics("tiny", "e0")
     rid = "r1"
-    m.on_event(RequestEvent("arrived", rid, 0.0, traffic_class="rag", num_prompt_tokens=40))
-    m.on_event(RequestEvent("first_scheduled", rid, 0.5, traffic_class="rag"))
+    m.on_event(RequestEvent("arrived", rid, 0, traffic_class="rag", num_prompt_tokens=40))
+    m.on_event(RequestEvent("first_scheduled", rid, _ns(0.5), traffic_class="rag"))
     m.on_event(_step(0, 1.0, [ChunkRecord(rid, "prefill", 0, 32, False)]))
     m.on_event(_step(1, 2.0, [ChunkRecord(rid, "prefill", 32, 8, True)], preempt=1))
-    m.on_event(RequestEvent("first_token", rid, 2.0, traffic_class="rag", num_prompt_tokens=40))
+    m.on_event(
+        RequestEvent("first_token", rid, _ns(2.0), traffic_class="rag", num_prompt_tokens=40)
+    )
     m.on_event(_step(2, 2.5, [ChunkRecord(rid, "decode", 40, 1, True)]))
     m.on_event(_step(3, 3.5, [ChunkRecord(rid, "decode", 41, 1, True)], budget=128))
     m.on_event(
         RequestEvent(
-            "finished", rid, 3.5, traffic_class="rag", num_output_tokens=3, finish_reason="length"
+            "finished",
+            rid,
+            _ns(3.5),
+            traffic_class="rag",
+            num_output_tokens=3,
+            finish_reason="length",
         )
     )
     m.on_event(object())  # ignored, never raises
@@ -100,13 +113,13 @@ def test_budget_gauge_follows_an_accepted_change_before_the_next_step() -> None:
             old_value=512,
             new_value=64,
             accepted=True,
-            time=0.0,
+            time_ns=0,
             applied_at_step=3,
         )
     )
     m.on_event(
         ControlEvent(
-            key="token_budget", old_value=64, new_value=0, accepted=False, time=0.0, reason="bad"
+            key="token_budget", old_value=64, new_value=0, accepted=False, time_ns=0, reason="bad"
         )
     )
     text = m.render()[0].decode()

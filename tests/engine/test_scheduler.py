@@ -16,7 +16,7 @@ from engine.scheduler import Scheduler, StepPlan
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:
     return Request(
-        rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=0.0
+        rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_ns=0
     )
 
 
@@ -45,13 +45,13 @@ def test_decodes_first_then_partial_prefills_then_waiting() -> None:
         ("a", "prefill", 0, 3),
         ("b", "prefill", 0, 7),
     ]
-    s.update(p0, fake_sample(p0), 0.0)
+    s.update(p0, fake_sample(p0), 0)
     p1 = s.schedule()
     assert [(x.request_id, x.kind, x.start, x.num_tokens) for x in p1.chunks] == [
         ("a", "decode", 3, 1),
         ("b", "prefill", 7, 9),
     ]
-    s.update(p1, fake_sample(p1), 0.0)
+    s.update(p1, fake_sample(p1), 0)
     p2 = s.schedule()
     assert [(x.request_id, x.kind, x.num_tokens) for x in p2.chunks] == [
         ("a", "decode", 1),
@@ -66,7 +66,7 @@ def test_budget_smaller_than_decodes_serves_oldest_first() -> None:
     for r in reqs:
         s.add(r)
     p = s.schedule()
-    s.update(p, fake_sample(p), 0.0)
+    s.update(p, fake_sample(p), 0)
     assert s.set_token_budget(3).applied_at_step == 1
     p = s.schedule()
     assert p.token_budget == 3 and p.step == 1
@@ -79,7 +79,7 @@ def test_unchunked_never_splits_and_always_admits_one() -> None:
     s.add(make_request("long", [2] * 30))
     p = s.schedule()
     assert [(c.request_id, c.num_tokens) for c in p.chunks] == [("short", 4)]
-    s.update(p, fake_sample(p), 0.0)
+    s.update(p, fake_sample(p), 0)
     p = s.schedule()  # "long" does not fit the budget, but no other prompt is prefilling
     assert [(c.request_id, c.kind, c.num_tokens) for c in p.chunks] == [
         ("short", "decode", 1),
@@ -107,7 +107,7 @@ def test_preemption_recomputes_most_recent_arrival() -> None:
             break
         p = s.schedule()
         preempted += [r.request_id for r in p.preempted]
-        s.update(p, fake_sample(p), 0.0)
+        s.update(p, fake_sample(p), 0)
     assert preempted and set(preempted) == {"new"}
     assert not s.has_unfinished() and s.block_manager.num_used_blocks == 0
 
@@ -196,7 +196,7 @@ def _simulate(arrivals, budgets, blocks, policy, caching):
             computed[c.request_id] = c.start + c.num_tokens
             assert c.start + c.num_tokens <= req.num_tokens
         prefill_total += plan.num_prefill_tokens
-        s.update(plan, fake_sample(plan), float(step))
+        s.update(plan, fake_sample(plan), step)
     else:
         raise AssertionError("simulation did not finish")
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs.values())
