@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # a dependency (pyproject): a broken install fails here, never skips
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -25,8 +26,6 @@ from engine.model.arch import PRESETS
 from engine.model.llama import LlamaModel
 from engine.model.loader import save_hf_folder
 from engine.sampling_params import SamplingParams
-
-transformers = pytest.importorskip("transformers")
 
 LENGTHS = [5, 40, 130, 300, 17, 600, 64]
 MAX_TOKENS = 10

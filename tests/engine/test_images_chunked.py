@@ -1,4 +1,7 @@
-"""Image tokens are prompt tokens: chunked like text; the result does not depend on the budget."""
+"""Image tokens are prompt tokens: chunked like text; the result does not depend on the budget.
+
+The vision encoder is part of every build: if it fails to import these tests fail (the engine
+would quietly refuse images), they never skip."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import hashlib
 import numpy as np
 import pytest
 
+from engine.llm_engine import LLMEngine
+from engine.model.vision import VisionEncoder  # an import error fails the module, not a skip
 from engine.request import ImageInput
 from engine.sampling_params import SamplingParams
 
@@ -19,10 +24,15 @@ def _image(h: int, w: int, seed: int) -> ImageInput:
     return ImageInput(pixels, hashlib.sha256(pixels.tobytes()).hexdigest())
 
 
+def _assert_vision(engine: LLMEngine) -> None:
+    assert engine.tokenizer.image_token_id is not None, "the tiny preset has an image token"
+    assert isinstance(engine.vision, VisionEncoder), "the engine built no vision encoder"
+    assert engine.limits.accepts_images
+
+
 def test_image_request_same_output_at_every_budget(make_engine) -> None:
     engine = make_engine(token_budget=512, max_token_budget=512, enable_prefix_caching=False)
-    if engine.vision is None:
-        pytest.skip("no vision encoder in this build")
+    _assert_vision(engine)
     img_a, img_b = _image(56, 84, 1), _image(112, 56, 2)  # 6 and 8 image tokens
     tok = engine.tokenizer
     prompt = (
@@ -58,8 +68,7 @@ def test_image_request_same_output_at_every_budget(make_engine) -> None:
 
 def test_image_token_count_mismatch_is_refused(make_engine) -> None:
     engine = make_engine()
-    if engine.vision is None:
-        pytest.skip("no vision encoder in this build")
+    _assert_vision(engine)
     img = _image(56, 56, 0)  # 4 tokens
     prompt = [1, 2] + [engine.tokenizer.image_token_id] * 3
     with pytest.raises(ValueError, match="image"):
@@ -71,8 +80,7 @@ def test_image_token_count_mismatch_is_refused(make_engine) -> None:
 
 def test_back_to_back_images_share_one_placeholder_run(make_engine) -> None:
     engine = make_engine()
-    if engine.vision is None:
-        pytest.skip("no vision encoder in this build")
+    _assert_vision(engine)
     imgs = [_image(56, 84, 1), _image(56, 56, 2), _image(56, 56, 3)]  # 6, 4, 4 tokens
     image_id = engine.tokenizer.image_token_id
     prompt = [1, 2] + [image_id] * 14 + [3]

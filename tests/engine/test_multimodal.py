@@ -98,7 +98,8 @@ def test_size_limits() -> None:
 
 
 def test_vision_encoder_shapes_and_determinism() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
+
     from engine.model.vision import VisionEncoder
 
     enc, twin, other = VisionEncoder(64), VisionEncoder(64), VisionEncoder(64, seed=1)
