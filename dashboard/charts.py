@@ -1,0 +1,474 @@
+"""Charts: pure functions from DataFrames (shaped like ``storage.queries``) to Plotly figures.
+
+Nothing here touches Streamlit or the database, so every chart is tested on fixed frames. Times
+in the frames are wall-clock seconds since the epoch; the figures show them as UTC datetimes.
+Every time axis carries the budget changes (``controls`` frame) as vertical markers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+CLASS_COLORS = {
+    "chat": "#1f77b4",
+    "rag": "#d62728",
+    "vlm": "#2ca02c",
+    "all": "#7f7f7f",
+    None: "#9467bd",
+}
+DECODE_COLOR = "#1f77b4"
+PREFILL_COLOR = "#ff7f0e"
+BUDGET_COLOR = "#2f2f2f"
+ACCEPTED_MARKER_COLOR = "#8c564b"
+REFUSED_MARKER_COLOR = "#bbbbbb"
+STALL_COLOR = "#d62728"
+
+LAYOUT = {
+    "margin": {"l": 50, "r": 30, "t": 40, "b": 40},
+    "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
+    "hovermode": "closest",
+    "template": "plotly_white",
+}
+
+
+def to_datetime(seconds: pd.Series | Iterable[float]) -> pd.Series:
+    """Wall seconds since the epoch -> UTC datetimes (what Plotly draws on a date axis)."""
+    return pd.to_datetime(pd.Series(seconds, dtype="float64"), unit="s", utc=True)
+
+
+def class_color(traffic_class: object) -> str:
+    if traffic_class is None or (isinstance(traffic_class, float) and math.isnan(traffic_class)):
+        return CLASS_COLORS[None]
+    return CLASS_COLORS.get(str(traffic_class), "#17becf")
+
+
+def _empty(fig: go.Figure, text: str) -> go.Figure:
+    fig.add_annotation(
+        text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font={"size": 14}
+    )
+    return fig
+
+
+def control_marker_times(
+    controls: pd.DataFrame | None, *, key: str = "token_budget"
+) -> pd.DataFrame:
+    """The budget changes to draw: one row per control with its time on the axis.
+
+    An accepted change is drawn where it took effect (``applied_at``, the start of the step it
+    applied at) when that step has run, else where it was asked for (``time``). A refusal is drawn
+    at ``time``. Columns: ``x`` (wall seconds), ``label``, ``accepted``.
+    """
+    cols = ["x", "label", "accepted"]
+    if controls is None or controls.empty:
+        return pd.DataFrame(columns=cols)
+    rows = controls[controls["key"] == key] if "key" in controls else controls
+    out = []
+    for r in rows.itertuples(index=False):
+        accepted = bool(r.accepted)
+        applied_at = getattr(r, "applied_at", None)
+        x = applied_at if accepted and _is_number(applied_at) else r.time
+        if not _is_number(x):
+            continue
+        if accepted:
+            step = getattr(r, "applied_at_step", None)
+            at = f" @ step {int(step)}" if _is_number(step) else ""
+            label = f"budget {_fmt(r.old_value)} → {_fmt(r.new_value)}{at}"
+        else:
+            label = f"refused {_fmt(r.new_value)}"
+        out.append({"x": float(x), "label": label, "accepted": accepted})
+    return pd.DataFrame(out, columns=cols)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and not math.isnan(float(v))
+
+
+def _fmt(v: object) -> str:
+    if _is_number(v) and float(v) == int(float(v)):
+        return str(int(float(v)))
+    return str(v)
+
+
+def add_control_markers(
+    fig: go.Figure, controls: pd.DataFrame | None, *, rows: int = 1
+) -> go.Figure:
+    """Draw each budget change as a vertical line over every subplot row, labelled once on top.
+
+    Shapes and annotations are added by hand (``add_vline`` cannot label a date axis).
+    """
+    marks = control_marker_times(controls)
+    if marks.empty:
+        return fig
+    times = to_datetime(marks["x"])
+    for (_, m), t in zip(marks.iterrows(), times, strict=True):
+        color = ACCEPTED_MARKER_COLOR if m["accepted"] else REFUSED_MARKER_COLOR
+        for row in range(1, rows + 1):
+            suffix = "" if row == 1 else str(row)
+            fig.add_shape(
+                type="line",
+                x0=t,
+                x1=t,
+                y0=0,
+                y1=1,
+                xref=f"x{suffix}",
+                yref=f"y{suffix} domain",
+                line={"color": color, "width": 2, "dash": "solid" if m["accepted"] else "dot"},
+                name="budget change",
+            )
+        fig.add_annotation(
+            x=t,
+            y=1,
+            xref="x",
+            yref="y domain",
+            text=m["label"],
+            showarrow=False,
+            xanchor="left",
+            yanchor="bottom",
+            font={"size": 11, "color": color},
+            bgcolor="rgba(255,255,255,0.7)",
+        )
+    return fig
+
+
+def step_tokens_figure(steps: pd.DataFrame, controls: pd.DataFrame | None = None) -> go.Figure:
+    """Tokens per step, decode and prefill stacked, each bar as wide as its step lasted.
+
+    The budget in force is a step line; step duration (ms) is on the right axis.
+    """
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.update_layout(**LAYOUT, title="Tokens per step", barmode="stack", bargap=0)
+    if steps is None or steps.empty:
+        return _empty(fig, "no steps in this window")
+    start = to_datetime(steps["start"])
+    width_ms = (steps["end"] - steps["start"]).clip(lower=0.0005) * 1000.0
+    common = {"x": start, "width": width_ms, "offset": 0}
+    fig.add_trace(
+        go.Bar(
+            name="decode",
+            y=steps["num_decode_tokens"],
+            marker={"color": DECODE_COLOR, "line": {"width": 0}},
+            customdata=steps["step"],
+            hovertemplate="step %{customdata}<br>decode %{y}<extra></extra>",
+            **common,
+        ),
+        secondary_y=False,
+    )
+    fig.add_trace(
+        go.Bar(
+            name="prefill",
+            y=steps["num_prefill_tokens"],
+            marker={"color": PREFILL_COLOR, "line": {"width": 0}},
+            customdata=steps["step"],
+            hovertemplate="step %{customdata}<br>prefill %{y}<extra></extra>",
+            **common,
+        ),
+        secondary_y=False,
+    )
+    fig.add_trace(
+        go.Scatter(
+            name="token budget",
+            x=start,
+            y=steps["token_budget"],
+            mode="lines",
+            line={"color": BUDGET_COLOR, "dash": "dash", "shape": "hv"},
+        ),
+        secondary_y=False,
+    )
+    fig.add_trace(
+        go.Scatter(
+            name="step duration (ms)",
+            x=start,
+            y=steps["duration_ms"],
+            mode="markers",
+            marker={"color": "#9467bd", "size": 4},
+        ),
+        secondary_y=True,
+    )
+    fig.update_yaxes(title_text="tokens", secondary_y=False, rangemode="tozero")
+    fig.update_yaxes(title_text="step ms", secondary_y=True, rangemode="tozero", showgrid=False)
+    fig.update_xaxes(title_text="time (UTC)")
+    return add_control_markers(fig, controls)
+
+
+def stall_mask(
+    itl: pd.DataFrame, *, factor: float = 3.0, threshold_ms: float | None = None
+) -> pd.Series:
+    """Which inter-token latencies are stalls: above ``factor`` x the window's median ITL, or
+    above ``threshold_ms`` when it is given (the stricter of the two is not applied: either)."""
+    if itl is None or itl.empty:
+        return pd.Series([], dtype=bool)
+    if factor <= 0:
+        raise ValueError(f"stall factor must be > 0, got {factor}")
+    limit = float(itl["itl_ms"].median()) * factor
+    if threshold_ms is not None:
+        if threshold_ms <= 0:
+            raise ValueError(f"stall threshold must be > 0 ms, got {threshold_ms}")
+        limit = threshold_ms
+    return itl["itl_ms"] > limit
+
+
+def itl_figure(
+    itl: pd.DataFrame,
+    controls: pd.DataFrame | None = None,
+    *,
+    factor: float = 3.0,
+    threshold_ms: float | None = None,
+) -> go.Figure:
+    """Every streamed token's inter-token latency over time, one colour per traffic class; stalls
+    (see :func:`stall_mask`) ringed in red and counted in the title."""
+    fig = go.Figure()
+    fig.update_layout(**LAYOUT)
+    if itl is None or itl.empty:
+        fig.update_layout(title="Inter-token latency")
+        return _empty(fig, "no streamed tokens in this window")
+    stalls = stall_mask(itl, factor=factor, threshold_ms=threshold_ms)
+    t = to_datetime(itl["time"])
+    classes = itl["traffic_class"].astype("object").where(itl["traffic_class"].notna(), None)
+    for cls in sorted(classes.dropna().unique().tolist()) + (
+        [None] if classes.isna().any() else []
+    ):
+        sel = (classes == cls) if cls is not None else classes.isna()
+        fig.add_trace(
+            go.Scattergl(
+                name=str(cls) if cls is not None else "untagged",
+                x=t[sel.to_numpy()],
+                y=itl.loc[sel, "itl_ms"],
+                mode="markers",
+                marker={"color": class_color(cls), "size": 4, "opacity": 0.7},
+                customdata=itl.loc[sel, ["request_id", "k"]].to_numpy(),
+                hovertemplate="%{customdata[0]} token %{customdata[1]}<br>ITL %{y:.1f} ms"
+                "<extra></extra>",
+            )
+        )
+    n_stalls = int(stalls.sum())
+    if n_stalls:
+        fig.add_trace(
+            go.Scattergl(
+                name="stall",
+                x=t[stalls.to_numpy()],
+                y=itl.loc[stalls, "itl_ms"],
+                mode="markers",
+                marker={
+                    "symbol": "circle-open",
+                    "size": 11,
+                    "color": STALL_COLOR,
+                    "line": {"width": 2, "color": STALL_COLOR},
+                },
+                hoverinfo="skip",
+            )
+        )
+    rule = f"> {threshold_ms:g} ms" if threshold_ms is not None else f"> {factor:g}x median"
+    fig.update_layout(title=f"Inter-token latency — {n_stalls} stalls ({rule})")
+    fig.update_yaxes(title_text="ITL (ms)", type="log")
+    fig.update_xaxes(title_text="time (UTC)")
+    return add_control_markers(fig, controls)
+
+
+def latency_figure(summary: pd.DataFrame) -> go.Figure:
+    """TTFT and TPOT p50/p99 by traffic class (one row per class of ``latency_summary``)."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("TTFT (ms)", "TPOT (ms)"))
+    fig.update_layout(**LAYOUT, barmode="group", title="Latency by class")
+    if summary is None or summary.empty:
+        return _empty(fig, "no finished requests in this window")
+    for col, metric in ((1, "ttft"), (2, "tpot")):
+        for q, opacity in (("p50", 0.55), ("p99", 1.0)):
+            fig.add_trace(
+                go.Bar(
+                    name=q,
+                    x=summary["traffic_class"].astype(str),
+                    y=summary[f"{metric}_{q}_ms"],
+                    marker={"color": [class_color(c) for c in summary["traffic_class"]]},
+                    opacity=opacity,
+                    showlegend=col == 1,
+                    legendgroup=q,
+                    text=[q] * len(summary),
+                    textposition="inside",
+                ),
+                row=1,
+                col=col,
+            )
+    return fig
+
+
+def kv_queue_figure(steps: pd.DataFrame, controls: pd.DataFrame | None = None) -> go.Figure:
+    """KV cache use (percent of blocks) on top, running and waiting requests below."""
+    fig = make_subplots(
+        rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, subplot_titles=("KV use", "Queue")
+    )
+    fig.update_layout(**LAYOUT, title="KV cache and queue")
+    if steps is None or steps.empty:
+        return _empty(fig, "no steps in this window")
+    t = to_datetime(steps["start"])
+    total = steps["kv_blocks_total"].where(steps["kv_blocks_total"] > 0)
+    fig.add_trace(
+        go.Scatter(
+            name="KV use %",
+            x=t,
+            y=100.0 * steps["kv_blocks_used"] / total,
+            mode="lines",
+            line={"color": "#17becf", "shape": "hv"},
+        ),
+        row=1,
+        col=1,
+    )
+    for name, col, color in (
+        ("running", "num_running", "#2ca02c"),
+        ("waiting", "num_waiting", "#d62728"),
+    ):
+        fig.add_trace(
+            go.Scatter(
+                name=name, x=t, y=steps[col], mode="lines", line={"color": color, "shape": "hv"}
+            ),
+            row=2,
+            col=1,
+        )
+    fig.update_yaxes(title_text="%", range=[0, 100], row=1, col=1)
+    fig.update_yaxes(title_text="requests", rangemode="tozero", row=2, col=1)
+    return add_control_markers(fig, controls, rows=2)
+
+
+def chunk_layout_figure(chunks: pd.DataFrame, *, selected_step: int | None = None) -> go.Figure:
+    """The chunk layout of a few steps: one row per step, one segment per scheduled request,
+    as many tokens wide as its chunk; prefill and decode in different colours, the selected
+    step's label in bold. Hover shows the request, its class and the positions covered."""
+    fig = go.Figure()
+    fig.update_layout(**LAYOUT, barmode="stack", title="Chunk layout (tokens in the step)")
+    if chunks is None or chunks.empty:
+        return _empty(fig, "no chunks for these steps")
+    df = chunks.sort_values(["step", "idx"])
+    for kind, color in (("decode", DECODE_COLOR), ("prefill", PREFILL_COLOR)):
+        sel = df[df["kind"] == kind]
+        if sel.empty:
+            continue
+        end = sel["start"] + sel["num_tokens"]
+        custom = list(
+            zip(
+                sel["request_id"],
+                sel["traffic_class"].astype("object").fillna("untagged"),
+                sel["start"],
+                end - 1,
+                strict=True,
+            )
+        )
+        fig.add_trace(
+            go.Bar(
+                name=kind,
+                orientation="h",
+                y=[_step_label(s, selected_step) for s in sel["step"]],
+                x=sel["num_tokens"],
+                marker={"color": color, "line": {"width": 1, "color": "white"}},
+                customdata=custom,
+                hovertemplate="%{customdata[0]} (%{customdata[1]})<br>positions %{customdata[2]}"
+                "–%{customdata[3]}<br>%{x} tokens<extra>" + kind + "</extra>",
+            )
+        )
+    order = [_step_label(s, selected_step) for s in sorted(df["step"].unique())]
+    fig.update_yaxes(categoryorder="array", categoryarray=order, title_text="step")
+    fig.update_xaxes(title_text="tokens scheduled")
+    return fig
+
+
+def _step_label(step: int, selected: int | None) -> str:
+    return (
+        f"<b>{int(step)}</b>" if selected is not None and int(step) == selected else str(int(step))
+    )
+
+
+def waterfall_figure(token_times: pd.DataFrame, request: pd.Series | None = None) -> go.Figure:
+    """One request's tokens: k against milliseconds since arrival, each token's inter-token
+    latency as hover; arrival, first schedule and first token as reference lines."""
+    fig = go.Figure()
+    fig.update_layout(**LAYOUT, title="Token waterfall")
+    if token_times is None or token_times.empty:
+        return _empty(fig, "this request produced no tokens")
+    t0 = float(token_times["time"].iloc[0])
+    if request is not None and _is_number(request.get("arrival")):
+        t0 = float(request["arrival"])
+    ms = (token_times["time"] - t0) * 1000.0
+    itl = token_times["time"].diff() * 1000.0
+    fig.add_trace(
+        go.Scatter(
+            name="token",
+            x=ms,
+            y=token_times["k"],
+            mode="lines+markers",
+            line={"shape": "hv", "color": DECODE_COLOR},
+            marker={"size": 5},
+            customdata=list(zip(token_times["step"], itl.fillna(0.0), strict=True)),
+            hovertemplate="token %{y} at %{x:.1f} ms<br>step %{customdata[0]}<br>"
+            "ITL %{customdata[1]:.1f} ms<extra></extra>",
+        )
+    )
+    if request is not None:
+        for name, color in (("first_scheduled", "#7f7f7f"), ("first_token", PREFILL_COLOR)):
+            v = request.get(name)
+            if _is_number(v):
+                fig.add_vline(x=(float(v) - t0) * 1000.0, line={"color": color, "dash": "dot"})
+                fig.add_annotation(
+                    x=(float(v) - t0) * 1000.0,
+                    y=1,
+                    yref="paper",
+                    text=name.replace("_", " "),
+                    showarrow=False,
+                    xanchor="left",
+                    font={"color": color},
+                )
+    fig.update_xaxes(title_text="ms since arrival", rangemode="tozero")
+    fig.update_yaxes(title_text="token k")
+    return fig
+
+
+COMPARE_METRICS = (
+    ("itl_p50_ms", "ITL p50 (ms)"),
+    ("itl_p99_ms", "ITL p99 (ms)"),
+    ("itl_p999_ms", "ITL p99.9 (ms)"),
+    ("itl_max_ms", "ITL max (ms)"),
+    ("ttft_p50_ms", "TTFT p50 (ms)"),
+    ("ttft_p99_ms", "TTFT p99 (ms)"),
+    ("tpot_p50_ms", "TPOT p50 (ms)"),
+    ("tpot_p99_ms", "TPOT p99 (ms)"),
+    ("tokens_per_s", "throughput (tokens/s)"),
+    ("num_requests", "requests"),
+)
+
+
+def compare_table(a: pd.DataFrame, b: pd.DataFrame, *, traffic_class: str = "all") -> pd.DataFrame:
+    """Side by side: one row per metric with ``A``, ``B`` and ``B / A`` for one traffic class of
+    two ``latency_summary`` frames (missing values stay missing; a ratio over 0 is missing)."""
+    va = _class_row(a, traffic_class)
+    vb = _class_row(b, traffic_class)
+    rows = []
+    for col, label in COMPARE_METRICS:
+        x, y = va.get(col), vb.get(col)
+        ratio = float(y) / float(x) if _is_number(x) and _is_number(y) and float(x) != 0 else None
+        rows.append({"metric": label, "A": _num(x), "B": _num(y), "B / A": ratio})
+    return pd.DataFrame(rows, columns=["metric", "A", "B", "B / A"])
+
+
+def _num(v: object) -> float | None:
+    return float(v) if _is_number(v) else None
+
+
+def _class_row(summary: pd.DataFrame | None, traffic_class: str) -> dict[str, object]:
+    if summary is None or summary.empty:
+        return {}
+    sel = summary[summary["traffic_class"] == traffic_class]
+    return {} if sel.empty else sel.iloc[0].to_dict()
+
+
+def compare_figure(table: pd.DataFrame, *, names: tuple[str, str] = ("A", "B")) -> go.Figure:
+    """The latency rows of :func:`compare_table` as grouped bars (A next to B)."""
+    fig = go.Figure()
+    fig.update_layout(**LAYOUT, barmode="group", title="A vs B (ms)")
+    lat = table[table["metric"].str.endswith("(ms)")]
+    if lat.empty or lat[["A", "B"]].isna().all().all():
+        return _empty(fig, "nothing to compare yet")
+    for col, name, color in (("A", names[0], "#7f7f7f"), ("B", names[1], "#1f77b4")):
+        fig.add_trace(go.Bar(name=name, x=lat["metric"], y=lat[col], marker={"color": color}))
+    fig.update_yaxes(title_text="ms", type="log")
+    return fig

@@ -1,0 +1,187 @@
+"""Control client for the collector's ``/control`` endpoint (docs/telemetry.md).
+
+A few short websocket exchanges (websockets' new asyncio API), each bounded by a timeout:
+``list_engines`` and ``control`` -> ``control_ack``. The dashboard never talks to an engine
+directly: the collector relays, and stores every change (accepted or refused).
+
+Values are validated here first (:func:`validate_budget`), so a non-numeric or out-of-range budget
+is refused in the UI with its reason and never sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from websockets.asyncio.client import connect
+from websockets.exceptions import WebSocketException
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+LIST_TIMEOUT_S = 3.0
+# The collector waits up to 15 s for the engine's answer; leave room for its refusal to arrive.
+CONTROL_TIMEOUT_S = 20.0
+POLICIES = ("chunked", "unchunked")
+_ids = itertools.count(1)
+
+
+class CollectorUnavailable(ConnectionError):
+    """The collector did not answer (down, wrong address, or too slow)."""
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    """The collector's ``control_ack``: applied at a step, or refused with a reason."""
+
+    id: str
+    ok: bool
+    applied_at_step: int | None = None
+    error: str | None = None
+    old: dict[str, Any] = field(default_factory=dict)
+    new: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if not self.ok:
+            return f"refused: {self.error or 'no reason given'}"
+        changes = ", ".join(
+            f"{k} {self.old.get(k, '?')} → {v}" for k, v in sorted(self.new.items())
+        )
+        return f"applied at step {self.applied_at_step}" + (f" ({changes})" if changes else "")
+
+
+def control_url(collector_url: str) -> str:
+    """``ws://host:port`` (or ``.../ingest``) -> ``ws://host:port/control``."""
+    parts = urlsplit(collector_url.strip())
+    if parts.scheme not in ("ws", "wss") or not parts.netloc:
+        raise ValueError(f"collector URL must look like ws://HOST:PORT, got {collector_url!r}")
+    return urlunsplit((parts.scheme, parts.netloc, "/control", "", ""))
+
+
+def validate_budget(value: object, max_budget: int | None) -> int:
+    """A token budget the engine will accept, or ValueError saying why not.
+
+    Accepts an int, a float with no fraction, or a string of digits; refuses bools, fractions,
+    text, and values outside 1..``max_budget`` (when the maximum is known).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"token budget must be a whole number, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"token budget must be a whole number, got {text!r}") from None
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"token budget must be a whole number, got {value}")
+        value = int(value)
+    if not isinstance(value, int):
+        raise ValueError(f"token budget must be a whole number, got {value!r}")
+    if value < 1 or (max_budget is not None and value > max_budget):
+        hi = f" to {max_budget}" if max_budget is not None else " or more"
+        raise ValueError(f"token budget must be from 1{hi}, got {value}")
+    return value
+
+
+def validate_policy(value: object) -> str:
+    if value not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {value!r}")
+    return str(value)
+
+
+def list_engines(collector_url: str, *, timeout: float = LIST_TIMEOUT_S) -> list[dict[str, Any]]:
+    """The engines the collector knows (``connected`` says which are live)."""
+    reply = _run(_exchange(collector_url, {"type": "list_engines"}, "engines", None, timeout))
+    engines = reply.get("engines")
+    if not isinstance(engines, list):
+        raise CollectorUnavailable(f"collector sent no engine list: {reply!r}")
+    return [e for e in engines if isinstance(e, dict)]
+
+
+def set_scheduler(
+    collector_url: str,
+    engine_id: str,
+    *,
+    token_budget: int | None = None,
+    policy: str | None = None,
+    token: str | None = None,
+    timeout: float = CONTROL_TIMEOUT_S,
+) -> ControlResult:
+    """Ask ``engine_id`` (through the collector) to change its budget and/or policy."""
+    changes: dict[str, Any] = {}
+    if token_budget is not None:
+        changes["token_budget"] = token_budget
+    if policy is not None:
+        changes["policy"] = policy
+    if not changes:
+        raise ValueError("nothing to change: give a token budget or a policy")
+    msg_id = f"dash-{os.getpid()}-{next(_ids)}-{time.monotonic_ns() % 1_000_000}"
+    message: dict[str, Any] = {
+        "type": "control",
+        "id": msg_id,
+        "engine_id": engine_id,
+        "set": changes,
+    }
+    token = token if token is not None else os.environ.get("CHUNKSCOPE_CONTROL_TOKEN")
+    if token:
+        message["token"] = token
+    reply = _run(_exchange(collector_url, message, "control_ack", msg_id, timeout))
+    step = reply.get("applied_at_step")
+    return ControlResult(
+        id=msg_id,
+        ok=bool(reply.get("ok")),
+        applied_at_step=int(step) if isinstance(step, int) else None,
+        error=reply.get("error") or reply.get("message"),
+        old=reply.get("old") or {},
+        new=reply.get("new") or {},
+    )
+
+
+async def _exchange(
+    collector_url: str, message: dict[str, Any], want: str, msg_id: str | None, timeout: float
+) -> dict[str, Any]:
+    url = control_url(collector_url)
+    try:
+        async with asyncio.timeout(timeout):
+            async with connect(url, open_timeout=timeout, proxy=None, close_timeout=1) as ws:
+                await ws.send(json.dumps(message))
+                while True:
+                    reply = json.loads(await ws.recv())
+                    if not isinstance(reply, dict):
+                        continue
+                    if reply.get("type") == "error":
+                        return {
+                            "type": want,
+                            "ok": False,
+                            "error": reply.get("message") or reply.get("code"),
+                        }
+                    if reply.get("type") == want and (msg_id is None or reply.get("id") == msg_id):
+                        return reply
+    except TimeoutError as exc:
+        raise CollectorUnavailable(
+            f"no answer from the collector at {url} in {timeout:g} s"
+        ) from exc
+    except (OSError, WebSocketException, json.JSONDecodeError) as exc:
+        raise CollectorUnavailable(f"collector at {url} unreachable: {exc}") from exc
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine from synchronous code (a Streamlit script thread has no event loop; if
+    one is running in this thread, use a worker thread instead)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()

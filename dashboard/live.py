@@ -1,0 +1,126 @@
+"""The Live page's incremental window: read only the rows not read yet, keep the last minute.
+
+Steps are read per run with ``after_step`` (exact: steps of one run are stored in order).
+Inter-token latencies are read with ``after_time`` a little before the newest time already held
+(``overlap_s``) and de-duplicated on (engine, run, request, k): with several engines, one engine's
+batch can land after another's later tokens. No Streamlit here: the page keeps one
+:class:`LiveWindow` per browser session and calls :meth:`LiveWindow.refresh` once a second.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import pandas as pd
+
+logger = logging.getLogger(__name__)
+
+ITL_KEY = ["engine_id", "run_id", "request_id", "k"]
+
+
+@dataclass
+class LiveWindow:
+    """Steps and ITL rows of the last ``window_s`` seconds of data for one engine selection."""
+
+    engine_id: str | None
+    run_ids: tuple[tuple[str, str], ...]
+    window_s: float = 60.0
+    overlap_s: float = 2.0
+    steps: pd.DataFrame | None = None
+    itl: pd.DataFrame | None = None
+    last_step: dict[tuple[str, str], int] = field(default_factory=dict)
+    last_itl_time: float | None = None
+    reads: int = 0
+
+    def matches(self, engine_id: str | None, run_ids: tuple[tuple[str, str], ...]) -> bool:
+        return self.engine_id == engine_id and set(self.run_ids) == set(run_ids)
+
+    @property
+    def horizon(self) -> float | None:
+        """Newest step end held (the right edge of the charts)."""
+        if self.steps is None or self.steps.empty:
+            return None
+        return float(self.steps["end"].max())
+
+    def refresh(self, queries: ModuleType | Any, db: Any, *, latest: float | None) -> int:
+        """Read what is new since the last call; ``latest`` is the newest data time the store
+        knows for this selection (where a first read starts: ``latest - window_s``). Returns the
+        number of new step and ITL rows."""
+        new_rows = 0
+        parts = [] if self.steps is None else [self.steps]
+        for eid, rid in self.run_ids:
+            after = self.last_step.get((eid, rid))
+            if after is None:
+                since = None if latest is None else latest - self.window_s
+                got = queries.steps(db, engine_id=eid, run_id=rid, since=since)
+            else:
+                got = queries.steps(db, engine_id=eid, run_id=rid, after_step=after)
+            if not got.empty:
+                self.last_step[(eid, rid)] = int(got["step"].max())
+                parts.append(got)
+                new_rows += len(got)
+            elif after is None:
+                # Nothing in the first window (no data yet): read from the run's start next time.
+                self.last_step[(eid, rid)] = -1
+        self.steps = _concat(parts)
+        self.reads += 1
+
+        if self.last_itl_time is None:
+            since = None if latest is None else latest - self.window_s
+            itl = queries.token_itl(
+                db, engine_id=self.engine_id, run_id=self._single_run(), since=since
+            )
+        else:
+            itl = queries.token_itl(
+                db,
+                engine_id=self.engine_id,
+                run_id=self._single_run(),
+                after_time=self.last_itl_time - self.overlap_s,
+            )
+        itl = self._only_selected(itl)
+        if not itl.empty:
+            held = self.itl is not None and not self.itl.empty
+            before = len(self.itl) if held else 0
+            merged = pd.concat([self.itl, itl], ignore_index=True) if held else itl
+            self.itl = merged.drop_duplicates(subset=ITL_KEY, keep="first").reset_index(drop=True)
+            new_rows += len(self.itl) - before
+            self.last_itl_time = float(self.itl["time"].max())
+        elif self.itl is None:
+            self.itl = itl
+        self._trim()
+        return new_rows
+
+    def _single_run(self) -> str | None:
+        return self.run_ids[0][1] if len(self.run_ids) == 1 else None
+
+    def _only_selected(self, itl: pd.DataFrame) -> pd.DataFrame:
+        if itl.empty or len(self.run_ids) <= 1:
+            return itl
+        keys = pd.MultiIndex.from_frame(itl[["engine_id", "run_id"]])
+        return itl[keys.isin(list(self.run_ids))]
+
+    def _trim(self) -> None:
+        edge = self.horizon
+        if edge is None:
+            return
+        start = edge - self.window_s
+        assert self.steps is not None
+        self.steps = self.steps[self.steps["end"] >= start].reset_index(drop=True)
+        if self.itl is not None and not self.itl.empty:
+            self.itl = self.itl[self.itl["time"] >= start].reset_index(drop=True)
+
+    def window(self) -> tuple[float, float] | None:
+        edge = self.horizon
+        return None if edge is None else (edge - self.window_s, edge)
+
+
+def _concat(parts: list[pd.DataFrame]) -> pd.DataFrame:
+    parts = [p for p in parts if p is not None and not p.empty]
+    if not parts:
+        return pd.DataFrame()
+    if len(parts) == 1:
+        return parts[0].reset_index(drop=True)
+    return pd.concat(parts, ignore_index=True)

@@ -1,0 +1,221 @@
+"""Child processes of the dashboard: the embedded collector and engine, and load generator runs.
+
+No orphans, however the dashboard ends:
+
+- every child is started from one long-lived thread (:class:`_Spawner`) with
+  ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` in its ``preexec_fn``, so the kernel sends it SIGTERM when
+  the dashboard process dies, even by SIGKILL (the signal follows the *thread* that forked, which
+  is why Streamlit's short-lived script threads must not fork);
+- an ``atexit`` hook stops them (SIGTERM, then SIGKILL after a grace period) when Streamlit exits
+  normally, which is what its own SIGTERM / SIGINT handlers make it do;
+- each child runs in its own session, so a terminal's Ctrl-C reaches only the dashboard, which
+  then stops them in order.
+
+A child's stdout and stderr go to a log file in the data folder; a ready line is read back from
+it (ports are picked by the children: ``--port 0``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import ctypes
+import logging
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+COLLECTOR_READY = re.compile(r"collector listening on (ws://\S+)")
+ENGINE_READY = re.compile(r"chunkscope engine listening on (http://\S+)")
+STOP_GRACE_S = 5.0
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:
+        pass
+    os.setsid()
+
+
+class _Spawner:
+    """One daemon thread that lives as long as the process and does every fork."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+            queue.Queue()
+        )
+        self._thread = threading.Thread(target=self._loop, name="dashboard-spawner", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, fut = self._jobs.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((fn, fut))
+        return fut.result(timeout=30)
+
+
+_spawner: _Spawner | None = None
+_spawner_lock = threading.Lock()
+_children: list[ManagedProcess] = []
+_children_lock = threading.Lock()
+
+
+def _get_spawner() -> _Spawner:
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = _Spawner()
+            atexit.register(stop_all)
+        return _spawner
+
+
+@dataclass
+class ManagedProcess:
+    """A child process with its log file; ``state`` is what the sidebar shows."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    url: str | None = None
+    error: str | None = None
+    started_at: float = field(default_factory=time.time)
+    stopped: bool = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    @property
+    def state(self) -> str:
+        if self.error is not None:
+            return "failed"
+        if self.proc is None:
+            return "not started"
+        rc = self.proc.poll()
+        if rc is None:
+            return "stopping" if self.stopped else "running"
+        return "stopped" if self.stopped else f"exited ({rc})"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, env: dict[str, str] | None = None) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it after the fork
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+
+        def spawn() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - from the spawner thread only
+                close_fds=True,
+            )
+
+        try:
+            self.proc = _get_spawner().call(spawn)
+        finally:
+            log.close()
+        self.started_at = time.time()
+        with _children_lock:
+            _children.append(self)
+        logger.info("started %s (pid %s): %s", self.name, self.proc.pid, " ".join(self.argv))
+        return self
+
+    def wait_ready(self, pattern: re.Pattern[str], timeout: float) -> str:
+        """Block until the log shows ``pattern`` (returns its first group); ``RuntimeError``
+        with the log's tail if the child exits or the time runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log_tail(64_000)
+            m = pattern.search(text)
+            if m:
+                self.url = m.group(1)
+                return self.url
+            if not self.alive():
+                self.error = f"{self.name} exited ({self.returncode}) before it was ready"
+                raise RuntimeError(f"{self.error}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.error = f"{self.name} not ready after {timeout:g} s"
+                self.stop()
+                raise RuntimeError(f"{self.error}:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def log_tail(self, nbytes: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - nbytes))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace: float = STOP_GRACE_S, sig: int = signal.SIGTERM) -> int | None:
+        """SIGTERM (or ``sig``), wait up to ``grace`` seconds, then SIGKILL; idempotent."""
+        self.stopped = True
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.signal(sig)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s (pid %s) ignored SIGTERM; killing it", self.name, self.pid)
+                self.proc.kill()
+                try:
+                    self.proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    logger.error("%s (pid %s) survived SIGKILL", self.name, self.pid)
+        return self.proc.returncode
+
+
+def stop_all() -> None:
+    """Stop every child still running, newest first (engine before collector)."""
+    with _children_lock:
+        children = list(reversed(_children))
+    for child in children:
+        if child.alive():
+            child.stop()
+
+
+def python_argv(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]

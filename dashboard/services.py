@@ -1,0 +1,292 @@
+"""The processes behind the dashboard: the embedded stack (collector + engine) or an attached
+collector and store, and the traffic launcher (a ``python -m loadgen`` run).
+
+One :class:`Stack` and one :class:`TrafficLauncher` per Streamlit server process (the app keeps
+them with ``st.cache_resource``), shared by every browser session. Nothing here imports
+Streamlit, so tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dashboard.processes import (
+    COLLECTOR_READY,
+    ENGINE_READY,
+    ManagedProcess,
+    python_argv,
+)
+from dashboard.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+COLLECTOR_START_TIMEOUT_S = 60.0
+ENGINE_START_TIMEOUT_S = 180.0
+
+
+class Stack:
+    """Collector URL, store URL and engine URL, and (embedded) the children that serve them."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.collector: ManagedProcess | None = None
+        self.engine: ManagedProcess | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._collector_url = settings.collector_url
+        self._db_url = settings.db_url
+        self._engine_url = settings.engine_url
+        if settings.embedded:
+            self._db_url = f"sqlite:///{settings.data_dir / 'chunkscope.db'}"
+
+    @property
+    def embedded(self) -> bool:
+        return self.settings.embedded
+
+    @property
+    def collector_url(self) -> str | None:
+        return self._collector_url
+
+    @property
+    def db_url(self) -> str | None:
+        return self._db_url
+
+    @property
+    def engine_url(self) -> str | None:
+        return self._engine_url
+
+    @property
+    def starting(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> Stack:
+        """Embedded mode: bring the collector, then the engine, up on a background thread (the
+        page shows their state meanwhile). Attach mode: nothing to start."""
+        if not self.embedded:
+            return self
+        with self._lock:
+            if self.starting:
+                return self
+            self.error = None
+            self._thread = threading.Thread(
+                target=self._bring_up, name="dashboard-stack", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def wait_started(self, timeout: float) -> bool:
+        """True when the start finished (up or failed) within ``timeout`` seconds."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return not self.starting
+
+    def _bring_up(self) -> None:
+        s = self.settings
+        logs = s.data_dir / "logs"
+        try:
+            s.data_dir.mkdir(parents=True, exist_ok=True)
+            if self.collector is None or not self.collector.alive():
+                self.collector = ManagedProcess(
+                    "collector",
+                    python_argv(
+                        "storage",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        "0",
+                        "--data-dir",
+                        str(s.data_dir),
+                        "--db",
+                        str(self._db_url),
+                    ),
+                    logs / "collector.log",
+                ).start()
+                self._collector_url = self.collector.wait_ready(
+                    COLLECTOR_READY, COLLECTOR_START_TIMEOUT_S
+                )
+            if self.engine is None or not self.engine.alive():
+                self.engine = ManagedProcess(
+                    "engine",
+                    python_argv(
+                        "engine",
+                        "--model",
+                        s.model,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        "0",
+                        "--token-budget",
+                        str(s.token_budget),
+                        "--max-token-budget",
+                        str(s.max_token_budget),
+                        "--collector-url",
+                        str(self._collector_url),
+                    ),
+                    logs / "engine.log",
+                ).start()
+                self._engine_url = self.engine.wait_ready(ENGINE_READY, ENGINE_START_TIMEOUT_S)
+        except (OSError, RuntimeError) as exc:
+            self.error = str(exc)
+            logger.error("embedded stack did not start: %s", exc)
+
+    def restart(self) -> Stack:
+        """Start again whatever child is not running (the store keeps its data)."""
+        return self.start()
+
+    def stop(self) -> None:
+        for child in (self.engine, self.collector):
+            if child is not None:
+                child.stop()
+
+    def children(self) -> list[ManagedProcess]:
+        return [c for c in (self.collector, self.engine) if c is not None]
+
+    def describe(self) -> list[dict[str, Any]]:
+        """One row per child for the sidebar (embedded mode)."""
+        return [
+            {"process": c.name, "state": c.state, "pid": c.pid, "address": c.url or ""}
+            for c in self.children()
+        ]
+
+
+@dataclass(frozen=True)
+class TrafficProfile:
+    """A launcher preset: a loadgen profile, its total rate, and ``--set`` overrides."""
+
+    profile: str
+    rate: float
+    overrides: tuple[str, ...]
+
+
+# Sized for the CPU `demo` engine on two cores: the chat streams stay below saturation (TTFT stays
+# bounded at any budget) while each RAG prompt, thousands of tokens long, is a step lasting
+# seconds at a large budget: every chat stream stalls on it. At a budget of a few hundred tokens
+# the prompt is spread over many short steps and the stalls disappear.
+_CHAT = (
+    "chat.system_prompt_tokens=32",
+    "chat.input_median=48",
+    "chat.input_p90=160",
+    "chat.input_max=512",
+    "chat.output_median=200",
+    "chat.output_p90=400",
+    "chat.output_max=600",
+)
+_RAG = (
+    "rag.num_documents=8",
+    "rag.doc_median=3000",
+    "rag.doc_p90=5000",
+    "rag.doc_min=1500",
+    "rag.doc_max=6000",
+    "rag.output_median=32",
+    "rag.output_p90=64",
+    "rag.output_max=128",
+)
+_VLM = (
+    "vlm.resolutions=640x480",
+    "vlm.resolution_weights=1",
+    "vlm.single_image_fraction=1.0",
+    "vlm.output_median=64",
+    "vlm.output_p90=128",
+    "vlm.output_max=256",
+)
+PROFILES: dict[str, TrafficProfile] = {
+    "mixed": TrafficProfile(
+        "mixed",
+        1.5,
+        (
+            *_CHAT,
+            *_RAG,
+            *_VLM,
+            "mixed.chat_share=0.85",
+            "mixed.rag_share=0.1",
+            "mixed.vlm_share=0.05",
+        ),
+    ),
+    "chat": TrafficProfile("chat", 1.2, _CHAT),
+    "rag": TrafficProfile("rag", 0.15, _RAG),
+    "vlm": TrafficProfile("vlm", 0.3, _VLM),
+}
+DEFAULT_DURATION_S = 120.0
+
+
+def loadgen_argv(
+    url: str, profile: str, *, rate: float, duration: float, seed: int, out: Path
+) -> list[str]:
+    """The ``python -m loadgen`` command line of a launcher run (validated here)."""
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {rate}")
+    if not duration > 0:
+        raise ValueError(f"duration must be > 0 s, got {duration}")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"engine URL must look like http://HOST:PORT, got {url!r}")
+    argv = python_argv(
+        "loadgen",
+        "--url",
+        url,
+        "--profile",
+        profile,
+        "--rate",
+        f"{rate:g}",
+        "--duration",
+        f"{duration:g}",
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+        "--no-progress",
+    )
+    for o in PROFILES[profile].overrides:
+        argv += ["--set", o]
+    return argv
+
+
+class TrafficLauncher:
+    """At most one load generator run at a time, started and stopped from the sidebar."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.run: ManagedProcess | None = None
+        self.description = ""
+        self._lock = threading.Lock()
+        self._seq = 0
+
+    @property
+    def running(self) -> bool:
+        return self.run is not None and self.run.alive()
+
+    def start(self, url: str, profile: str, *, rate: float, duration: float, seed: int = 0) -> None:
+        with self._lock:
+            if self.running:
+                raise RuntimeError("a load run is already going: stop it first")
+            self._seq += 1
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            out = self.data_dir / "loadgen" / f"{stamp}-{profile}-{self._seq}.json"
+            argv = loadgen_argv(url, profile, rate=rate, duration=duration, seed=seed, out=out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            self.run = ManagedProcess("loadgen", argv, out.with_suffix(".log")).start()
+            self.description = f"{profile} at {rate:g} req/s for {duration:g} s → {url}"
+
+    def stop(self) -> None:
+        """Interrupt the run like Ctrl-C (loadgen then writes what it has), kill if it lingers."""
+        import signal
+
+        with self._lock:
+            if self.run is not None:
+                self.run.stop(grace=10.0, sig=signal.SIGINT)
+
+    def state(self) -> str:
+        if self.run is None:
+            return "idle"
+        if self.running:
+            return f"running: {self.description}"
+        rc = self.run.returncode
+        word = "stopped" if self.run.stopped else ("done" if rc == 0 else f"exited ({rc})")
+        return f"{word}: {self.description}"

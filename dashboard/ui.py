@@ -1,0 +1,269 @@
+"""Pieces every page shares: settings, the process-wide stack and launcher, the collector's
+state, the engine selection (sidebar), and the messages for an empty or unreadable store."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import control, data
+from dashboard.services import DEFAULT_DURATION_S, PROFILES, Stack, TrafficLauncher
+from dashboard.settings import Settings, parse_settings
+
+logger = logging.getLogger(__name__)
+
+ALL = "All engines"
+CONTEXT_KEY = "chunkscope_context"
+
+
+def script_args() -> list[str]:
+    """Flags after ``--`` of ``streamlit run dashboard -- ...`` (none under AppTest)."""
+    return sys.argv[1:] if Path(sys.argv[0]).name == "streamlit_app.py" else []
+
+
+@st.cache_resource(show_spinner=False)
+def _settings(argv: tuple[str, ...], env_key: tuple[tuple[str, str], ...]) -> Settings:
+    return parse_settings(list(argv))
+
+
+def settings() -> Settings:
+    import os
+
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("CHUNKSCOPE_")))
+    return _settings(tuple(script_args()), env)
+
+
+@st.cache_resource(show_spinner=False)
+def stack(_settings: Settings, key: str) -> Stack:
+    """One per server process (and settings): the embedded children start here, once."""
+    return Stack(_settings).start()
+
+
+@st.cache_resource(show_spinner=False)
+def launcher(data_dir: str) -> TrafficLauncher:
+    return TrafficLauncher(Path(data_dir))
+
+
+@st.cache_data(ttl=2.0, show_spinner=False)
+def collector_engines(url: str | None) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """The collector's ``list_engines`` answer, or None and why it is unavailable."""
+    if not url:
+        return None, "no collector configured"
+    try:
+        return control.list_engines(url), None
+    except control.CollectorUnavailable as exc:
+        return None, str(exc)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a page needs: where the data is, and which engine(s) the sidebar selected."""
+
+    settings: Settings
+    stack: Stack
+    engines: pd.DataFrame
+    store_error: str | None
+    engine_id: str | None
+    run_id: str | None
+    runs: tuple[tuple[str, str], ...]
+    label: str
+
+    @property
+    def db_url(self) -> str | None:
+        return self.stack.db_url
+
+    @property
+    def collector_url(self) -> str | None:
+        return self.stack.collector_url
+
+    @property
+    def empty(self) -> bool:
+        return self.engines.empty
+
+    def selected_rows(self) -> pd.DataFrame:
+        if self.engines.empty:
+            return self.engines
+        keys = list(zip(self.engines["engine_id"], self.engines["run_id"], strict=True))
+        mask = [k in set(self.runs) for k in keys]
+        return self.engines[mask]
+
+    @property
+    def latest(self) -> float | None:
+        rows = self.selected_rows()
+        if rows.empty:
+            return None
+        v = pd.to_numeric(rows["last_time"], errors="coerce").max()
+        return None if v is None or math.isnan(v) else float(v)
+
+    @property
+    def run(self) -> dict[str, Any] | None:
+        """The selected run's engines row (None when 'All engines' is selected)."""
+        if self.run_id is None:
+            return None
+        rows = self.selected_rows()
+        return None if rows.empty else rows.iloc[0].to_dict()
+
+
+def run_label(row: dict[str, Any]) -> str:
+    state = "live" if row.get("connected") else "ended"
+    return f"{row['engine_id']} · {str(row['run_id'])[:12]} ({row.get('model')}, {state})"
+
+
+def build_context(selection: str | None = None) -> Context:
+    """Settings, stack and store state, and the run the sidebar picked (newest by default)."""
+    s = settings()
+    stk = stack(s, repr(s))
+    store_error = None
+    try:
+        eng = data.engines(stk.db_url)
+    except data.StoreUnavailable as exc:
+        eng, store_error = pd.DataFrame(), str(exc)
+    if eng.empty:
+        return Context(s, stk, eng, store_error, None, None, (), "no engines yet")
+    rows = eng.to_dict("records")
+    labels = [run_label(r) for r in rows]
+    choice = selection if selection in ([ALL, *labels]) else labels[0]
+    if choice == ALL:
+        newest = pd.to_numeric(eng["last_time"], errors="coerce").max()
+        recent = [
+            (r["engine_id"], r["run_id"])
+            for r in rows
+            if r.get("connected")
+            or (isinstance(r.get("last_time"), float) and r["last_time"] >= newest - 600)
+        ]
+        return Context(s, stk, eng, store_error, None, None, tuple(recent), ALL)
+    r = rows[labels.index(choice)]
+    return Context(
+        s,
+        stk,
+        eng,
+        store_error,
+        r["engine_id"],
+        r["run_id"],
+        ((r["engine_id"], r["run_id"]),),
+        choice,
+    )
+
+
+def context() -> Context:
+    """The context of this script run (made by the main script's sidebar; rebuilt in fragments)."""
+    ctx = st.session_state.get(CONTEXT_KEY)
+    if isinstance(ctx, Context):
+        return ctx
+    return build_context(st.session_state.get("engine_choice"))
+
+
+def fresh_context() -> Context:
+    """A fresh context for a fragment rerun: the store's newest times move every second."""
+    return build_context(st.session_state.get("engine_choice"))
+
+
+def sidebar() -> Context:
+    """Process state, collector state, the engine picker and the traffic launcher."""
+    ctx = build_context(st.session_state.get("engine_choice"))
+    sb = st.sidebar
+    sb.title("chunkscope")
+    stk = ctx.stack
+    if stk.embedded:
+        sb.caption(
+            "Embedded: collector and engine started by the dashboard "
+            f"(data in {ctx.settings.data_dir})"
+        )
+        rows = stk.describe()
+        if stk.starting:
+            sb.info("Starting the collector and the engine…")
+        if rows:
+            sb.dataframe(pd.DataFrame(rows), hide_index=True)
+        if stk.error:
+            sb.error(f"Embedded stack: {stk.error.splitlines()[0]}")
+            with sb.expander("log"):
+                sb.code(stk.error[-3000:])
+        if not stk.starting and any(not c.alive() for c in stk.children()):
+            if sb.button("Restart stopped processes"):
+                stk.restart()
+                st.rerun()
+    else:
+        sb.caption(f"Attached: collector {ctx.collector_url or '—'} · store {ctx.db_url}")
+    live, err = collector_engines(ctx.collector_url)
+    if live is not None:
+        n = sum(1 for e in live if e.get("connected"))
+        sb.success(f"Collector up: {n} engine(s) connected")
+    elif ctx.collector_url or stk.starting:
+        sb.warning(f"Collector unreachable ({err}). Showing stored data.")
+    if ctx.store_error:
+        sb.warning(f"Store: {ctx.store_error}")
+
+    if not ctx.empty:
+        labels = [run_label(r) for r in ctx.engines.to_dict("records")]
+        options = [*labels, ALL]
+        current = st.session_state.get("engine_choice")
+        index = options.index(current) if current in options else 0
+        sb.selectbox("Engine", options, index=index, key="engine_choice")
+        ctx = build_context(st.session_state.get("engine_choice"))
+    traffic_launcher(ctx)
+    st.session_state[CONTEXT_KEY] = ctx
+    return ctx
+
+
+def engine_http_url(ctx: Context) -> str | None:
+    return ctx.stack.engine_url
+
+
+def traffic_launcher(ctx: Context) -> None:
+    sb = st.sidebar
+    sb.subheader("Traffic")
+    lch = launcher(str(ctx.settings.data_dir))
+    default_url = engine_http_url(ctx) or "http://127.0.0.1:8000"
+    url = sb.text_input("Engine URL", value=default_url, key="traffic_url")
+    profile = sb.selectbox("Profile", list(PROFILES), key="traffic_profile")
+    rate = sb.number_input(
+        "Rate (req/s)",
+        min_value=0.01,
+        max_value=100.0,
+        value=float(PROFILES[profile].rate),
+        step=0.1,
+        key=f"traffic_rate_{profile}",
+    )
+    duration = sb.number_input(
+        "Duration (s)", min_value=1.0, max_value=3600.0, value=DEFAULT_DURATION_S, step=10.0
+    )
+    c1, c2 = sb.columns(2)
+    if c1.button("Start traffic", disabled=lch.running):
+        try:
+            lch.start(url, profile, rate=rate, duration=duration, seed=int(time.time()) % 10_000)
+        except (ValueError, RuntimeError, OSError) as exc:
+            sb.error(str(exc))
+    if c2.button("Stop traffic", disabled=not lch.running):
+        lch.stop()
+    sb.caption(f"Load: {lch.state()}")
+
+
+def empty_store_help(ctx: Context) -> None:
+    """What to run when nothing has reported yet (never an exception)."""
+    if ctx.store_error:
+        st.warning(f"The store cannot be read yet: {ctx.store_error}")
+    if ctx.stack.embedded:
+        if ctx.stack.starting:
+            st.info("The collector and the engine are starting; the first steps appear here soon.")
+        else:
+            st.info(
+                "No engine has reported yet. Start traffic from the sidebar (profile `mixed`), "
+                "then watch the Live page."
+            )
+    else:
+        st.info(
+            "No engine has reported to this store yet. Start one that publishes to the "
+            "collector, then some traffic:\n\n"
+            "```\npython -m engine --model demo --collector-url "
+            f"{ctx.collector_url or 'ws://HOST:PORT'}\n"
+            "python -m loadgen --url http://127.0.0.1:8000 --profile mixed --rate 1 "
+            "--duration 120\n```"
+        )

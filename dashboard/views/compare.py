@@ -1,0 +1,70 @@
+"""Compare: two windows of one run (before and after a budget change) or two runs, side by
+side: ITL p50/p99/p99.9/max, TTFT p50/p99, TPOT, throughput, and each ratio."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import charts, data, ui
+
+st.header("Compare")
+ctx = ui.context()
+if ctx.empty:
+    ui.empty_store_help(ctx)
+    st.stop()
+mode = st.radio("Compare", ["Before / after a budget change", "Two runs"], horizontal=True)
+cls = st.selectbox("Traffic class", ["all", "chat", "rag", "vlm"])
+
+if mode == "Two runs":
+    rows = ctx.engines.to_dict("records")
+    labels = [ui.run_label(r) for r in rows]
+    c1, c2 = st.columns(2)
+    a_label = c1.selectbox("Run A", labels, index=min(1, len(labels) - 1))
+    b_label = c2.selectbox("Run B", labels, index=0)
+    ra, rb = rows[labels.index(a_label)], rows[labels.index(b_label)]
+    specs = [
+        (ra["engine_id"], ra["run_id"], None, None),
+        (rb["engine_id"], rb["run_id"], None, None),
+    ]
+    names = ("A: " + a_label, "B: " + b_label)
+else:
+    if ctx.run is None:
+        st.info("Pick one engine in the sidebar to compare before and after its changes.")
+        st.stop()
+    try:
+        ctrl = data.controls(ctx.db_url, ctx.engine_id, ctx.run_id)
+    except data.StoreUnavailable as exc:
+        st.warning(str(exc))
+        st.stop()
+    marks = charts.control_marker_times(ctrl)
+    marks = marks[marks["accepted"]] if not marks.empty else marks
+    if marks.empty:
+        st.info("No accepted budget change in this run yet: change it on the Control page.")
+        st.stop()
+    options = list(reversed(range(len(marks))))
+    labels = [
+        f"{marks.iloc[i]['label']} at {charts.to_datetime([marks.iloc[i]['x']]).iloc[0]:%H:%M:%S}"
+        for i in options
+    ]
+    pick = st.selectbox("Change", labels)
+    t = float(marks.iloc[options[labels.index(pick)]]["x"])
+    width = st.select_slider("Window each side (s)", options=[10, 20, 30, 60, 120, 300], value=30)
+    specs = [
+        (ctx.engine_id, ctx.run_id, t - width, t),
+        (ctx.engine_id, ctx.run_id, t, t + width),
+    ]
+    names = (f"A: {width} s before", f"B: {width} s after")
+
+try:
+    a, b = (data.latency_summary(ctx.db_url, e, r, s, u) for e, r, s, u in specs)
+except data.StoreUnavailable as exc:
+    st.warning(str(exc))
+    st.stop()
+table = charts.compare_table(a, b, traffic_class=cls)
+st.caption(f"{names[0]}  vs  {names[1]}")
+st.dataframe(
+    table,
+    hide_index=True,
+    column_config={"B / A": st.column_config.NumberColumn(format="%.2fx")},
+)
+st.plotly_chart(charts.compare_figure(table, names=names), key="compare_fig")

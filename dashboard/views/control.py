@@ -1,0 +1,131 @@
+"""Control: the engine's budget and policy, changed through the collector; the history."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, control, data, ui
+
+st.header("Control")
+ctx = ui.context()
+live, err = ui.collector_engines(ctx.collector_url)
+connected = [e for e in (live or []) if e.get("connected")]
+
+engine_ids = [str(e["engine_id"]) for e in connected]
+if ctx.engine_id is not None and ctx.engine_id not in engine_ids:
+    engine_ids.append(ctx.engine_id)
+if not engine_ids:
+    if live is None:
+        st.warning(f"The collector is unreachable ({err}); control needs it. Stored data only.")
+    else:
+        st.info("No engine is connected to the collector, so there is nothing to control.")
+    if ctx.empty:
+        ui.empty_store_help(ctx)
+    st.stop()
+default = engine_ids.index(ctx.engine_id) if ctx.engine_id in engine_ids else 0
+engine_id = st.selectbox("Engine to control", engine_ids, index=default)
+info = next((e for e in connected if e.get("engine_id") == engine_id), None)
+if info is None and not ctx.empty:
+    rows = ctx.engines[ctx.engines["engine_id"] == engine_id]
+    info = rows.iloc[0].to_dict() if not rows.empty else None
+info = info or {}
+budget = info.get("token_budget")
+max_budget = info.get("max_token_budget")
+max_budget = (
+    int(max_budget) if isinstance(max_budget, int | float) and max_budget == max_budget else None
+)
+policy = info.get("policy") or "chunked"
+if live is None:
+    st.warning(f"The collector is unreachable ({err}): changes cannot be sent now.")
+elif info and not info.get("connected", True):
+    st.warning("This engine is not connected to the collector: changes would be refused.")
+
+c1, c2, c3 = st.columns(3)
+c1.metric("Token budget", budget if budget is not None else "—")
+c2.metric("Max budget", max_budget if max_budget is not None else "—")
+c3.metric("Policy", policy)
+
+left, right = st.columns(2)
+with left:
+    value = st.number_input(
+        "Token budget",
+        value=int(budget) if isinstance(budget, int | float) and budget == budget else 512,
+        step=64,
+        key="budget_input",
+        help=f"a whole number from 1 to {max_budget or 'the engine maximum'}",
+    )
+    if st.button("Apply budget", type="primary"):
+        try:
+            n = control.validate_budget(value, max_budget)
+        except ValueError as exc:
+            st.session_state["control_answer"] = ("refused", f"Not sent: {exc}")
+        else:
+            try:
+                res = control.set_scheduler(
+                    ctx.collector_url or "",
+                    engine_id,
+                    token_budget=n,
+                    token=ctx.settings.control_token,
+                )
+                kind = "applied" if res.ok else "refused"
+                st.session_state["control_answer"] = (kind, f"Engine {engine_id}: {res.describe()}")
+            except (control.CollectorUnavailable, ValueError) as exc:
+                st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
+            data.controls.clear()
+            ui.collector_engines.clear()
+with right:
+    new_policy = st.radio(
+        "Policy", control.POLICIES, index=control.POLICIES.index(policy), horizontal=True
+    )
+    if st.button("Apply policy"):
+        try:
+            res = control.set_scheduler(
+                ctx.collector_url or "",
+                engine_id,
+                policy=control.validate_policy(new_policy),
+                token=ctx.settings.control_token,
+            )
+            kind = "applied" if res.ok else "refused"
+            st.session_state["control_answer"] = (kind, f"Engine {engine_id}: {res.describe()}")
+        except (control.CollectorUnavailable, ValueError) as exc:
+            st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
+        data.controls.clear()
+        ui.collector_engines.clear()
+
+answer = st.session_state.get("control_answer")
+if answer:
+    kind, text = answer
+    (st.success if kind == "applied" else st.error)(text)
+
+st.subheader("History")
+try:
+    hist = data.controls(ctx.db_url, engine_id, None)
+except data.StoreUnavailable as exc:
+    hist = pd.DataFrame()
+    st.warning(str(exc))
+if hist.empty:
+    st.caption("No changes yet.")
+else:
+    shown = hist.sort_values("time", ascending=False).copy()
+    shown["time"] = charts.to_datetime(shown["time"]).dt.strftime("%H:%M:%S.%f").str[:-3]
+    cols = [
+        "time",
+        "key",
+        "old_value",
+        "new_value",
+        "accepted",
+        "applied_at_step",
+        "reason",
+        "source",
+    ]
+    st.dataframe(shown[[c for c in cols if c in shown]], hide_index=True)
+    latest = ctx.latest
+    if ctx.run_id is not None and latest is not None:
+        try:
+            recent = data.steps(ctx.db_url, ctx.engine_id, ctx.run_id, since=latest - 60)
+            fig = charts.step_tokens_figure(recent, hist)
+            fig.update_layout(height=320, title="Budget and tokens per step, last 60 s")
+            st.plotly_chart(fig, key="control_steps")
+        except data.StoreUnavailable:
+            pass

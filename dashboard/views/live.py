@@ -1,0 +1,92 @@
+"""Live: the last minute of steps and streamed tokens, refreshed about once a second."""
+
+from __future__ import annotations
+
+import time
+
+import streamlit as st
+
+from dashboard import charts, data, ui
+from dashboard.live import LiveWindow
+
+REFRESH_S = 1.0
+
+st.header("Live")
+c1, c2, c3 = st.columns(3)
+window_s = c1.select_slider("Window (s)", options=[15, 30, 60, 120, 300], value=60)
+factor = c2.number_input("Stall: ITL above x median", min_value=1.1, value=3.0, step=0.5)
+threshold = c3.number_input("or above (ms, 0 = off)", min_value=0.0, value=0.0, step=10.0)
+
+
+@st.fragment(run_every=REFRESH_S)
+def live_view() -> None:
+    ctx = ui.fresh_context()
+    if ctx.empty:
+        ui.empty_store_help(ctx)
+        return
+    lw = st.session_state.get("live_window")
+    if (
+        not isinstance(lw, LiveWindow)
+        or not lw.matches(ctx.engine_id, ctx.runs)
+        or (lw.window_s != window_s)
+    ):
+        lw = LiveWindow(engine_id=ctx.engine_id, run_ids=ctx.runs, window_s=float(window_s))
+        st.session_state["live_window"] = lw
+    problem = None
+    try:
+        lw.refresh(data.queries(), data.connection(ctx.db_url), latest=ctx.latest)
+    except data.StoreUnavailable as exc:
+        problem = str(exc)
+    except Exception as exc:  # noqa: BLE001 - a read failed: keep showing what we hold
+        problem = f"cannot read the store: {exc}"
+    _status(ctx, lw, problem)
+    win = lw.window()
+    since = win[0] if win else None
+    try:
+        ctrl = data.controls(ctx.db_url, ctx.engine_id, ctx.run_id, since, None)
+        summary = data.latency_summary(ctx.db_url, ctx.engine_id, ctx.run_id, since, None)
+    except data.StoreUnavailable:
+        ctrl = summary = None
+    steps = lw.steps
+    fig = charts.step_tokens_figure(steps, ctrl)
+    fig.update_layout(uirevision="live-steps", height=360)
+    st.plotly_chart(fig, key="live_steps")
+    fig = charts.itl_figure(
+        lw.itl, ctrl, factor=float(factor), threshold_ms=float(threshold) or None
+    )
+    fig.update_layout(uirevision="live-itl", height=360)
+    st.plotly_chart(fig, key="live_itl")
+    left, right = st.columns(2)
+    with left:
+        fig = charts.latency_figure(summary)
+        fig.update_layout(height=320)
+        st.plotly_chart(fig, key="live_latency")
+        if summary is not None and not summary.empty:
+            st.dataframe(summary.round(1), hide_index=True)
+    with right:
+        fig = charts.kv_queue_figure(steps, ctrl)
+        fig.update_layout(uirevision="live-kv", height=420)
+        st.plotly_chart(fig, key="live_kv")
+
+
+def _status(ctx: ui.Context, lw: LiveWindow, problem: str | None) -> None:
+    row = ctx.run
+    parts = [f"**{ctx.label}**"]
+    if row is not None:
+        parts.append(f"budget {row.get('token_budget')} · policy {row.get('policy')}")
+        parts.append(f"last step {row.get('last_step')}")
+        if not row.get("connected"):
+            ended = "without goodbye" if row.get("ended_without_goodbye") else "normally"
+            parts.append(f"engine disconnected ({ended}): showing stored data")
+    horizon = lw.horizon
+    if horizon is not None:
+        parts.append(f"newest step {time.time() - horizon:.1f} s ago")
+    st.caption(" · ".join(parts))
+    if problem:
+        st.warning(f"{problem} — showing the data already read; retrying every second.")
+    live, err = ui.collector_engines(ctx.collector_url)
+    if live is None and ctx.collector_url:
+        st.warning(f"Collector unreachable ({err}): showing stored data.")
+
+
+live_view()

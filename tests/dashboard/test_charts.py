@@ -1,0 +1,189 @@
+"""Chart functions on fixed DataFrames: traces, stalls, markers, empty inputs."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from dashboard import charts
+from tests.dashboard.frames import (
+    chunks_frame,
+    controls_frame,
+    itl_frame,
+    steps_frame,
+    summary_frame,
+)
+
+
+def _trace(fig: go.Figure, name: str) -> go.BaseTraceType:
+    found = [t for t in fig.data if t.name == name]
+    assert found, f"no trace {name!r} in {[t.name for t in fig.data]}"
+    return found[0]
+
+
+def _marker_shapes(fig: go.Figure) -> list:
+    return [s for s in fig.layout.shapes if s.type == "line"]
+
+
+def test_step_tokens_stacks_decode_and_prefill_with_budget_and_duration() -> None:
+    steps = steps_frame(10)
+    fig = charts.step_tokens_figure(steps, controls_frame())
+    decode, prefill = _trace(fig, "decode"), _trace(fig, "prefill")
+    assert list(decode.y) == [4] * 10
+    assert list(prefill.y) == [1000, 0, 0, 0, 0, 1000, 0, 0, 0, 0]
+    # each bar starts at its step's start and is as wide as the step lasted (ms on a date axis)
+    assert decode.offset == 0
+    assert list(prefill.width) == pytest.approx([500.0] + [10.0] * 4 + [500.0] + [10.0] * 4)
+    assert list(_trace(fig, "token budget").y) == [2048] * 10
+    duration = _trace(fig, "step duration (ms)")
+    assert duration.yaxis == "y2"
+    assert fig.layout.barmode == "stack"
+
+
+def test_budget_changes_are_markers_accepted_at_applied_time_refused_dotted() -> None:
+    ctrl = controls_frame()
+    marks = charts.control_marker_times(ctrl)
+    # only token_budget rows: the policy change is not a budget marker
+    assert len(marks) == 2
+    accepted, refused = marks.iloc[0], marks.iloc[1]
+    assert accepted["accepted"] and accepted["x"] == pytest.approx(ctrl["applied_at"].iloc[0])
+    assert accepted["label"] == "budget 2048 → 256 @ step 7"
+    assert not refused["accepted"] and refused["x"] == pytest.approx(ctrl["time"].iloc[1])
+    fig = charts.step_tokens_figure(steps_frame(10), ctrl)
+    shapes = _marker_shapes(fig)
+    assert [s.line.dash for s in shapes] == ["solid", "dot"]
+    assert any("2048 → 256" in a.text for a in fig.layout.annotations)
+
+
+def test_accepted_change_not_yet_applied_is_drawn_when_asked() -> None:
+    ctrl = controls_frame().iloc[[0]].copy()
+    ctrl["applied_at"] = None
+    marks = charts.control_marker_times(ctrl)
+    assert marks["x"].iloc[0] == pytest.approx(ctrl["time"].iloc[0])
+
+
+def test_every_time_axis_carries_the_markers() -> None:
+    ctrl = controls_frame()
+    steps = steps_frame(10)
+    itl = itl_frame([10, 11, 12, 200, 10, 9])
+    for fig, rows in (
+        (charts.step_tokens_figure(steps, ctrl), 1),
+        (charts.itl_figure(itl, ctrl), 1),
+        (charts.kv_queue_figure(steps, ctrl), 2),
+    ):
+        shapes = _marker_shapes(fig)
+        assert len(shapes) == 2 * rows
+        assert {s.xref for s in shapes} == ({"x"} if rows == 1 else {"x", "x2"})
+
+
+def test_stalls_are_itl_above_factor_times_median_or_threshold() -> None:
+    itl = itl_frame([10, 10, 10, 10, 35, 10, 500])
+    assert charts.stall_mask(itl, factor=3.0).tolist() == [False] * 4 + [True, False, True]
+    assert charts.stall_mask(itl, threshold_ms=100).tolist() == [False] * 6 + [True]
+    with pytest.raises(ValueError, match="stall factor"):
+        charts.stall_mask(itl, factor=0)
+    with pytest.raises(ValueError, match="threshold"):
+        charts.stall_mask(itl, threshold_ms=-1)
+
+
+def test_itl_figure_colours_by_class_and_rings_stalls() -> None:
+    itl = itl_frame([10, 12, 11, 400, 10, 9], classes=["chat", "chat", "rag", "chat", None, "vlm"])
+    fig = charts.itl_figure(itl)
+    assert {t.name for t in fig.data} == {"chat", "rag", "vlm", "untagged", "stall"}
+    assert list(_trace(fig, "chat").y) == [10, 12, 400]
+    assert _trace(fig, "chat").marker.color == charts.CLASS_COLORS["chat"]
+    stall = _trace(fig, "stall")
+    assert list(stall.y) == [400]
+    assert "1 stalls" in fig.layout.title.text
+    assert fig.layout.yaxis.type == "log"
+
+
+def test_no_stall_trace_when_nothing_stalls() -> None:
+    fig = charts.itl_figure(itl_frame([10, 11, 12]))
+    assert "stall" not in {t.name for t in fig.data}
+    assert "0 stalls" in fig.layout.title.text
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: charts.step_tokens_figure(pd.DataFrame()),
+        lambda: charts.itl_figure(pd.DataFrame()),
+        lambda: charts.latency_figure(pd.DataFrame()),
+        lambda: charts.kv_queue_figure(pd.DataFrame()),
+        lambda: charts.chunk_layout_figure(pd.DataFrame()),
+        lambda: charts.waterfall_figure(pd.DataFrame()),
+    ],
+)
+def test_empty_frames_give_an_annotated_empty_figure(make) -> None:
+    fig = make()
+    assert len(fig.data) == 0
+    assert any("no " in a.text or "produced no" in a.text for a in fig.layout.annotations)
+
+
+def test_latency_figure_has_p50_and_p99_per_class_for_ttft_and_tpot() -> None:
+    fig = charts.latency_figure(summary_frame())
+    assert len(fig.data) == 4
+    ttft_p99 = [t for t in fig.data if t.name == "p99" and t.xaxis == "x"][0]
+    assert list(ttft_p99.x) == ["chat", "rag", "all"]
+    assert list(ttft_p99.y) == [200, 200, 200]
+
+
+def test_kv_queue_figure_percent_and_queue() -> None:
+    steps = steps_frame(3, prefill_every=0)
+    fig = charts.kv_queue_figure(steps)
+    assert list(_trace(fig, "KV use %").y) == pytest.approx([10.0, 11.0, 12.0])
+    assert list(_trace(fig, "waiting").y) == [0, 1, 2]
+    assert list(_trace(fig, "running").y) == [5, 5, 5]
+
+
+def test_chunk_layout_one_row_per_step_segments_by_kind() -> None:
+    fig = charts.chunk_layout_figure(chunks_frame(), selected_step=5)
+    decode, prefill = _trace(fig, "decode"), _trace(fig, "prefill")
+    assert list(decode.x) == [1] * 9
+    assert list(prefill.x) == [256, 256, 256]
+    assert list(prefill.y) == ["4", "<b>5</b>", "6"]
+    assert list(fig.layout.yaxis.categoryarray) == ["4", "<b>5</b>", "6"]
+    # hover: request, class (untagged when None), first and last position
+    assert list(prefill.customdata[1]) == ["rag-0", "untagged", 256, 511]
+
+
+def test_waterfall_times_are_ms_since_arrival() -> None:
+    times = pd.DataFrame(
+        {"k": [1, 2, 3], "time": [100.5, 100.6, 101.6], "step": [3, 4, 9], "time_ns": [0, 1, 2]}
+    )
+    req = pd.Series({"arrival": 100.0, "first_scheduled": 100.1, "first_token": 100.5})
+    fig = charts.waterfall_figure(times, req)
+    tok = _trace(fig, "token")
+    assert list(tok.x) == pytest.approx([500.0, 600.0, 1600.0])
+    assert list(tok.y) == [1, 2, 3]
+    assert [c[1] for c in tok.customdata] == pytest.approx([0.0, 100.0, 1000.0])
+
+
+def test_compare_table_ratios_and_missing_values() -> None:
+    a, b = summary_frame(1.0), summary_frame(0.5)
+    table = charts.compare_table(a, b)
+    row = table.set_index("metric").loc["ITL p99 (ms)"]
+    assert row["A"] == 400 and row["B"] == 200 and row["B / A"] == pytest.approx(0.5)
+    tput = table.set_index("metric").loc["throughput (tokens/s)"]
+    assert tput["B / A"] == pytest.approx(2.0)
+    empty = charts.compare_table(a, pd.DataFrame())
+    assert empty["B"].isna().all() and empty["B / A"].isna().all()
+    fig = charts.compare_figure(table)
+    assert [t.name for t in fig.data] == ["A", "B"]
+    assert len(charts.compare_figure(empty).data) == 2  # A is drawn, B is empty
+
+
+def test_charts_never_import_streamlit() -> None:
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(charts.__file__).read_text())
+    names = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not any(n.startswith("streamlit") for n in names)
