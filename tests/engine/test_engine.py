@@ -148,9 +148,10 @@ def test_events_round_trip_and_request_lifecycle(make_engine) -> None:
     steps = [e for e in events if isinstance(e, StepEvent)]
     assert [c.num_tokens for s in steps for c in s.chunks] == [16, 16, 8, 1, 1]
     assert sum(c.produced_token for s in steps for c in s.chunks) == 3
+    assert {e.request_id for e in events if isinstance(e, RequestEvent)} == {rid}
+    assert {c.request_id for s in steps for c in s.chunks} == {rid}
     for e in events:
         assert event_from_dict(e.to_dict()) == e
-    assert rid
 
 
 def test_listener_failure_stops_nothing(make_engine) -> None:

@@ -1,4 +1,5 @@
-"""Prometheus metrics fed from synthetic engine events (times in monotonic ns)."""
+"""Prometheus metrics: fed from synthetic events (times in monotonic ns), and checked against
+the event stream of a real ``tiny`` engine."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.events import ChunkRecord, RequestEvent, StepEvent
 from engine.metrics import EngineMetrics
+from engine.sampling_params import SamplingParams
 
 S = 1_000_000_000  # nanoseconds per second
 
@@ -100,7 +102,10 @@ def test_registries_are_independent() -> None:
     a, b = EngineMetrics("tiny", "a"), EngineMetrics("tiny", "b")
     a.on_event(_step(0, 1.0, []))
     assert 'engine_id="b"' not in a.render()[0].decode()
-    assert b.render()[0]
+    assert 'engine_id="a"' not in b.render()[0].decode()
+    sa, sb = _samples(a.render()[0].decode()), _samples(b.render()[0].decode())
+    assert sa["chunkscope:steps_total{engine_id=a,model_name=tiny}"] == 1
+    assert sb["chunkscope:steps_total{engine_id=b,model_name=tiny}"] == 0
 
 
 def test_budget_gauge_follows_an_accepted_change_before_the_next_step() -> None:
@@ -124,3 +129,86 @@ def test_budget_gauge_follows_an_accepted_change_before_the_next_step() -> None:
     )
     text = m.render()[0].decode()
     assert 'chunkscope:token_budget{engine_id="e",model_name="m"} 64.0' in text
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + i * 7) % 256 for i in range(n)]
+
+
+def test_metrics_equal_the_event_stream_of_a_real_engine(make_engine) -> None:
+    """Every latency is a difference of the engine's own event times: TTFT, ITL, TPOT, queue
+    time and e2e per request (one traffic class each, so each histogram holds one request)."""
+    engine = make_engine(token_budget=32)
+    metrics = EngineMetrics(engine.model_name, engine.engine_id)
+    events: list[object] = []
+    engine.add_listener(metrics.on_event)
+    engine.add_listener(events.append)
+    # (prompt tokens, output tokens): the first three prompts share the first step, so each
+    # arrives and gets its first token in that step; the last prompt spans two steps.
+    specs = [(10, 2), (10, 5), (10, 3), (40, 4)]
+    rids = [
+        engine.add_request(
+            _prompt(n, i), SamplingParams(max_tokens=mt, ignore_eos=True), traffic_class=f"c{i}"
+        )
+        for i, (n, mt) in enumerate(specs)
+    ]
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    req_events = {(e.request_id, e.kind): e for e in events if isinstance(e, RequestEvent)}
+    s = _samples(metrics.render()[0].decode())
+    base = "engine_id=" + engine.engine_id + ",model_name=" + engine.model_name
+
+    def sample(name: str, tc: str) -> float:
+        return s["chunkscope:" + name + "{" + base + ",traffic_class=" + tc + "}"]
+
+    for i, (rid, (_, n)) in enumerate(zip(rids, specs, strict=True)):
+        tc = f"c{i}"
+        token_ns = [
+            st.end_ns for st in steps for c in st.chunks if c.request_id == rid and c.produced_token
+        ]
+        assert len(token_ns) == n
+        arrival = req_events[(rid, "arrived")].time_ns
+        gaps = [(b - a) / S for a, b in zip(token_ns, token_ns[1:], strict=False)]
+        itl_sum = 0.0
+        for g in gaps:  # the histogram adds its observations in this order
+            itl_sum += g
+        assert sample("time_to_first_token_seconds_sum", tc) == (token_ns[0] - arrival) / S
+        assert sample("inter_token_latency_seconds_count", tc) == n - 1
+        assert sample("inter_token_latency_seconds_sum", tc) == itl_sum
+        tpot = ((token_ns[-1] - token_ns[0]) / S) / (n - 1)
+        assert sample("request_time_per_output_token_seconds_sum", tc) == tpot > 0
+        first_scheduled = req_events[(rid, "first_scheduled")].time_ns
+        assert sample("request_queue_time_seconds_sum", tc) == (first_scheduled - arrival) / S
+        finished = req_events[(rid, "finished")].time_ns
+        assert finished == token_ns[-1]
+        assert sample("e2e_request_latency_seconds_sum", tc) == (finished - arrival) / S
+    # the 2-token request: TPOT is the gap between the end times of its two steps
+    two = [st.end_ns for st in steps if any(c.request_id == rids[0] for c in st.chunks)]
+    assert len(two) == 2
+    assert sample("request_time_per_output_token_seconds_sum", "c0") == (two[1] - two[0]) / S
+    assert s["chunkscope:steps_total{" + base + "}"] == len(steps)
+    assert s["chunkscope:generation_tokens_total{" + base + "}"] == sum(mt for _, mt in specs)
+    assert s["chunkscope:prompt_tokens_total{" + base + "}"] == sum(n for n, _ in specs)
+    reason = "{engine_id=" + engine.engine_id + ",finished_reason=length,model_name=tiny}"
+    assert s["chunkscope:request_success_total" + reason] == 4
+
+
+def test_stop_reason_of_an_abort_is_counted_as_stop(make_engine) -> None:
+    engine = make_engine()
+    metrics = EngineMetrics(engine.model_name, engine.engine_id)
+    engine.add_listener(metrics.on_event)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    stopped = engine.add_request(_prompt(12, 1), params)
+    aborted = engine.add_request(_prompt(12, 2), params)
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(stopped, reason="stop")  # as the server does when a stop string matched
+    engine.abort_request(aborted)
+    engine.step()
+    assert not engine.has_unfinished_requests()
+    s = _samples(metrics.render()[0].decode())
+    for reason in ("stop", "abort"):
+        labels = f"engine_id={engine.engine_id},finished_reason={reason},model_name=tiny"
+        assert s["chunkscope:request_success_total{" + labels + "}"] == 1
