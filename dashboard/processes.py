@@ -181,7 +181,7 @@ class ManagedProcess:
         except OSError:
             return ""
 
-    def signal(self, sig: int) -> None:
+    def send(self, sig: int) -> None:
         if self.alive():
             assert self.proc is not None
             try:
@@ -195,7 +195,7 @@ class ManagedProcess:
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.signal(sig)
+            self.send(sig)
             try:
                 self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:

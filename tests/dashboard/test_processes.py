@@ -1,0 +1,125 @@
+"""Children of the dashboard die with it: PR_SET_PDEATHSIG (even on SIGKILL) and atexit."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dashboard.processes import ManagedProcess, python_argv
+
+# A parent that starts a sleeping child from a short-lived thread (as a Streamlit script thread
+# would), prints the child's pid, then waits to be killed (or exits at once with "exit").
+PARENT = textwrap.dedent(
+    """
+    import sys, threading, time
+    from pathlib import Path
+    from dashboard.processes import ManagedProcess
+    out = {}
+    def start():
+        out["p"] = ManagedProcess(
+            "sleeper", [sys.executable, "-c", "import time; time.sleep(120)"],
+            Path(sys.argv[1]) / "sleeper.log",
+        ).start()
+    t = threading.Thread(target=start); t.start(); t.join()
+    print(out["p"].pid, flush=True)
+    if sys.argv[2] == "exit":
+        sys.exit(0)
+    time.sleep(120)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes (its parent, init, reaps it)
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pid: int, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _start_parent(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], int]:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tmp_path), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert parent.stdout is not None
+    line = parent.stdout.readline()
+    assert re.fullmatch(r"\d+\n", line), line
+    return parent, int(line)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_child_dies_when_the_parent_is_killed(tmp_path: Path, sig: int) -> None:
+    parent, child = _start_parent(tmp_path, "wait")
+    assert _alive(child)
+    parent.send_signal(sig)
+    parent.wait(timeout=15)
+    assert _wait_gone(child), f"child {child} outlived its parent"
+
+
+def test_children_are_stopped_at_exit(tmp_path: Path) -> None:
+    parent, child = _start_parent(tmp_path, "exit")
+    assert parent.wait(timeout=30) == 0
+    assert _wait_gone(child)
+
+
+def test_wait_ready_reads_the_address_and_stop_is_idempotent(tmp_path: Path) -> None:
+    code = (
+        "import time; print('collector listening on ws://127.0.0.1:5555', flush=True); "
+        "time.sleep(60)"
+    )
+    p = ManagedProcess("collector", [sys.executable, "-c", code], tmp_path / "c.log").start()
+    try:
+        from dashboard.processes import COLLECTOR_READY
+
+        assert p.wait_ready(COLLECTOR_READY, timeout=30) == "ws://127.0.0.1:5555"
+        assert p.state == "running"
+    finally:
+        p.stop()
+    assert p.state == "stopped"
+    assert p.stop() is not None  # again: nothing happens
+
+
+def test_child_that_exits_early_reports_its_log(tmp_path: Path) -> None:
+    argv = python_argv("dashboard_no_such_module_xyz")
+    p = ManagedProcess("engine", argv, tmp_path / "e.log").start()
+    from dashboard.processes import ENGINE_READY
+
+    with pytest.raises(RuntimeError, match="exited .* before it was ready") as info:
+        p.wait_ready(ENGINE_READY, timeout=30)
+    assert "No module named" in str(info.value)
+    assert p.state == "failed"
+
+
+def test_ready_timeout_stops_the_child(tmp_path: Path) -> None:
+    p = ManagedProcess(
+        "engine", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "e.log"
+    ).start()
+    from dashboard.processes import ENGINE_READY
+
+    with pytest.raises(RuntimeError, match="not ready after"):
+        p.wait_ready(ENGINE_READY, timeout=0.5)
+    assert not p.alive()
