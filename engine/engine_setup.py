@@ -1,14 +1,23 @@
-"""Choices made once when an engine is built: device, dtype, KV cache size, vision encoder."""
+"""Building an engine's parts: device, dtype, model, KV cache size, vision encoder, scheduler,
+runner and the limits a request is checked against."""
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from engine.admission import RequestLimits
+from engine.attention import select_backend
+from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model.arch import ModelArch
+from engine.model.loader import load_model, resolve_model
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -82,3 +91,92 @@ def build_vision(
 
 def total_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class EngineParts:
+    device: torch.device
+    dtype: torch.dtype
+    model_name: str
+    arch: ModelArch
+    tokenizer: Any
+    vision: torch.nn.Module | None
+    max_model_len: int
+    block_manager: BlockManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    limits: RequestLimits
+
+
+def build_parts(config: EngineConfig, engine_id: str) -> EngineParts:
+    """Load the model and build everything an engine steps with (``config`` is validated)."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    source = resolve_model(config.model)
+    arch = source.arch
+    max_model_len = config.max_model_len or min(arch.max_position_embeddings, 32768)
+    loaded = load_model(
+        source, device=device, dtype=dtype, max_positions=max_model_len, seed=config.seed
+    )
+    tokenizer = loaded.tokenizer
+    vision = build_vision(tokenizer.image_token_id, arch.hidden_size, config.seed, device, dtype)
+    bs = config.block_size
+    num_blocks = config.num_kv_blocks or default_num_blocks(
+        config, arch, device, dtype, max_model_len, bs
+    )
+    block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+    scheduler = Scheduler(
+        block_manager,
+        token_budget=config.token_budget,
+        max_token_budget=config.max_token_budget,
+        policy=config.policy,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+    )
+    backend = select_backend(config.attention_backend, device, bs)
+    runner = ModelRunner(
+        loaded.model,
+        num_blocks=num_blocks,
+        block_size=bs,
+        device=device,
+        dtype=dtype,
+        backend=backend,
+        seed=config.seed,
+        vision=vision,
+    )
+    logger.info(
+        "engine %s: model %s (%.1fM params) on %s/%s, attention %s, %d KV blocks of %d, "
+        "max_model_len %d",
+        engine_id,
+        loaded.name,
+        arch.num_params / 1e6,
+        device,
+        dtype,
+        backend.name,
+        num_blocks,
+        bs,
+        max_model_len,
+    )
+    limits = RequestLimits(
+        model_name=loaded.name,
+        vocab_size=arch.vocab_size,
+        max_model_len=max_model_len,
+        num_kv_blocks=num_blocks,
+        block_size=bs,
+        accepts_images=vision is not None,
+        image_token_id=tokenizer.image_token_id,
+        max_waiting=config.max_waiting,
+    )
+    return EngineParts(
+        device=device,
+        dtype=dtype,
+        model_name=loaded.name,
+        arch=arch,
+        tokenizer=tokenizer,
+        vision=vision,
+        max_model_len=max_model_len,
+        block_manager=block_manager,
+        scheduler=scheduler,
+        runner=runner,
+        limits=limits,
+    )

@@ -15,23 +15,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from engine.admission import QueueFullError, RequestLimits, check_queue, check_request
-from engine.attention import select_backend
-from engine.block_manager import BlockManager
+from engine.admission import QueueFullError, check_queue, check_request
 from engine.config import EngineConfig
-from engine.engine_setup import (
-    build_vision,
-    default_num_blocks,
-    resolve_device,
-    resolve_dtype,
-)
+from engine.engine_setup import build_parts, resolve_device, resolve_dtype  # resolve_*: re-export
 from engine.events import ClockAnchor, ControlEvent, StepEvent
-from engine.model.loader import load_model, resolve_model
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import ImageInput, Request, RequestStatus
-from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ControlResult, Scheduler, StepPlan
+from engine.scheduler import ControlResult, StepPlan
 from engine.step_events import (
     EventBus,
     Listener,
@@ -55,61 +46,18 @@ class LLMEngine:
         self.config = config.validate()
         self.clock_anchor = ClockAnchor.now()
         self.engine_id = config.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        source = resolve_model(config.model)
-        arch = source.arch
-        self.max_model_len = config.max_model_len or min(arch.max_position_embeddings, 32768)
-        loaded = load_model(
-            source,
-            device=self.device,
-            dtype=self.dtype,
-            max_positions=self.max_model_len,
-            seed=config.seed,
-        )
-        self.model_name = loaded.name
-        self.arch = arch
-        self.tokenizer = loaded.tokenizer
-        self.vision = build_vision(
-            self.tokenizer.image_token_id, arch.hidden_size, config.seed, self.device, self.dtype
-        )
-        bs = config.block_size
-        num_blocks = config.num_kv_blocks or default_num_blocks(
-            config, arch, self.device, self.dtype, self.max_model_len, bs
-        )
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            token_budget=config.token_budget,
-            max_token_budget=config.max_token_budget,
-            policy=config.policy,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-        )
-        backend = select_backend(config.attention_backend, self.device, bs)
-        self.runner = ModelRunner(
-            loaded.model,
-            num_blocks=num_blocks,
-            block_size=bs,
-            device=self.device,
-            dtype=self.dtype,
-            backend=backend,
-            seed=config.seed,
-            vision=self.vision,
-        )
-        logger.info(
-            "engine %s: model %s (%.1fM params) on %s/%s, attention %s, %d KV blocks of %d, "
-            "max_model_len %d",
-            self.engine_id,
-            self.model_name,
-            arch.num_params / 1e6,
-            self.device,
-            self.dtype,
-            backend.name,
-            num_blocks,
-            bs,
-            self.max_model_len,
-        )
+        parts = build_parts(config, self.engine_id)
+        self.device = parts.device
+        self.dtype = parts.dtype
+        self.model_name = parts.model_name
+        self.arch = parts.arch
+        self.tokenizer = parts.tokenizer
+        self.vision = parts.vision
+        self.max_model_len = parts.max_model_len
+        self.limits = parts.limits
+        self.block_manager = parts.block_manager
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
         self._inbox: deque[tuple[str, object]] = deque()
         self._cond = threading.Condition()
         # Held while scheduling and while applying a control change: a change lands wholly
@@ -119,16 +67,8 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._num_unfinished = 0
         self._bus = EventBus()
-        self._stats = EngineStats(0, 0, 0, num_blocks, 0, config.token_budget, config.policy)
-        self.limits = RequestLimits(
-            model_name=self.model_name,
-            vocab_size=arch.vocab_size,
-            max_model_len=self.max_model_len,
-            num_kv_blocks=num_blocks,
-            block_size=bs,
-            accepts_images=self.vision is not None,
-            image_token_id=self.tokenizer.image_token_id,
-            max_waiting=config.max_waiting,
+        self._stats = EngineStats(
+            0, 0, 0, self.block_manager.num_blocks, 0, config.token_budget, config.policy
         )
 
     # --- thread-safe API ----------------------------------------------------------------------
