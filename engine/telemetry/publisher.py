@@ -41,7 +41,15 @@ ApplyControl = Callable[[dict[str, Any], str | None], Awaitable[dict[str, Any]]]
 
 
 class ControlRefused(Exception):
-    """An ``apply_control`` function refuses a control; the message says why."""
+    """An ``apply_control`` function refuses a control; the message says why.
+
+    ``recorded``: the engine already emitted its refused ``control`` events; otherwise the
+    publisher records the refusal itself (one ``control`` event per key, ``accepted: false``).
+    """
+
+    def __init__(self, reason: str, *, recorded: bool = False) -> None:
+        super().__init__(reason)
+        self.recorded = recorded
 
 
 def normalize_collector_url(url: str) -> str:
@@ -469,9 +477,9 @@ class Publisher:
                 if not isinstance(token, str) or not hmac.compare_digest(
                     token.encode(), self._control_token.encode()
                 ):
-                    self._publish_refusals(changes, cid, "missing or wrong control token")
                     raise ControlRefused(
-                        "this engine needs its control token (--control-token) in the control"
+                        "missing or wrong control token: this engine needs its --control-token "
+                        'in the control\'s "token"'
                     )
             if self._apply_control is None:
                 raise ControlRefused("this engine does not accept control from the collector")
@@ -479,6 +487,8 @@ class Publisher:
             reply.update(ok=True, **result)
         except (ControlRefused, ValueError, TypeError) as exc:
             reply.update(ok=False, error=str(exc))
+            if not getattr(exc, "recorded", False) and isinstance(msg.get("set"), dict):
+                self._publish_refusals(msg["set"], cid, str(exc))
         except Exception as exc:  # noqa: BLE001 - the collector must always get an answer
             logger.exception("telemetry: applying control %r failed", cid)
             reply.update(ok=False, error=f"the engine failed to apply it: {exc}")

@@ -419,6 +419,14 @@ def test_control_is_applied_and_acknowledged(collector: FakeCollector) -> None:
             assert reply["ok"] is False and reply["error"], reply
         assert engine.budget == 32
         assert "from 1 to 512" in collector.replies["c2"]["error"]
+        assert pub.wait_acked(timeout=WAIT_S)
+        refusals = [e for e in collector.stored.values() if e["type"] == "control"]
+        assert [(e["request_id"], e["key"], e["new_value"], e["accepted"]) for e in refusals] == [
+            ("c2", "token_budget", 0, False),
+            ("c3", "token_budget", "abc", False),
+            ("c4", "nope", 1, False),
+        ]
+        assert all(e["reason"] and e["source"] == "collector" for e in refusals)
     finally:
         pub.close(timeout=WAIT_S)
 

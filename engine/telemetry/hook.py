@@ -1,0 +1,95 @@
+"""Wiring a publisher into the engine server: hello fields, listener, metrics, control relay.
+
+The server calls :func:`start_server_publisher` once its engine client is up and
+``Publisher.close`` at shutdown; everything else about telemetry stays in this package.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from engine.events import ClockAnchor
+from engine.telemetry.buffer import BufferLimits
+from engine.telemetry.publisher import ApplyControl, ControlRefused, Publisher
+
+
+def engine_hello(client: Any, model_name: str, anchor: ClockAnchor) -> dict[str, Any]:
+    """The engine's fields of the ``hello``, read afresh at each connect (budget, policy)."""
+    stats = client.stats()
+    config = client.config
+    return {
+        "model": model_name,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "core_pid": getattr(client, "pid", None),
+        "engine_mode": getattr(client, "mode", None),
+        "policy": client.policy,
+        "token_budget": client.token_budget,
+        "max_token_budget": client.max_token_budget,
+        "kv_blocks_total": stats.kv_blocks_total,
+        "block_size": config.block_size,
+        "config": config.to_dict(),
+        "clock": anchor.to_dict(),
+    }
+
+
+def control_applier(client: Any) -> ApplyControl:
+    """Relayed controls go through the one implementation ``PUT /v1/scheduler`` uses."""
+
+    async def apply(changes: dict[str, Any], request_id: str | None) -> dict[str, Any]:
+        from engine.serving.control import ControlRefused as Refused
+        from engine.serving.control import apply_scheduler_update, check_changes
+
+        try:  # refused here: no engine event, the publisher records it
+            check_changes(changes, int(client.max_token_budget))
+        except Refused as exc:
+            raise ControlRefused(str(exc)) from exc
+        try:
+            change = await apply_scheduler_update(
+                client, changes, source="collector", request_id=request_id
+            )
+        except Refused as exc:  # refused by the engine, which emitted its control events
+            raise ControlRefused(str(exc), recorded=True) from exc
+        return {"applied_at_step": change.applied_at_step, "old": change.old, "new": change.new}
+
+    return apply
+
+
+def start_server_publisher(
+    client: Any,
+    url: str,
+    *,
+    engine_id: str,
+    model_name: str,
+    token: str | None = None,
+    control_token: str | None = None,
+    spill_dir: str | Path | None = None,
+    registry: Any = None,
+    **publisher_kw: Any,
+) -> Publisher:
+    """Start publishing ``client``'s events to the collector at ``url`` (``ws://host:port``,
+    ``/ingest`` appended when there is no path): listener, ``/metrics`` counters (when
+    ``registry`` is given) and the control relay. Raises ValueError for a bad URL."""
+    anchor = getattr(client, "clock_anchor", None)
+    if not isinstance(anchor, ClockAnchor):
+        # Same host, same CLOCK_MONOTONIC (Linux): an anchor read here maps the core's times.
+        anchor = ClockAnchor.now()
+    publisher_kw.setdefault("limits", BufferLimits(spill_dir=spill_dir))
+    publisher = Publisher(
+        url,
+        engine_id=engine_id,
+        hello=lambda: engine_hello(client, model_name, anchor),
+        token=token,
+        apply_control=control_applier(client),
+        control_token=control_token,
+        **publisher_kw,
+    )
+    if registry is not None:
+        from engine.telemetry.metrics import register_metrics
+
+        register_metrics(publisher, registry, model_name=model_name, engine_id=engine_id)
+    client.add_listener(publisher.publish)
+    return publisher.start()
