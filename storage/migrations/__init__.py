@@ -1,0 +1,1 @@
+"""Alembic migrations of the store (run from code by ``storage.db.migrate``)."""

@@ -1,0 +1,709 @@
+"""The write side of the store: turns contract events into rows, in batches, on one connection.
+
+``Store`` is synchronous and single-threaded; the collector runs it on its writer thread
+(``storage.writer``), which is the only code that writes. ``Store.apply(ops)`` handles a list of
+operations in ONE transaction and returns one result per operation only after the commit, so an
+acknowledgement built from a result is always durable.
+
+Idempotence: each run remembers its highest stored ``seq`` (``runs.last_seq``, updated in the same
+transaction as the rows); an event whose seq is not above it is a resend and is skipped, and the
+primary keys (run_key, seq) make a double row impossible even if that logic were wrong.
+
+Token times are stamped here: a step's chunk with ``produced_token`` gives its request token
+``k = previous k + 1`` at the step's ``end_ns`` (the request's ``num_tokens`` / ``last_token_ns``
+carry the count across batches and restarts), and ``itl_ns = end_ns - time of token k-1``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, Engine, bindparam, insert, select, update
+
+from storage import schema
+from storage.packing import FLAG_DECODE, FLAG_PRODUCED, pack_chunks, pack_tokens
+
+logger = logging.getLogger(__name__)
+
+INT64_MAX = 2**63 - 1
+
+_REQ_MUTABLE = (
+    "traffic_class",
+    "num_prompt_tokens",
+    "num_image_tokens",
+    "num_cached_tokens",
+    "num_output_tokens",
+    "num_preemptions",
+    "arrival_ns",
+    "first_scheduled_ns",
+    "finished_ns",
+    "finish_reason",
+    "num_tokens",
+    "first_token_ns",
+    "last_token_ns",
+    "first_token_step",
+    "last_token_step",
+    "max_itl_ns",
+)
+_STEP_INTS = (
+    "forward_ns",
+    "num_decode_tokens",
+    "num_prefill_tokens",
+    "num_scheduled_tokens",
+    "num_running",
+    "num_waiting",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "num_preemptions",
+)
+_RUN_MUTABLE = (
+    "token_budget",
+    "policy",
+    "max_token_budget",
+    "ended",
+    "ended_without_goodbye",
+    "connected",
+    "last_seen",
+    "last_seq",
+    "last_step",
+    "last_step_end_ns",
+    "num_steps",
+    "num_events",
+    "num_gap_events",
+    "next_req_no",
+)
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if not -INT64_MAX <= value <= INT64_MAX:
+        raise ValueError(f"{name} out of the 64-bit range: {value}")
+    return value
+
+
+def _opt_int(value: Any, name: str) -> int | None:
+    return None if value is None else _int(value, name)
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+@dataclass(eq=False)
+class RequestState:
+    req_no: int
+    request_id: str
+    persisted: bool = False
+    traffic_class: str | None = None
+    num_prompt_tokens: int = 0
+    num_image_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    arrival_ns: int | None = None
+    first_scheduled_ns: int | None = None
+    finished_ns: int | None = None
+    finish_reason: str | None = None
+    num_tokens: int = 0
+    first_token_ns: int | None = None
+    last_token_ns: int | None = None
+    first_token_step: int | None = None
+    last_token_step: int | None = None
+    max_itl_ns: int | None = None
+
+    def row(self, run_key: int) -> dict[str, Any]:
+        d = {name: getattr(self, name) for name in _REQ_MUTABLE}
+        d.update(run_key=run_key, req_no=self.req_no, request_id=self.request_id)
+        return d
+
+
+@dataclass(eq=False)
+class RunState:
+    """What the writer keeps in memory about one run (reloaded from the database when needed)."""
+
+    run_key: int
+    engine_id: str
+    run_id: str
+    wall_ns: int
+    mono_ns: int
+    token_budget: int | None = None
+    policy: str | None = None
+    max_token_budget: int | None = None
+    ended: float | None = None
+    ended_without_goodbye: bool = False
+    connected: bool = False
+    last_seen: float | None = None
+    last_seq: int = 0
+    last_step: int | None = None
+    last_step_end_ns: int | None = None
+    num_steps: int = 0
+    num_events: int = 0
+    num_gap_events: int = 0
+    next_req_no: int = 0
+    requests: dict[str, RequestState] = field(default_factory=dict)
+    # True when some of this run's requests may be in the database but not in ``requests``
+    # (finished ones are evicted from memory after their commit).
+    partial: bool = False
+
+    def wall(self, t_ns: int) -> float:
+        return (self.wall_ns + (t_ns - self.mono_ns)) / 1e9
+
+    def row(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _RUN_MUTABLE}
+
+
+# ---- operations -------------------------------------------------------------------------------
+
+
+@dataclass
+class Hello:
+    """Register (or re-register) a run from its hello; result: ``RunInfo``."""
+
+    hello: dict[str, Any]
+    received: float = field(default_factory=time.time)
+
+
+@dataclass
+class Events:
+    """Store a batch of one run's events; result: ``EventsResult``."""
+
+    run_key: int
+    events: list[dict[str, Any]]
+    received: float = field(default_factory=time.monotonic)
+    tag: Any = None  # the collector's handle on the connection that sent them
+
+
+@dataclass
+class Disconnect:
+    """The run's connection closed (result: None). Without a goodbye it is marked
+    ``ended_without_goodbye`` until the same run says hello again."""
+
+    run_key: int
+
+
+@dataclass
+class CollectorControl:
+    """A control refused by the collector itself (stored with source "collector")."""
+
+    engine_id: str
+    run_id: str | None
+    key: str | None
+    old_value: Any
+    new_value: Any
+    reason: str
+    request_id: str | None
+    wall: float = field(default_factory=time.time)
+    source: str = "collector"
+    accepted: bool = False
+
+
+@dataclass
+class RunInfo:
+    run_key: int
+    last_seq: int
+    token_budget: int | None
+    max_token_budget: int | None
+    policy: str | None
+
+
+@dataclass
+class EventsResult:
+    run_key: int
+    last_seq: int
+    stored: int
+    duplicates: int
+    unknown_types: list[str]
+    bad: list[tuple[int, str]]  # (seq, why) of events that could not be read
+    counts: dict[str, int]  # stored events by type
+
+
+class _Batch:
+    """Rows collected while applying a list of operations, written at the end."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.request_events: list[dict[str, Any]] = []
+        self.controls: list[dict[str, Any]] = []
+        self.gaps: list[dict[str, Any]] = []
+        self.dirty_requests: dict[int, dict[int, RequestState]] = {}
+        self.dirty_runs: dict[int, RunState] = {}
+
+    def touch(self, run: RunState, req: RequestState) -> None:
+        self.dirty_requests.setdefault(run.run_key, {})[req.req_no] = req
+
+
+class Store:
+    """The writer's state and its one write connection."""
+
+    def __init__(self, db: Engine) -> None:
+        self.db = db
+        self._conn: Connection | None = None
+        self._runs: dict[int, RunState] = {}
+        self._upd_requests = (
+            update(schema.requests)
+            .where(
+                schema.requests.c.run_key == bindparam("b_run_key"),
+                schema.requests.c.req_no == bindparam("b_req_no"),
+            )
+            .values({name: bindparam(name) for name in _REQ_MUTABLE})
+        )
+
+    # -- connection ---------------------------------------------------------------------------
+
+    @property
+    def conn(self) -> Connection:
+        if self._conn is None:
+            self._conn = self.db.connect()
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def startup(self) -> int:
+        """Runs left marked connected by a collector that died are ended without goodbye until
+        they reconnect. Returns how many."""
+        r = self.runs_table
+        with self.conn.begin():
+            result = self.conn.execute(
+                update(r)
+                .where(r.c.connected.is_(True), r.c.ended.is_(None))
+                .values(connected=False, ended_without_goodbye=True)
+            )
+            self.conn.execute(update(r).where(r.c.connected.is_(True)).values(connected=False))
+        return int(result.rowcount or 0)
+
+    runs_table = schema.runs
+
+    # -- apply --------------------------------------------------------------------------------
+
+    def apply(self, ops: list[Any]) -> list[Any]:
+        """Apply ``ops`` in one transaction; one result per op, after the commit.
+
+        On a database error the transaction is rolled back, the in-memory run states are
+        dropped (reloaded on next use) and the error is raised.
+        """
+        batch = _Batch()
+        results: list[Any] = []
+        try:
+            with self.conn.begin():
+                for op in ops:
+                    results.append(self._apply_one(op, batch))
+                self._flush(batch)
+        except BaseException:
+            self._runs.clear()
+            self.close()
+            raise
+        for run_key, reqs in batch.dirty_requests.items():
+            run = self._runs.get(run_key)
+            if run is None:
+                continue
+            for req in reqs.values():
+                req.persisted = True
+                if req.finished_ns is not None:
+                    run.requests.pop(req.request_id, None)
+                    run.partial = True
+        return results
+
+    def _apply_one(self, op: Any, batch: _Batch) -> Any:
+        if isinstance(op, Events):
+            return self._events(op, batch)
+        if isinstance(op, Hello):
+            return self._hello(op, batch)
+        if isinstance(op, Disconnect):
+            run = self._run(op.run_key)
+            run.connected = False
+            run.last_seen = time.time()
+            if run.ended is None:
+                run.ended_without_goodbye = True
+            batch.dirty_runs[run.run_key] = run
+            return None
+        if isinstance(op, CollectorControl):
+            batch.controls.append(
+                {
+                    "engine_id": op.engine_id,
+                    "run_id": op.run_id,
+                    "seq": None,
+                    "time_ns": None,
+                    "wall": op.wall,
+                    "key": op.key,
+                    "old_value": json.dumps(op.old_value),
+                    "new_value": json.dumps(op.new_value),
+                    "accepted": op.accepted,
+                    "source": op.source,
+                    "applied_at_step": None,
+                    "reason": op.reason,
+                    "request_id": op.request_id,
+                }
+            )
+            return None
+        raise TypeError(f"unknown store operation {op!r}")
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    def _run(self, run_key: int) -> RunState:
+        run = self._runs.get(run_key)
+        if run is not None:
+            return run
+        row = self.conn.execute(select(schema.runs).where(schema.runs.c.id == run_key)).first()
+        if row is None:
+            raise KeyError(f"no run with key {run_key}")
+        m = row._mapping
+        run = RunState(
+            run_key=run_key,
+            engine_id=m["engine_id"],
+            run_id=m["run_id"],
+            wall_ns=m["clock_wall_ns"],
+            mono_ns=m["clock_mono_ns"],
+            partial=True,
+            **{name: m[name] for name in _RUN_MUTABLE},
+        )
+        req = schema.requests
+        for r in self.conn.execute(
+            select(req).where(req.c.run_key == run_key, req.c.finished_ns.is_(None))
+        ):
+            state = self._request_from_row(r._mapping)
+            run.requests[state.request_id] = state
+        self._runs[run_key] = run
+        return run
+
+    @staticmethod
+    def _request_from_row(m: Any) -> RequestState:
+        state = RequestState(req_no=m["req_no"], request_id=m["request_id"], persisted=True)
+        for name in _REQ_MUTABLE:
+            setattr(state, name, m[name])
+        return state
+
+    def _hello(self, op: Hello, batch: _Batch) -> RunInfo:
+        h = op.hello
+        engine_id, run_id = str(h["engine_id"]), str(h["run_id"])
+        clock = h["clock"]
+        now = op.received
+        e = schema.engines
+        found = self.conn.execute(select(e.c.engine_id).where(e.c.engine_id == engine_id)).first()
+        if found is None:
+            self.conn.execute(
+                insert(e).values(
+                    engine_id=engine_id,
+                    host=_opt_str(h.get("host")),
+                    model=_opt_str(h.get("model")),
+                    first_seen=now,
+                    last_seen=now,
+                )
+            )
+        else:
+            self.conn.execute(
+                update(e)
+                .where(e.c.engine_id == engine_id)
+                .values(host=_opt_str(h.get("host")), model=_opt_str(h.get("model")), last_seen=now)
+            )
+        r = schema.runs
+        row = self.conn.execute(
+            select(r.c.id).where(r.c.engine_id == engine_id, r.c.run_id == run_id)
+        ).first()
+        if row is None:
+            hello_copy = {k: v for k, v in h.items() if k != "token"}
+            result = self.conn.execute(
+                insert(r).values(
+                    engine_id=engine_id,
+                    run_id=run_id,
+                    model=_opt_str(h.get("model")),
+                    host=_opt_str(h.get("host")),
+                    pid=_opt_int(h.get("pid"), "pid"),
+                    policy=_opt_str(h.get("policy")),
+                    token_budget=_opt_int(h.get("token_budget"), "token_budget"),
+                    max_token_budget=_opt_int(h.get("max_token_budget"), "max_token_budget"),
+                    kv_blocks_total=_opt_int(h.get("kv_blocks_total"), "kv_blocks_total"),
+                    block_size=_opt_int(h.get("block_size"), "block_size"),
+                    config=json.dumps(h.get("config"), default=str),
+                    hello=json.dumps(hello_copy, default=str),
+                    clock_wall_ns=_int(clock["wall_ns"], "clock.wall_ns"),
+                    clock_mono_ns=_int(clock["mono_ns"], "clock.mono_ns"),
+                    started=now,
+                    ended=None,
+                    ended_without_goodbye=False,
+                    connected=True,
+                    last_seen=now,
+                    last_seq=0,
+                    num_steps=0,
+                    num_events=0,
+                    num_gap_events=0,
+                    next_req_no=0,
+                )
+            )
+            run_key = int(result.inserted_primary_key[0])
+            run = RunState(
+                run_key=run_key,
+                engine_id=engine_id,
+                run_id=run_id,
+                wall_ns=clock["wall_ns"],
+                mono_ns=clock["mono_ns"],
+                token_budget=_opt_int(h.get("token_budget"), "token_budget"),
+                policy=_opt_str(h.get("policy")),
+                max_token_budget=_opt_int(h.get("max_token_budget"), "max_token_budget"),
+                connected=True,
+                last_seen=now,
+            )
+            self._runs[run_key] = run
+        else:
+            run = self._run(int(row[0]))
+            run.connected = True
+            run.ended_without_goodbye = False
+            run.last_seen = now
+            if h.get("token_budget") is not None:
+                run.token_budget = _int(h["token_budget"], "token_budget")
+            if h.get("max_token_budget") is not None:
+                run.max_token_budget = _int(h["max_token_budget"], "max_token_budget")
+            if h.get("policy") is not None:
+                run.policy = str(h["policy"])
+            batch.dirty_runs[run.run_key] = run
+        return RunInfo(
+            run.run_key, run.last_seq, run.token_budget, run.max_token_budget, run.policy
+        )
+
+    # -- events -------------------------------------------------------------------------------
+
+    def _events(self, op: Events, batch: _Batch) -> EventsResult:
+        run = self._run(op.run_key)
+        res = EventsResult(run.run_key, run.last_seq, 0, 0, [], [], {})
+        for ev in op.events:
+            seq = ev["seq"]
+            if seq <= run.last_seq:
+                res.duplicates += 1
+                continue
+            kind = ev.get("type")
+            try:
+                if kind == "step":
+                    batch.steps.append(self._step(run, ev, batch))
+                elif kind == "request":
+                    batch.request_events.append(self._request(run, ev, batch))
+                elif kind == "control":
+                    batch.controls.append(self._control(run, ev))
+                elif kind == "gap":
+                    batch.gaps.append(self._gap(run, ev))
+                elif kind == "goodbye":
+                    t_ns = ev.get("time_ns")
+                    run.ended = run.wall(t_ns) if isinstance(t_ns, int) else time.time()
+                    run.ended_without_goodbye = False
+                else:
+                    res.unknown_types.append(str(kind))
+                    kind = None
+            except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+                res.bad.append((seq, f"{type(exc).__name__}: {exc}"))
+                kind = None
+            if kind is not None:
+                res.counts[kind] = res.counts.get(kind, 0) + 1
+                res.stored += 1
+            run.last_seq = seq
+            run.num_events += 1
+        run.last_seen = time.time()
+        batch.dirty_runs[run.run_key] = run
+        res.last_seq = run.last_seq
+        return res
+
+    def _request_state(self, run: RunState, request_id: str, batch: _Batch) -> RequestState:
+        state = run.requests.get(request_id)
+        if state is not None:
+            return state
+        if run.partial:
+            req = schema.requests
+            row = self.conn.execute(
+                select(req).where(req.c.run_key == run.run_key, req.c.request_id == request_id)
+            ).first()
+            if row is not None:
+                state = self._request_from_row(row._mapping)
+                run.requests[request_id] = state
+                return state
+        state = RequestState(req_no=run.next_req_no, request_id=request_id)
+        run.next_req_no += 1
+        run.requests[request_id] = state
+        batch.touch(run, state)
+        return state
+
+    def _step(self, run: RunState, ev: dict[str, Any], batch: _Batch) -> dict[str, Any]:
+        step = _int(ev["step"], "step")
+        start_ns = _int(ev["start_ns"], "start_ns")
+        end_ns = _int(ev["end_ns"], "end_ns")
+        raw_chunks = ev.get("chunks") or []
+        if not isinstance(raw_chunks, list):
+            raise TypeError("chunks must be a list")
+        parsed: list[tuple[str, int, int, int]] = []
+        for c in raw_chunks:
+            rid = c["request_id"]
+            if not isinstance(rid, str):
+                raise TypeError(f"chunk request_id must be a string, got {rid!r}")
+            flags = (FLAG_DECODE if c["kind"] == "decode" else 0) | (
+                FLAG_PRODUCED if c["produced_token"] else 0
+            )
+            start, n = _int(c["start"], "start"), _int(c["num_tokens"], "num_tokens")
+            parsed.append((rid, start, n, flags))
+        g = ev.get
+        row: dict[str, Any] = {
+            "run_key": run.run_key,
+            "seq": ev["seq"],
+            "step": step,
+            "start_ns": start_ns,
+            "end_ns": end_ns,
+            "token_budget": _opt_int(g("token_budget"), "token_budget"),
+            "policy": _opt_str(g("policy")),
+        }
+        for name in _STEP_INTS:
+            row[name] = _opt_int(g(name), name)
+        chunk_rows: list[tuple[int, int, int, int]] = []
+        token_rows: list[tuple[int, int, int]] = []
+        for rid, start, n, flags in parsed:
+            req = self._request_state(run, rid, batch)
+            chunk_rows.append((req.req_no, start, n, flags))
+            if flags & FLAG_PRODUCED:
+                k = req.num_tokens + 1
+                if k == 1 or req.last_token_ns is None:
+                    itl = -1
+                    req.first_token_ns = end_ns
+                    req.first_token_step = step
+                else:
+                    itl = end_ns - req.last_token_ns
+                    if req.max_itl_ns is None or itl > req.max_itl_ns:
+                        req.max_itl_ns = itl
+                req.num_tokens = k
+                req.last_token_ns = end_ns
+                req.last_token_step = step
+                token_rows.append((req.req_no, k, itl))
+                batch.touch(run, req)
+        run.num_steps += 1
+        if run.last_step is None or step >= run.last_step:
+            run.last_step = step
+            run.last_step_end_ns = end_ns
+        if row["token_budget"] is not None:
+            run.token_budget = row["token_budget"]
+        if row["policy"] is not None:
+            run.policy = row["policy"]
+        row["num_chunks"] = len(chunk_rows)
+        row["num_tokens_out"] = len(token_rows)
+        row["chunks"] = pack_chunks(chunk_rows)
+        row["tokens"] = pack_tokens(token_rows)
+        return row
+
+    def _request(self, run: RunState, ev: dict[str, Any], batch: _Batch) -> dict[str, Any]:
+        rid = ev["request_id"]
+        if not isinstance(rid, str):
+            raise TypeError(f"request_id must be a string, got {rid!r}")
+        kind = str(ev["kind"])
+        time_ns = _opt_int(ev.get("time_ns"), "time_ns")
+        step = _opt_int(ev.get("step"), "step")
+        counts = {
+            name: _opt_int(ev.get(name), name)
+            for name in (
+                "num_prompt_tokens",
+                "num_image_tokens",
+                "num_cached_tokens",
+                "num_output_tokens",
+            )
+        }
+        traffic_class = _opt_str(ev.get("traffic_class"))
+        finish_reason = _opt_str(ev.get("finish_reason"))
+        req = self._request_state(run, rid, batch)
+        if traffic_class is not None:
+            req.traffic_class = traffic_class
+        for name, value in counts.items():
+            if value is not None and value > getattr(req, name):
+                setattr(req, name, value)
+        if kind == "arrived":
+            if req.arrival_ns is None:
+                req.arrival_ns = time_ns
+        elif kind == "first_scheduled":
+            if req.first_scheduled_ns is None:
+                req.first_scheduled_ns = time_ns
+        elif kind in ("finished", "aborted"):
+            req.finished_ns = time_ns
+            req.finish_reason = finish_reason or ("abort" if kind == "aborted" else None)
+        elif kind == "preempted":
+            req.num_preemptions += 1
+        batch.touch(run, req)
+        return {
+            "run_key": run.run_key,
+            "seq": ev["seq"],
+            "request_id": rid,
+            "kind": kind,
+            "time_ns": time_ns,
+            "step": step,
+            "traffic_class": traffic_class,
+            "num_output_tokens": counts["num_output_tokens"],
+            "finish_reason": finish_reason,
+        }
+
+    def _control(self, run: RunState, ev: dict[str, Any]) -> dict[str, Any]:
+        time_ns = _opt_int(ev.get("time_ns"), "time_ns")
+        accepted = bool(ev.get("accepted"))
+        key = _opt_str(ev.get("key"))
+        if accepted and key == "token_budget" and isinstance(ev.get("new_value"), int):
+            run.token_budget = ev["new_value"]
+        elif accepted and key == "policy" and ev.get("new_value") is not None:
+            run.policy = str(ev["new_value"])
+        return {
+            "engine_id": run.engine_id,
+            "run_id": run.run_id,
+            "seq": ev["seq"],
+            "time_ns": time_ns,
+            "wall": run.wall(time_ns) if time_ns is not None else time.time(),
+            "key": key,
+            "old_value": json.dumps(ev.get("old_value"), default=str),
+            "new_value": json.dumps(ev.get("new_value"), default=str),
+            "accepted": accepted,
+            "source": _opt_str(ev.get("source")),
+            "applied_at_step": _opt_int(ev.get("applied_at_step"), "applied_at_step"),
+            "reason": _opt_str(ev.get("reason")),
+            "request_id": _opt_str(ev.get("request_id")),
+        }
+
+    def _gap(self, run: RunState, ev: dict[str, Any]) -> dict[str, Any]:
+        time_ns = _opt_int(ev.get("time_ns"), "time_ns")
+        row = {
+            "run_key": run.run_key,
+            "seq": ev["seq"],
+            "first_seq_lost": _opt_int(ev.get("first_seq_lost"), "first_seq_lost"),
+            "last_seq_lost": _opt_int(ev.get("last_seq_lost"), "last_seq_lost"),
+            "num_events_lost": _opt_int(ev.get("num_events_lost"), "num_events_lost"),
+            "reason": _opt_str(ev.get("reason")),
+            "time_ns": time_ns,
+            "wall": run.wall(time_ns) if time_ns is not None else time.time(),
+        }
+        run.num_gap_events += 1
+        return row
+
+    # -- flush --------------------------------------------------------------------------------
+
+    def _flush(self, batch: _Batch) -> None:
+        conn = self.conn
+        new_rows: list[dict[str, Any]] = []
+        upd_rows: list[dict[str, Any]] = []
+        for run_key, reqs in batch.dirty_requests.items():
+            for req in reqs.values():
+                row = req.row(run_key)
+                if req.persisted:
+                    row["b_run_key"] = row.pop("run_key")
+                    row["b_req_no"] = row.pop("req_no")
+                    del row["request_id"]
+                    upd_rows.append(row)
+                else:
+                    new_rows.append(row)
+        if new_rows:
+            conn.execute(insert(schema.requests), new_rows)
+        if upd_rows:
+            conn.execute(self._upd_requests, upd_rows)
+        if batch.steps:
+            conn.execute(insert(schema.steps), batch.steps)
+        if batch.request_events:
+            conn.execute(insert(schema.request_events), batch.request_events)
+        if batch.controls:
+            conn.execute(insert(schema.controls), batch.controls)
+        if batch.gaps:
+            conn.execute(insert(schema.gaps), batch.gaps)
+        r = schema.runs
+        for run in batch.dirty_runs.values():
+            conn.execute(update(r).where(r.c.id == run.run_key).values(**run.row()))

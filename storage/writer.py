@@ -1,0 +1,107 @@
+"""The writer thread: the only code that writes to the store.
+
+Async handlers call ``Writer.submit(op)`` (constant time, never blocks); the thread takes
+everything queued (up to ``max_batch_events`` events), applies it in one transaction
+(``Store.apply``) and reports ``(ops, results, seconds)`` through ``on_commit`` after the commit.
+If a batch fails, each op is retried alone so one bad op cannot take the others down; an op that
+still fails gets its exception as its result.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Engine
+
+from storage.store import Events, Store
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+CommitCallback = Callable[[list[Any], list[Any], float], None]
+
+
+class Writer:
+    def __init__(
+        self, db: Engine, on_commit: CommitCallback, *, max_batch_events: int = 50_000
+    ) -> None:
+        self.store = Store(db)
+        self._on_commit = on_commit
+        self._max_batch_events = max_batch_events
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        n = self.store.startup()
+        if n:
+            logger.info(
+                "%d run(s) were connected when the collector stopped: marked ended "
+                "without goodbye until they reconnect",
+                n,
+            )
+        self._thread = threading.Thread(target=self._run, name="storage-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, op: Any) -> None:
+        self._queue.put(op)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Write everything queued, then stop the thread and close the connection."""
+        if self._thread is None:
+            return
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("writer did not stop within %.0f s", timeout)
+        self._thread = None
+
+    def _run(self) -> None:
+        try:
+            while True:
+                first = self._queue.get()
+                if first is _STOP:
+                    return
+                ops = [first]
+                n = len(first.events) if isinstance(first, Events) else 1
+                stop = False
+                while n < self._max_batch_events:
+                    try:
+                        op = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if op is _STOP:
+                        stop = True
+                        break
+                    ops.append(op)
+                    n += len(op.events) if isinstance(op, Events) else 1
+                self._write(ops)
+                if stop:
+                    return
+        finally:
+            self.store.close()
+
+    def _write(self, ops: list[Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            results = self.store.apply(ops)
+        except Exception:
+            logger.exception(
+                "writing a batch of %d operations failed; retrying one by one", len(ops)
+            )
+            results = []
+            for op in ops:
+                try:
+                    results.append(self.store.apply([op])[0])
+                except Exception as exc:
+                    logger.exception("operation %s failed", type(op).__name__)
+                    results.append(exc)
+        try:
+            self._on_commit(ops, results, time.perf_counter() - t0)
+        except Exception:
+            logger.exception("commit callback failed")
