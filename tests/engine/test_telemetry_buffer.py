@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.events import ChunkRecord, StepEvent
-from engine.telemetry.buffer import BufferLimits, EventBuffer, encode_event
+from engine.events import ChunkRecord, ControlEvent, RequestEvent, StepEvent
+from engine.telemetry.buffer import BufferLimits, EventBuffer, encode_event, event_dict
 
 
 def _ev(i: int) -> dict[str, object]:
@@ -60,6 +60,29 @@ def test_encode_event_of_a_dataclass_event_carries_type_and_seq() -> None:
     assert d["type"] == "step" and d["seq"] == 7 and d["chunks"][1]["produced_token"] is True
     with pytest.raises(ValueError, match="type"):
         encode_event(1, {"seq": 1})
+
+
+def test_fast_event_dicts_equal_to_dict() -> None:
+    step = StepEvent(
+        step=1, start_ns=1, end_ns=2, token_budget=8, policy="unchunked", num_decode_tokens=0,
+        num_prefill_tokens=8, num_scheduled_tokens=8, num_running=1, num_waiting=3,
+        kv_blocks_used=1, kv_blocks_total=8, num_preemptions=1, forward_ns=1,
+        chunks=[ChunkRecord("a", "prefill", 0, 8, True)],
+    )  # fmt: skip
+    events = [
+        step,
+        RequestEvent(kind="finished", request_id="a", time_ns=3, traffic_class="rag",
+                     num_output_tokens=2, finish_reason="length", step=1),
+        ControlEvent(key="policy", old_value="chunked", new_value="unchunked", accepted=True,
+                     time_ns=0, applied_at_step=1, request_id="c1"),
+    ]  # fmt: skip
+    for ev in events:
+        d = event_dict(ev)
+        assert d == ev.to_dict() and d is not event_dict(ev)
+        assert json.loads(json.dumps(d)) == json.loads(json.dumps(ev.to_dict()))
+    assert event_dict(step)["chunks"][0] is not event_dict(step)["chunks"][0]
+    raw = {"type": "gap", "x": 1}
+    assert event_dict(raw) == raw and event_dict(raw) is not raw
 
 
 def test_spill_files_hold_the_tail_and_are_deleted_once_acked(tmp_path: Path) -> None:

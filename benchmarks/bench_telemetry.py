@@ -1,0 +1,238 @@
+"""Served throughput with telemetry on against off, on the same workload (target ratio >= 0.99).
+
+Two engine servers (``python -m engine``, process mode, the same flags) run side by side: one
+without a collector, one with ``--collector-url`` pointing at a real collector
+(``python -m storage`` on a SQLite file in a temporary folder), so the "on" side pays for the
+whole publisher path (listener, buffer, encoding, frames, acks) while the collector writes. The
+same seeded workload (N concurrent streaming requests x P prompt tokens x O output tokens,
+``ignore_eos``) runs against each; passes alternate off / on ``--repeats`` times after a warm-up,
+so background load hits both alike. Throughput is output tokens / wall time (first request sent
+to the last token received). After the passes the "on" server's ``/metrics`` must show nothing
+dropped and every event acknowledged, and the store must hold one step row per engine step.
+
+Run from the repo root:  .venv/bin/python benchmarks/bench_telemetry.py [--quick]
+Writes benchmarks/results/telemetry_overhead.json (provenance and configuration included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import aiohttp  # noqa: E402
+from _common import (  # noqa: E402
+    REPO_ROOT,
+    add_common_args,
+    config_of,
+    random_prompt,
+    setup,
+    write_json,
+)
+
+TARGET = 0.99
+
+
+def start_server(a: argparse.Namespace, extra: list[str]) -> tuple[subprocess.Popen[str], str]:
+    cmd = [
+        sys.executable, "-m", "engine", "--model", a.model, "--port", "0",
+        "--token-budget", str(a.token_budget), "--max-model-len", str(a.max_model_len),
+        "--device", a.device, "--dtype", a.dtype, "--no-prefix-caching", "--seed", "0",
+        "--log-level", "warning", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    ready = threading.Event()
+    found: list[str] = []
+
+    def pump() -> None:  # keep draining stderr so the server never blocks on a full pipe
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if not found and line.startswith("chunkscope engine listening on "):
+                found.append(line.strip().rsplit(" ", 1)[-1])
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(180) or not found:
+        proc.kill()
+        raise RuntimeError(f"the engine server did not start: {cmd}")
+    return proc, found[0]
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], a: Any) -> int:
+    body = {
+        "model": a.model, "prompt": prompt, "max_tokens": a.output_len, "ignore_eos": True,
+        "seed": 1, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    tokens = 0
+    async with session.post(url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for raw in r.content:
+            if raw.startswith(b"data: {") and b'"usage"' in raw:
+                tokens = json.loads(raw[6:])["usage"]["completion_tokens"]
+    return tokens
+
+
+async def _pass(url: str, prompts: list[list[int]], a: argparse.Namespace) -> dict[str, Any]:
+    connector = aiohttp.TCPConnector(limit=len(prompts) + 4)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*(_one(session, url, p, a) for p in prompts))
+        wall = time.perf_counter() - t0
+    return {"wall": wall, "tokens": sum(tokens), "tokens_per_s": sum(tokens) / wall}
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The ``chunkscope_telemetry_*`` samples and the engine's step count from /metrics."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(chunkscope_telemetry_\w+)\{[^}]*\} (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    sched = httpx.get(url + "/v1/scheduler", timeout=30).json()
+    out["engine_steps"] = float(sched["step"])
+    return out
+
+
+def wait_acked(url: str, timeout: float = 60.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(url)
+        done = m.get("chunkscope_telemetry_acked_seq", -1) >= m.get(
+            "chunkscope_telemetry_last_seq", 0
+        )
+        if done or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--token-budget", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    add_common_args(p)
+    a = p.parse_args(argv)
+    out_dir = setup(a)
+    if a.quick:
+        a.num_requests, a.output_len, a.repeats = 8, 16, 1
+    if a.threads is not None:  # the engine cores run in child processes
+        os.environ["OMP_NUM_THREADS"] = str(a.threads)
+
+    from storage.testing import start_collector
+
+    rng = random.Random(a.seed)
+    prompts = [random_prompt(rng, a.prompt_len) for _ in range(a.num_requests)]
+    warm = prompts[: max(2, len(prompts) // 4)]
+    tmp = Path(tempfile.mkdtemp(prefix="chunkscope-bench-telemetry-"))
+    db_url = f"sqlite:///{tmp / 'bench.db'}"
+    load_before = os.getloadavg()[0]
+    collector = start_collector(db_url)
+    servers: dict[str, tuple[subprocess.Popen[str], str]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    try:
+        servers["off"] = start_server(a, [])
+        servers["on"] = start_server(
+            a, ["--collector-url", collector.url, "--telemetry-spill-dir", str(tmp / "spill")]
+        )
+        for _, url in servers.values():
+            asyncio.run(_pass(url, warm, a))
+        for _ in range(a.repeats):
+            for side in ("off", "on"):
+                runs[side].append(asyncio.run(_pass(servers[side][1], prompts, a)))
+                print(f"{side}: {runs[side][-1]['tokens_per_s']:.0f} tok/s")
+        telemetry = wait_acked(servers["on"][1])
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+        collector.stop()
+    stored_steps = _stored_steps(db_url)
+    load_after = os.getloadavg()[0]
+
+    def side(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        tps = [r["tokens_per_s"] for r in rs]
+        return {
+            "tokens_per_s_best": max(tps),
+            "tokens_per_s_median": statistics.median(tps),
+            "all_runs_tokens_per_s": tps,
+            "output_tokens_per_pass": rs[0]["tokens"],
+        }
+
+    off, on = side(runs["off"]), side(runs["on"])
+    ratio_best = on["tokens_per_s_best"] / off["tokens_per_s_best"]
+    ratio_median = on["tokens_per_s_median"] / off["tokens_per_s_median"]
+    print(f"on/off: best {ratio_best:.3f}, median {ratio_median:.3f} (target {TARGET})")
+    write_json(
+        out_dir / "telemetry_overhead.json",
+        {
+            "benchmark": "telemetry_overhead",
+            "target_ratio": TARGET,
+            "ratio_best": ratio_best,
+            "ratio_median": ratio_median,
+            "meets_target": ratio_best >= TARGET,
+            "off": off,
+            "on": on,
+            "telemetry_metrics_after": telemetry,
+            "stored_steps": stored_steps,
+            "engine_steps_on_side": telemetry.get("engine_steps"),
+            "loadavg_1m_before": load_before,
+            "loadavg_1m_after": load_after,
+            "note": "2-core machine shared with other work; single-run numbers are noisy",
+        },
+        script="bench_telemetry.py",
+        config=config_of(a),
+    )
+    return 0
+
+
+def _stored_steps(db_url: str) -> int | None:
+    try:
+        from sqlalchemy import create_engine, func, select
+
+        from storage import schema
+
+        db = create_engine(db_url)
+        with db.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(schema.steps)).scalar() or 0)
+    except Exception as exc:  # noqa: BLE001 - a report detail, not the measurement
+        print(f"could not count stored steps: {exc}")
+        return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
