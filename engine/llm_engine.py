@@ -62,8 +62,11 @@ class LLMEngine:
         self._cond = threading.Condition()
         # Held while scheduling and while applying a control change: a change lands wholly
         # before a step's plan (and its event is emitted before that step) or after it.
-        self._control_lock = threading.Lock()
-        self._step_thread: int | None = None  # the thread that steps (set by step/wait/flush)
+        self._control_lock = threading.RLock()
+        # The thread that steps (set under _control_lock by step, wait_for_work, flush_events).
+        # Only it emits events; until it is known, no step has run, and a control change is
+        # emitted at once by the thread that makes it.
+        self._step_thread: int | None = None
         self._requests: dict[str, Request] = {}
         self._num_unfinished = 0
         self._bus = EventBus()
@@ -153,7 +156,7 @@ class LLMEngine:
     def wait_for_work(self, timeout: float) -> bool:
         """Step thread, while idle: wait up to ``timeout`` s for requests or aborts. Control
         events held for the step thread are emitted here when there is nothing to step."""
-        self._step_thread = threading.get_ident()
+        self._claim_step_thread()
         with self._cond:
             if not (self._num_unfinished > 0 or self._inbox or self._bus.has_held):
                 self._cond.wait(timeout)
@@ -164,8 +167,14 @@ class LLMEngine:
 
     def flush_events(self) -> None:
         """Step thread, between steps: emit the control events held since the last step."""
-        self._step_thread = threading.get_ident()
+        self._claim_step_thread()
         self._bus.emit(self._bus.take_held())
+
+    def _claim_step_thread(self) -> None:
+        me = threading.get_ident()
+        if self._step_thread != me:
+            with self._control_lock:
+                self._step_thread = me
 
     def stats(self) -> EngineStats:
         """Counts as of the last step; budget and policy as in force now."""
@@ -192,7 +201,6 @@ class LLMEngine:
         source: str,
         request_id: str | None,
     ) -> ControlEvent:
-        on_step_thread = threading.get_ident() == self._step_thread
         with self._control_lock:
             result = setter(value)
             event = ControlEvent(
@@ -207,6 +215,12 @@ class LLMEngine:
                 request_id=request_id,
             )
             self._bus.hold(event)
+            if self._step_thread in (None, threading.get_ident()):
+                # between steps on the step thread, or before any step: its place is now
+                self._bus.emit(self._bus.take_held())
+                emitted = True
+            else:
+                emitted = False
         if result.accepted:
             logger.info(
                 "%s %s -> %s from step %s (%s)",
@@ -216,16 +230,14 @@ class LLMEngine:
                 result.applied_at_step,
                 source,
             )
-        if on_step_thread:  # between steps on the step thread: its place in the stream is now
-            self.flush_events()
-        else:
+        if not emitted:
             with self._cond:  # wake an idle step thread, which emits it
                 self._cond.notify_all()
         return event
 
     # --- the step (engine thread only) --------------------------------------------------------
     def step(self) -> StepResult:
-        self._step_thread = threading.get_ident()
+        self._claim_step_thread()
         events = StepEvents()
         outputs: list[RequestOutput] = []
         self._drain_inbox(events, outputs)

@@ -229,12 +229,19 @@ def test_idle_step_flushes_held_controls(make_engine) -> None:
     engine = make_engine()
     stream: list[object] = []
     engine.add_listener(stream.append)
-    t = threading.Thread(target=lambda: engine.set_policy("fast"))
-    t.start()
-    t.join(10)
-    assert stream == []
+
+    def change(value: str) -> None:
+        t = threading.Thread(target=lambda: engine.set_policy(value))
+        t.start()
+        t.join(10)
+
+    change("fast")  # before any step: no step thread yet, so it is emitted at once
+    assert [(e.new_value, e.accepted) for e in stream] == [("fast", False)]
+    assert engine.step().event is None  # an idle step: this thread now steps
+    change("faster")
+    assert len(stream) == 1  # held for the step thread
     assert engine.step().event is None
-    assert [type(e) for e in stream] == [ControlEvent]
+    assert [(e.new_value, e.accepted) for e in stream] == [("fast", False), ("faster", False)]
 
 
 # --- abort reasons --------------------------------------------------------------------------
