@@ -1,25 +1,70 @@
-"""Shared helpers for the benchmarks: machine info, stats, engine construction, JSON output."""
+"""Shared helpers for the benchmarks: provenance, command-line conventions, stats, engine
+construction, JSON output.
+
+Every results file is written by :func:`write_json`, which puts the same ``provenance`` block at
+its top (git commit and whether the tree was dirty, torch version and threads, the machine) next
+to the benchmark's full ``config`` (every command-line argument, defaults included), so a number
+can be traced to the code and settings that produced it.
+
+``--quick`` runs a script end to end with fewer sizes and repetitions (a smoke test of the
+script, not a measurement); its results go to a temporary folder unless ``--out-dir`` says
+otherwise, so quick numbers never land in ``benchmarks/results/``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import os
 import platform
 import random
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+QUICK_DIR = Path(tempfile.gettempdir()) / "chunkscope-bench-quick"
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+logger = logging.getLogger(__name__)
+
+# Environment variables that change how many threads the numeric libraries use.
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+
+
+# --- provenance ---------------------------------------------------------------------------------
+def _git(*args: str) -> str | None:
+    try:
+        proc = subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def git_state() -> dict[str, Any]:
+    """The commit the tree is at and whether it differs from it (tracked or untracked files,
+    ignored ones excluded). A dirty tree means the numbers may not come from that commit."""
+    commit = (_git("rev-parse", "HEAD") or "").strip() or None
+    status = _git("status", "--porcelain", "--untracked-files=normal")
+    changed = [line[3:] for line in (status or "").splitlines() if line.strip()]
+    return {
+        "git_commit": commit,
+        "git_dirty": None if status is None else bool(changed),
+        "git_changed_paths": changed[:50],
+        "git_num_changed_paths": len(changed),
+    }
 
 
 def machine_info() -> dict[str, Any]:
-    import transformers
+    """The machine and the numeric stack: CPU count, platform, torch and its threads."""
+    import torch
 
     info: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
@@ -29,13 +74,21 @@ def machine_info() -> dict[str, Any]:
         "torch_version": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "torch_num_interop_threads": torch.get_num_interop_threads(),
-        "transformers_version": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cuda_available": torch.cuda.is_available(),
+        "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "mkldnn": torch.backends.mkldnn.is_available(),
+        "thread_env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ},
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+    try:
+        import transformers
+
+        info["transformers_version"] = transformers.__version__
+    except ImportError:
+        info["transformers_version"] = None
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -44,22 +97,66 @@ def machine_info() -> dict[str, Any]:
                     break
     except OSError:
         pass
-    try:  # read-only
-        info["git_commit"] = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                cwd=REPO_ROOT,
-                capture_output=True,
-                text=True,
-                timeout=5,
-            ).stdout.strip()
-            or None
-        )
-    except Exception:  # noqa: BLE001
-        info["git_commit"] = None
     return info
 
 
+def provenance(script: str) -> dict[str, Any]:
+    return {
+        "script": script,
+        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+        **git_state(),
+        "machine": machine_info(),
+    }
+
+
+# --- command line -------------------------------------------------------------------------------
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="run end to end with fewer sizes and repetitions (a smoke test, not a measurement; "
+        f"results go to {QUICK_DIR} unless --out-dir is given)",
+    )
+    ap.add_argument("--out-dir", type=Path, default=None, help=f"default {RESULTS_DIR}")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads (default: torch's own choice; recorded either way)",
+    )
+
+
+def setup(args: argparse.Namespace) -> Path:
+    """Apply the common arguments; return the folder results go to."""
+    logging.basicConfig(level=logging.WARNING)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.out_dir is not None:
+        return Path(args.out_dir)
+    return QUICK_DIR if args.quick else RESULTS_DIR
+
+
+def config_of(args: argparse.Namespace) -> dict[str, Any]:
+    """Every argument, defaults included, as JSON-safe values."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+def write_json(path: Path, payload: dict[str, Any], *, script: str, config: dict[str, Any]) -> None:
+    """Write a results file: provenance and the full configuration first, then the payload."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "provenance": provenance(script),
+        "config": config,
+        **payload,
+    }
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+
+
+# --- measurement helpers ------------------------------------------------------------------------
 def summarize(xs: list[float]) -> dict[str, float]:
     """Seconds in, milliseconds out."""
     if not xs:
@@ -76,11 +173,33 @@ def summarize(xs: list[float]) -> dict[str, float]:
     }
 
 
+def contention_probe() -> dict[str, Any]:
+    """Machine state at this moment: 1-minute load average and a fixed fp32 GEMM's speed
+    (2048x512 @ 512x1536, best and median of 10). Other processes on a small machine make
+    single timings noisy; these numbers let a reader judge a run."""
+    import torch
+
+    a, w = torch.randn(2048, 512), torch.randn(512, 1536)
+    a @ w
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        a @ w
+        ts.append(time.perf_counter() - t0)
+    flop = 2 * 2048 * 512 * 1536
+    return {
+        "loadavg_1m": os.getloadavg()[0],
+        "gemm_gflops_best": flop / min(ts) / 1e9,
+        "gemm_gflops_median": flop / statistics.median(ts) / 1e9,
+    }
+
+
 def random_prompt(rng: random.Random, n: int) -> list[int]:
     """BOS then random bytes (ids 0..255: no EOS / image placeholder / pad)."""
     return [256] + [rng.randrange(256) for _ in range(n - 1)]
 
 
+# --- engine helpers -----------------------------------------------------------------------------
 def make_engine(
     preset: str,
     *,
@@ -116,13 +235,75 @@ def engine_config_dict(engine) -> dict[str, Any]:  # type: ignore[no-untyped-def
     return d
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **payload}
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    print(f"wrote {path}")
+def drain(engine) -> None:  # type: ignore[no-untyped-def]
+    """Abort everything still in the engine and step until it is empty."""
+    for rid in list(engine._requests):  # noqa: SLF001 - benchmark bookkeeping only
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
+def prefill_step(engine, rng: random.Random, n: int) -> tuple[Any, float]:  # type: ignore[no-untyped-def]
+    """One request of exactly n prompt tokens, budget n: a single prefill-only step.
+    Returns the step's event and the wall seconds of the ``engine.step()`` call."""
+    from engine.sampling_params import SamplingParams
+
+    engine.set_token_budget(n)
+    engine.add_request(
+        random_prompt(rng, n), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    )
+    t0 = time.perf_counter()
+    res = engine.step()
+    wall = time.perf_counter() - t0
+    ev = res.event
+    assert ev is not None and ev.num_prefill_tokens == n and ev.num_decode_tokens == 0, ev
+    assert not engine.has_unfinished_requests(), "the 1-token request should have finished"
+    return ev, wall
+
+
+def decode_steps(  # type: ignore[no-untyped-def]
+    engine, rng: random.Random, batch: int, prompt_len: int, warm: int, n: int, budget: int
+) -> list[tuple[Any, float]]:
+    """`batch` requests of prompt_len tokens; after their prefills, discard `warm` steady decode
+    steps and return the next `n` (event, wall seconds of engine.step())."""
+    from engine.sampling_params import SamplingParams
+
+    engine.set_token_budget(budget)
+    # the first requests start decoding while later ones still prefill: leave room for that
+    prefill_steps = -(-batch * prompt_len // max(1, budget - batch)) + 1
+    params = SamplingParams(
+        max_tokens=warm + n + 4 + prefill_steps, temperature=0.0, ignore_eos=True
+    )
+    for _ in range(batch):
+        engine.add_request(random_prompt(rng, prompt_len), params)
+    out: list[tuple[Any, float]] = []
+    seen = 0
+    guard = 0
+    while len(out) < n:
+        guard += 1
+        assert guard < 10_000
+        t0 = time.perf_counter()
+        res = engine.step()
+        wall = time.perf_counter() - t0
+        ev = res.event
+        if ev is None:
+            continue
+        if ev.num_prefill_tokens == 0 and ev.num_decode_tokens == batch:
+            seen += 1
+            if seen > warm:
+                out.append((ev, wall))
+        elif seen:
+            raise AssertionError(f"steady decode interrupted: {ev}")
+    drain(engine)
+    return out
+
+
+def forward_s(ev: Any) -> float:
+    """A StepEvent's model forward + logits time, seconds."""
+    return ev.forward_ns / 1e9
+
+
+# --- printing -----------------------------------------------------------------------------------
 def table(rows: list[list[Any]], header: list[str]) -> str:
     cells = [[str(h) for h in header]] + [[_fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]

@@ -9,8 +9,9 @@ minimal raw-socket baseline (an asyncio Protocol that stamps in `data_received` 
 nothing): loadgen's own overhead is the difference. Target (issue): >= 200 concurrent streams and
 >= 2,000 chunks/s with timing error <= 1 ms; a second rate at twice that shows the headroom.
 
-Run: .venv/bin/python benchmarks/bench_loadgen.py   (~45 s; writes
-benchmarks/results/loadgen_overhead.json)
+Run: .venv/bin/python benchmarks/bench_loadgen.py [--quick]  (~45 s; writes
+benchmarks/results/loadgen_overhead.json with provenance and the full configuration; --quick:
+2-second runs, results to a temporary folder)
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import asyncio
 import json
 import logging
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -30,6 +30,11 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import add_common_args, config_of, setup, write_json  # noqa: E402
+
 from loadgen.client import ClientConfig
 from loadgen.runner import execute
 from loadgen.spec import RequestSpec
@@ -37,7 +42,6 @@ from loadgen.tokens import Segment, TokenSource
 
 logger = logging.getLogger("bench_loadgen")
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results" / "loadgen_overhead.json"
 STAGGER_S = 0.2  # streams start spread over this, then all stay open together
 TOKEN_TIMES = re.compile(rb'"token_times":\[([^\]]*)\]')
 
@@ -221,9 +225,11 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=200)
     ap.add_argument("--chunks-per-s", type=float, default=2000.0)
     ap.add_argument("--seconds", type=float, default=8.0, help="length of each run")
-    ap.add_argument("--out", type=Path, default=OUT)
+    add_common_args(ap)
     a = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    out_dir = setup(a)
+    if a.quick:
+        a.seconds = min(a.seconds, 2.0)
     rates, lines, runs = [a.chunks_per_s, 2 * a.chunks_per_s], [], []
     for rate in rates:
         lg = measure("loadgen", a.streams, rate, a.seconds)
@@ -247,12 +253,6 @@ def main() -> int:
         )
     result = {
         "benchmark": "loadgen client overhead",
-        "created": time.time(),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
         "target": {
             "streams": a.streams,
             "chunks_per_s": a.chunks_per_s,
@@ -260,10 +260,10 @@ def main() -> int:
         },
         "runs": runs,
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
+    write_json(
+        out_dir / "loadgen_overhead.json", result, script="bench_loadgen.py", config=config_of(a)
+    )
     print("\n".join(lines))
-    print(f"wrote {a.out}")
     return 0
 
 

@@ -15,8 +15,9 @@ warm-up pass first; measured passes alternate offline / thread / process ``--rep
 (so load from other processes hits all alike); best and median are reported, with the 1-minute
 load average before and after.
 
-Run from the repo root:  .venv/bin/python benchmarks/bench_server.py [--models tiny,demo]
-Writes benchmarks/results/server_throughput.json (configuration and machine included).
+Run from the repo root:  .venv/bin/python benchmarks/bench_server.py [--models tiny,demo] [--quick]
+Writes benchmarks/results/server_throughput.json (provenance and full configuration included;
+--quick: tiny only, 8 requests x 16 tokens, one pass, results to a temporary folder).
 """
 
 from __future__ import annotations
@@ -40,7 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp  # noqa: E402
-from _common import REPO_ROOT, RESULTS_DIR, machine_info, random_prompt, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    REPO_ROOT,
+    add_common_args,
+    config_of,
+    random_prompt,
+    setup,
+    write_json,
+)
 
 logger = logging.getLogger("bench_server")
 
@@ -218,23 +226,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "server_throughput.json")
+    add_common_args(p)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    out_dir = setup(args)
+    if args.quick:
+        args.models, args.num_requests, args.output_len, args.repeats = "tiny", 8, 16, 1
+    if args.threads is not None:  # the servers' engine cores run in child processes
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     runs = []
     for model in args.models.split(","):
         a = argparse.Namespace(**vars(args), model=model.strip())
         print(f"== {a.model}")
         runs.append(compare(a))
     write_json(
-        args.out,
-        {
-            "benchmark": "server_throughput",
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "machine": machine_info(),
-            "runs": runs,
-            "target_ratio": 0.9,
-        },
+        out_dir / "server_throughput.json",
+        {"benchmark": "server_throughput", "runs": runs, "target_ratio": 0.9},
+        script="bench_server.py",
+        config=config_of(args),
     )
     return 0
 

@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import add_common_args, config_of, setup, write_json  # noqa: E402
 
 from engine.attention import flash_attn_available  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-
-OUT = Path(__file__).parent / "results" / "gpu_check.json"
 
 
 def measured_roofline() -> dict[str, float]:
@@ -180,8 +181,9 @@ def throughput(model: str, quick: bool, roof: dict[str, float]) -> dict[str, obj
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="llama3.2-1b", help="preset for the throughput part")
-    ap.add_argument("--quick", action="store_true")
+    add_common_args(ap)
     args = ap.parse_args()
+    out_dir = setup(args)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check", file=sys.stderr)
         return 2
@@ -192,8 +194,7 @@ def main() -> int:
     print(json.dumps(result["correctness"], indent=1), flush=True)
     result["throughput"] = throughput(args.model, args.quick, roof)
     print(json.dumps(result["throughput"], indent=1), flush=True)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2))
+    write_json(out_dir / "gpu_check.json", result, script="gpu_check.py", config=config_of(args))
     return 0
 
 
