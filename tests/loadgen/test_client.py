@@ -104,7 +104,8 @@ def test_unreachable_server() -> None:
     recs = _run(url, [_spec(i) for i in range(3)])
     assert all(r.status == "error" and r.error.startswith("connect error") for r in recs)
     info = asyncio.run(probe_server(url))
-    assert not info.reachable and info.error
+    assert not info.reachable and info.model is None
+    assert info.error is not None and info.error.startswith("GET /v1/models: ClientConnectorError")
 
 
 def test_probe_and_text_fallback(mock_server: MockServer) -> None:
@@ -211,4 +212,5 @@ def test_completion_empty_text_chunks_count(raw_server: Any) -> None:
     ]
     (r,) = _run(_sse_server(raw_server, ev), [_spec(n=2)])
     assert r.status == "ok" and len(r.chunk_wall) == 2 and r.output_tokens == 2
-    assert not r.usage_present and r.tpot_s is not None
+    assert not r.usage_present and r.ttft_s is not None and r.e2e_s is not None
+    assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / (r.output_tokens - 1))
