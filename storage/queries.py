@@ -789,7 +789,10 @@ def controls(
                     "request_id": m["request_id"],
                 }
             )
-    return _frame(out, CONTROLS_COLUMNS)
+    df = _frame(out, CONTROLS_COLUMNS)
+    for name in ("old_value", "new_value"):  # ints and strings as they were sent
+        df[name] = pd.Series([m[name] for m in out], dtype=object)
+    return df
 
 
 def _json(text: str | None) -> Any:

@@ -1,0 +1,800 @@
+"""The collector: engines stream events to ``/ingest``, control clients use ``/control``.
+
+One asyncio event loop serves every connection; handlers parse and check frames and only
+enqueue them (``storage.writer``); the writer thread commits in batches and the acks go out
+after the commit. ``GET /healthz`` and ``GET /metrics`` answer on the same port
+(``process_request``). The wire contract is docs/telemetry.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import parse_qs
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from storage import db as dbm
+from storage.store import CollectorControl, Disconnect, Events, EventsResult, Hello, RunInfo
+from storage.writer import Writer
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+DEFAULT_PORT = 8765
+DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+DEFAULT_POLICIES = ("chunked", "unchunked")
+CONTROL_KEYS = ("token_budget", "policy")
+
+CLOSE_TOO_BIG = 1009
+CLOSE_BAD_INPUT = 4400
+CLOSE_AUTH = 4401
+CLOSE_REPLACED = 4409
+CLOSE_STORE_ERROR = 1011
+
+
+@dataclass
+class CollectorConfig:
+    db_url: str
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    auth_token: str | None = None
+    control_token: str | None = None
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    control_timeout: float = 15.0
+    hello_timeout: float = 10.0
+    max_pending_events: int = 200_000
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be from 0 to 65535, got {self.port}")
+        if self.max_frame_bytes < 1024:
+            raise ValueError(f"max_frame_bytes must be at least 1024, got {self.max_frame_bytes}")
+        if self.control_timeout <= 0:
+            raise ValueError(f"control_timeout must be positive, got {self.control_timeout}")
+
+
+class Metrics:
+    """The collector's own Prometheus registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.frames = Counter("collector_frames", "Frames received on /ingest", registry=r)
+        self.events = Counter("collector_events", "Events stored, by type", ["type"], registry=r)
+        self.duplicates = Counter(
+            "collector_duplicate_events", "Resent events already stored (skipped)", registry=r
+        )
+        self.refusals = Counter(
+            "collector_refusals",
+            "Frames, events or controls refused, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.ingest_lag = Gauge(
+            "collector_ingest_lag_seconds",
+            "Receipt of a frame to its commit, for the latest batch (oldest frame in it)",
+            registry=r,
+        )
+        self.ingest_lag_hist = Histogram(
+            "collector_ingest_lag_hist_seconds",
+            "Receipt of a frame to its commit",
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.batch_seconds = Histogram(
+            "collector_write_batch_seconds",
+            "Time to write and commit one batch",
+            registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        )
+        self.batch_events = Histogram(
+            "collector_write_batch_events",
+            "Events per committed batch",
+            registry=r,
+            buckets=(1, 10, 100, 1000, 5000, 20000, 50000),
+        )
+        self.pending = Gauge(
+            "collector_pending_events", "Events received but not yet committed", registry=r
+        )
+        self.connected = Gauge(
+            "collector_connected_engines", "Engines connected on /ingest", registry=r
+        )
+        self.control_clients = Gauge(
+            "collector_control_clients", "Clients connected on /control", registry=r
+        )
+        self.controls = Counter(
+            "collector_controls", "Controls relayed, by outcome", ["outcome"], registry=r
+        )
+
+    def refuse(self, reason: str) -> None:
+        self.refusals.labels(reason=reason).inc()
+
+
+@dataclass(eq=False)
+class IngestConn:
+    """One engine connection on /ingest (after its hello)."""
+
+    ws: ServerConnection
+    engine_id: str
+    run_id: str
+    run_key: int = 0
+    expected: int = 1  # the next seq this connection may send
+    max_token_budget: int | None = None
+    token_budget: int | None = None
+    policy: str | None = None
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    model: str | None = None
+    last_step: int | None = None
+    last_seen_ns: int | None = None
+    current: bool = True  # False once replaced by a newer connection of the same run
+    pending: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
+
+
+class Collector:
+    def __init__(self, config: CollectorConfig) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self._server: Server | None = None
+        self._writer: Writer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._futures: dict[int, asyncio.Future[Any]] = {}
+        self._by_run: dict[int, IngestConn] = {}
+        self._by_engine: dict[str, IngestConn] = {}
+        self._seen: dict[str, dict[str, Any]] = {}  # engine_id -> its latest list_engines row
+        self._pending_events = 0
+        self._drained = asyncio.Event()
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._drained = asyncio.Event()
+        db = dbm.connect(self.config.db_url)
+        await asyncio.to_thread(dbm.migrate, db)
+        self._writer = Writer(db, self._on_commit_threadsafe)
+        await asyncio.to_thread(self._writer.start)
+        self._server = await serve(
+            self._handle,
+            self.config.host,
+            self.config.port,
+            process_request=self._process_request,
+            max_size=self.config.max_frame_bytes,
+            max_queue=64,
+            compression=None,
+            ping_interval=20,
+            ping_timeout=60,
+        )
+        logger.info(
+            "collector listening on %s, store %s",
+            self.url,
+            db.url.render_as_string(hide_password=True),
+        )
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "collector not started"
+        return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        host = self.config.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"ws://{host}:{self.port}"
+
+    async def serve_forever(self) -> None:
+        assert self._server is not None
+        await self._server.serve_forever()
+
+    async def stop(self) -> None:
+        """Close every connection, write what is queued, close the store."""
+        if self._server is not None:
+            self._server.close(close_connections=True)
+            await self._server.wait_closed()
+            self._server = None
+        for task in list(self._tasks):
+            task.cancel()
+        if self._writer is not None:
+            await asyncio.to_thread(self._writer.stop)
+            self._writer = None
+
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        path, _, query = request.path.partition("?")
+        if path == "/healthz":
+            return connection.respond(HTTPStatus.OK, "ok\n")
+        if path == "/metrics":
+            response = connection.respond(HTTPStatus.OK, "")
+            body = generate_latest(self.metrics.registry)
+            response.body = body
+            del response.headers["Content-Type"]
+            del response.headers["Content-Length"]
+            response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+            response.headers["Content-Length"] = str(len(body))
+            return response
+        if path not in ("/ingest", "/control"):
+            return connection.respond(
+                HTTPStatus.NOT_FOUND, "not found: use /ingest, /control, /healthz or /metrics\n"
+            )
+        if path == "/control" and self.config.auth_token is not None:
+            token = parse_qs(query).get("token", [None])[0]
+            auth = request.headers.get("Authorization", "")
+            if auth.startswith("Bearer "):
+                token = auth[len("Bearer ") :]
+            if token is None or not hmac.compare_digest(token, self.config.auth_token):
+                self.metrics.refuse("auth")
+                return connection.respond(HTTPStatus.UNAUTHORIZED, "missing or wrong token\n")
+        return None
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        path = ws.request.path.partition("?")[0] if ws.request else ""
+        if path == "/control":
+            await self._control_client(ws)
+        else:
+            await self._ingest(ws)
+
+    # -- writer plumbing ----------------------------------------------------------------------
+
+    def _submit(self, op: Any, *, want_result: bool = False) -> asyncio.Future[Any] | None:
+        assert self._writer is not None and self._loop is not None
+        fut = None
+        if want_result:
+            fut = self._loop.create_future()
+            self._futures[id(op)] = fut
+        if isinstance(op, Events):
+            self._pending_events += len(op.events)
+            self.metrics.pending.set(self._pending_events)
+        self._writer.submit(op)
+        return fut
+
+    def _on_commit_threadsafe(self, ops: list[Any], results: list[Any], seconds: float) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._on_commit, ops, results, seconds)
+
+    def _on_commit(self, ops: list[Any], results: list[Any], seconds: float) -> None:
+        m = self.metrics
+        m.batch_seconds.observe(seconds)
+        now = time.monotonic()
+        acks: dict[int, tuple[IngestConn, int]] = {}
+        n_events = 0
+        oldest = None
+        for op, result in zip(ops, results, strict=True):
+            fut = self._futures.pop(id(op), None)
+            if fut is not None and not fut.done():
+                if isinstance(result, BaseException):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(result)
+            if not isinstance(op, Events):
+                continue
+            n_events += len(op.events)
+            self._pending_events -= len(op.events)
+            oldest = op.received if oldest is None else min(oldest, op.received)
+            conn: IngestConn | None = op.tag
+            if isinstance(result, BaseException):
+                m.refuse("store_error")
+                if conn is not None:
+                    self._spawn(conn.ws.close(CLOSE_STORE_ERROR, "store error; resend"))
+                continue
+            self._count(result)
+            if conn is not None:
+                acks[id(conn)] = (conn, result.last_seq)
+                self._report(conn, result)
+        m.batch_events.observe(n_events)
+        if oldest is not None:
+            lag = now - oldest
+            m.ingest_lag.set(lag)
+            m.ingest_lag_hist.observe(lag)
+        m.pending.set(self._pending_events)
+        if self._pending_events <= self.config.max_pending_events:
+            self._drained.set()
+        for conn, seq in acks.values():
+            self._spawn(self._send(conn.ws, {"type": "ack", "seq": seq}))
+
+    def _count(self, result: EventsResult) -> None:
+        m = self.metrics
+        for kind, n in result.counts.items():
+            m.events.labels(type=kind).inc(n)
+        if result.duplicates:
+            m.duplicates.inc(result.duplicates)
+        for _ in result.unknown_types:
+            m.refuse("unknown_event_type")
+        for _ in result.bad:
+            m.refuse("bad_event")
+
+    def _report(self, conn: IngestConn, result: EventsResult) -> None:
+        if result.unknown_types:
+            types = sorted(set(result.unknown_types))
+            self._spawn(
+                self._send(
+                    conn.ws,
+                    {
+                        "type": "error",
+                        "code": "unknown_event_type",
+                        "message": f"skipped {len(result.unknown_types)} event(s) of unknown "
+                        f"type {types} (their seqs count as received)",
+                    },
+                )
+            )
+        for seq, why in result.bad:
+            self._spawn(
+                self._send(
+                    conn.ws,
+                    {
+                        "type": "error",
+                        "code": "bad_event",
+                        "seq": seq,
+                        "message": f"event {seq} could not be read and was skipped: {why}",
+                    },
+                )
+            )
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _send(ws: ServerConnection, msg: dict[str, Any]) -> None:
+        try:
+            await ws.send(json.dumps(msg))
+        except ConnectionClosed:
+            pass
+
+    async def _backpressure(self) -> None:
+        while self._pending_events > self.config.max_pending_events:
+            self._drained.clear()
+            try:
+                await asyncio.wait_for(self._drained.wait(), 1.0)
+            except TimeoutError:
+                pass
+
+    # -- /ingest ------------------------------------------------------------------------------
+
+    async def _close(self, ws: ServerConnection, code: int, reason: str) -> None:
+        self.metrics.refuse({CLOSE_BAD_INPUT: "bad_input", CLOSE_AUTH: "auth"}.get(code, str(code)))
+        logger.warning("closing %s with %d: %s", ws.remote_address, code, reason)
+        await ws.close(code, reason[:120])
+
+    async def _ingest(self, ws: ServerConnection) -> None:
+        try:
+            raw = await asyncio.wait_for(ws.recv(), self.config.hello_timeout)
+        except TimeoutError:
+            await self._close(ws, CLOSE_BAD_INPUT, "no hello within the time limit")
+            return
+        except ConnectionClosed as exc:
+            self._closed_reason(exc)
+            return
+        self.metrics.frames.inc()
+        hello, why = self._parse(raw)
+        if hello is None:
+            await self._close(ws, CLOSE_BAD_INPUT, why)
+            return
+        why = self._check_hello(hello)
+        if why:
+            await self._close(ws, CLOSE_BAD_INPUT, why)
+            return
+        if self.config.auth_token is not None:
+            token = hello.get("token")
+            if not isinstance(token, str) or not hmac.compare_digest(token, self.config.auth_token):
+                await self._close(ws, CLOSE_AUTH, "missing or wrong auth token")
+                return
+        conn = IngestConn(ws=ws, engine_id=hello["engine_id"], run_id=hello["run_id"])
+        self._take_hello(conn, hello)
+        # A newer connection of the same engine takes over at once: the old one stops enqueueing.
+        old = self._by_engine.get(conn.engine_id)
+        if old is not None and old.run_id == conn.run_id:
+            old.current = False
+            self._spawn(old.ws.close(CLOSE_REPLACED, "replaced by a newer connection of this run"))
+        self._by_engine[conn.engine_id] = conn
+        try:
+            fut = self._submit(Hello(hello), want_result=True)
+            assert fut is not None
+            info: RunInfo = await fut
+        except Exception as exc:
+            logger.exception("registering run %s/%s failed", conn.engine_id, conn.run_id)
+            self._drop(conn)
+            await ws.close(CLOSE_STORE_ERROR, f"store error: {type(exc).__name__}")
+            return
+        conn.run_key = info.run_key
+        conn.expected = info.last_seq + 1
+        prev = self._by_run.get(info.run_key)
+        if prev is not None and prev is not conn:
+            prev.current = False
+        self._by_run[info.run_key] = conn
+        self._refresh_seen(conn, connected=True)
+        self.metrics.connected.set(len(self._by_run))
+        logger.info(
+            "engine %s run %s connected from %s (durable seq %d)",
+            conn.engine_id,
+            conn.run_id,
+            ws.remote_address,
+            info.last_seq,
+        )
+        try:
+            await ws.send(json.dumps({"type": "ack", "seq": info.last_seq}))
+            async for raw in ws:
+                self.metrics.frames.inc()
+                if not await self._ingest_frame(conn, raw):
+                    return
+        except ConnectionClosed as exc:
+            self._closed_reason(exc)
+        finally:
+            self._disconnected(conn)
+
+    def _closed_reason(self, exc: ConnectionClosed) -> None:
+        if exc.sent is not None and exc.sent.code == CLOSE_TOO_BIG:
+            self.metrics.refuse("frame_too_big")
+
+    def _drop(self, conn: IngestConn) -> None:
+        if self._by_engine.get(conn.engine_id) is conn:
+            del self._by_engine[conn.engine_id]
+
+    def _disconnected(self, conn: IngestConn) -> None:
+        for fut in conn.pending.values():
+            if not fut.done():
+                fut.set_result(
+                    {"ok": False, "error": f"engine {conn.engine_id} disconnected before answering"}
+                )
+        conn.pending.clear()
+        self._drop(conn)
+        if self._by_run.get(conn.run_key) is conn:
+            del self._by_run[conn.run_key]
+            if conn.current and conn.run_key:
+                self._submit(Disconnect(conn.run_key))
+            self._refresh_seen(conn, connected=False)
+        self.metrics.connected.set(len(self._by_run))
+        logger.info(
+            "engine %s run %s disconnected (code %s)",
+            conn.engine_id,
+            conn.run_id,
+            conn.ws.close_code,
+        )
+
+    @staticmethod
+    def _parse(raw: str | bytes) -> tuple[dict[str, Any] | None, str]:
+        if isinstance(raw, bytes):
+            return None, "binary frame: frames are JSON text"
+        try:
+            msg = json.loads(raw)
+        except ValueError as exc:
+            return None, f"malformed JSON: {exc}"
+        if not isinstance(msg, dict):
+            return None, f"a frame must be a JSON object, got {type(msg).__name__}"
+        return msg, ""
+
+    @staticmethod
+    def _check_hello(h: dict[str, Any]) -> str:
+        if h.get("type") != "hello":
+            return "the first frame must be a hello"
+        if h.get("schema") != SCHEMA_VERSION:
+            return f"schema {h.get('schema')!r} not supported (this collector speaks 1)"
+        for key in ("engine_id", "run_id"):
+            if not isinstance(h.get(key), str) or not h[key]:
+                return f"hello needs a non-empty string {key}"
+        clock = h.get("clock")
+        if not isinstance(clock, dict) or not all(
+            isinstance(clock.get(k), int) and not isinstance(clock.get(k), bool)
+            for k in ("wall_ns", "mono_ns")
+        ):
+            return "hello needs clock {wall_ns, mono_ns} as integers"
+        for key in ("token_budget", "max_token_budget", "pid", "kv_blocks_total", "block_size"):
+            value = h.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                return f"hello {key} must be an integer, got {value!r}"
+        return ""
+
+    def _take_hello(self, conn: IngestConn, h: dict[str, Any]) -> None:
+        conn.max_token_budget = h.get("max_token_budget")
+        conn.token_budget = h.get("token_budget")
+        conn.policy = h.get("policy")
+        conn.model = h.get("model")
+        policies = h.get("policies")
+        if isinstance(policies, list) and all(isinstance(p, str) for p in policies):
+            conn.policies = tuple(policies)
+
+    def _refresh_seen(self, conn: IngestConn, *, connected: bool) -> None:
+        self._seen[conn.engine_id] = {
+            "engine_id": conn.engine_id,
+            "run_id": conn.run_id,
+            "connected": connected,
+            "model": conn.model,
+            "token_budget": conn.token_budget,
+            "max_token_budget": conn.max_token_budget,
+            "policy": conn.policy,
+            "last_step": conn.last_step,
+            "last_seen_ns": conn.last_seen_ns,
+        }
+
+    async def _ingest_frame(self, conn: IngestConn, raw: str | bytes) -> bool:
+        """Handle one frame after the hello; False when the connection was closed."""
+        msg, why = self._parse(raw)
+        if msg is None:
+            await self._close(conn.ws, CLOSE_BAD_INPUT, why)
+            return False
+        kind = msg.get("type")
+        if kind == "control_ack":
+            self._control_ack(conn, msg)
+            return True
+        if msg.get("schema") != SCHEMA_VERSION:
+            await self._close(
+                conn.ws, CLOSE_BAD_INPUT, f"schema {msg.get('schema')!r} not supported"
+            )
+            return False
+        if kind != "events":
+            self.metrics.refuse("unknown_message")
+            await self._send(
+                conn.ws,
+                {
+                    "type": "error",
+                    "code": "unknown_message",
+                    "message": f"unknown message type {kind!r} on /ingest (after the hello: "
+                    "events or control_ack)",
+                },
+            )
+            return True
+        for key in ("engine_id", "run_id"):
+            if key in msg and msg[key] != getattr(conn, key):
+                await self._close(conn.ws, CLOSE_BAD_INPUT, f"{key} differs from the hello's")
+                return False
+        events = msg.get("events")
+        if not isinstance(events, list) or not all(
+            isinstance(e, dict)
+            and isinstance(e.get("seq"), int)
+            and not isinstance(e.get("seq"), bool)
+            for e in events
+        ):
+            await self._close(
+                conn.ws, CLOSE_BAD_INPUT, "events must be a list of objects with an integer seq"
+            )
+            return False
+        if not events:
+            return True
+        seqs = [e["seq"] for e in events]
+        if any(b <= a for a, b in itertools.pairwise(seqs)):
+            self.metrics.refuse("seq_order")
+            await self._send(
+                conn.ws,
+                {
+                    "type": "error",
+                    "code": "seq_order",
+                    "expected": conn.expected,
+                    "message": "the seqs in a frame must increase; frame refused",
+                },
+            )
+            return True
+        accepted: list[dict[str, Any]] = []
+        expected = conn.expected
+        gap_at = None
+        duplicates = 0
+        for ev in events:
+            seq = ev["seq"]
+            if seq < expected:
+                duplicates += 1
+                continue
+            if seq > expected and not self._declares(ev, expected):
+                gap_at = expected
+                break
+            accepted.append(ev)
+            expected = seq + 1
+        if duplicates:
+            self.metrics.duplicates.inc(duplicates)
+        if accepted:
+            await self._backpressure()
+            if not conn.current:
+                return False
+            conn.expected = expected
+            self._note_progress(conn, accepted)
+            self._submit(Events(conn.run_key, accepted, tag=conn))
+        if gap_at is not None:
+            self.metrics.refuse("seq_gap")
+            await self._send(
+                conn.ws,
+                {
+                    "type": "error",
+                    "code": "seq_gap",
+                    "expected": gap_at,
+                    "message": f"seq {gap_at} is missing; resend from it",
+                },
+            )
+        return True
+
+    @staticmethod
+    def _declares(ev: dict[str, Any], expected: int) -> bool:
+        """A gap event may jump over the seqs it declares lost."""
+        if ev.get("type") != "gap":
+            return False
+        first, last = ev.get("first_seq_lost"), ev.get("last_seq_lost")
+        return (
+            isinstance(first, int)
+            and isinstance(last, int)
+            and first <= expected
+            and last >= ev["seq"] - 1
+        )
+
+    def _note_progress(self, conn: IngestConn, events: list[dict[str, Any]]) -> None:
+        for ev in reversed(events):
+            if ev.get("type") == "step":
+                step, end_ns = ev.get("step"), ev.get("end_ns")
+                if isinstance(step, int):
+                    conn.last_step = step
+                if isinstance(end_ns, int):
+                    conn.last_seen_ns = end_ns
+                budget, policy = ev.get("token_budget"), ev.get("policy")
+                if isinstance(budget, int):
+                    conn.token_budget = budget
+                if isinstance(policy, str):
+                    conn.policy = policy
+                break
+        for ev in events:
+            if ev.get("type") == "control" and ev.get("accepted"):
+                if ev.get("key") == "token_budget" and isinstance(ev.get("new_value"), int):
+                    conn.token_budget = ev["new_value"]
+                elif ev.get("key") == "policy" and isinstance(ev.get("new_value"), str):
+                    conn.policy = ev["new_value"]
+        if self._by_run.get(conn.run_key) is conn:
+            self._refresh_seen(conn, connected=True)
+
+    # -- control relay ------------------------------------------------------------------------
+
+    def _control_ack(self, conn: IngestConn, msg: dict[str, Any]) -> None:
+        cid = msg.get("id")
+        fut = conn.pending.pop(str(cid), None) if cid is not None else None
+        if fut is None:
+            logger.warning("control_ack for unknown id %r from %s", cid, conn.engine_id)
+            return
+        if not fut.done():
+            fut.set_result(msg)
+
+    async def _control_client(self, ws: ServerConnection) -> None:
+        self.metrics.control_clients.inc()
+        try:
+            async for raw in ws:
+                msg, why = self._parse(raw)
+                if msg is None:
+                    self.metrics.refuse("control_bad_input")
+                    await self._send(ws, {"type": "error", "code": "bad_input", "message": why})
+                    continue
+                kind = msg.get("type")
+                if kind == "list_engines":
+                    await self._send(ws, {"type": "engines", "engines": self.list_engines()})
+                elif kind == "control":
+                    # Several controls from one client may be in flight at once.
+                    self._spawn(self._relay_and_answer(ws, msg))
+                else:
+                    self.metrics.refuse("unknown_message")
+                    await self._send(
+                        ws,
+                        {
+                            "type": "error",
+                            "code": "unknown_message",
+                            "message": f"unknown message type {kind!r}: use list_engines or "
+                            "control",
+                        },
+                    )
+        except ConnectionClosed:
+            pass
+        finally:
+            self.metrics.control_clients.dec()
+
+    def list_engines(self) -> list[dict[str, Any]]:
+        return [dict(v) for v in self._seen.values()]
+
+    async def _relay_and_answer(self, ws: ServerConnection, msg: dict[str, Any]) -> None:
+        answer = await self.relay(msg)
+        await self._send(ws, answer)
+
+    async def relay(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Check a control, forward it to its engine, and return the control_ack to send back."""
+        cid = msg.get("id")
+        cid = str(cid) if cid is not None else f"collector-{next(self._ids)}"
+        engine_id = msg.get("engine_id")
+        new = msg.get("set")
+        conn = self._by_engine.get(engine_id) if isinstance(engine_id, str) else None
+        keys = list(new) if isinstance(new, dict) and new else [None]
+
+        def refuse(reason: str, outcome: str) -> dict[str, Any]:
+            self.metrics.controls.labels(outcome=outcome).inc()
+            self.metrics.refuse(f"control_{outcome}")
+            if isinstance(engine_id, str):
+                run_id = (
+                    conn.run_id if conn is not None else self._seen.get(engine_id, {}).get("run_id")
+                )
+                for key in keys:
+                    old = getattr(conn, key, None) if conn is not None and key else None
+                    value = new.get(key) if isinstance(new, dict) and key else None
+                    self._submit(
+                        CollectorControl(
+                            engine_id=engine_id,
+                            run_id=run_id,
+                            key=key if key is None else str(key),
+                            old_value=old,
+                            new_value=value,
+                            reason=reason,
+                            request_id=cid,
+                        )
+                    )
+            logger.info("control %s for %r refused: %s", cid, engine_id, reason)
+            return {"type": "control_ack", "id": cid, "ok": False, "error": reason}
+
+        token = msg.get("token")
+        if self.config.control_token is not None and (
+            not isinstance(token, str) or not hmac.compare_digest(token, self.config.control_token)
+        ):
+            return refuse("missing or wrong control token", "token")
+        if not isinstance(engine_id, str) or not engine_id:
+            return refuse("engine_id must be a non-empty string", "bad_request")
+        if conn is None:
+            if engine_id in self._seen:
+                return refuse(f"engine {engine_id} is not connected", "disconnected")
+            return refuse(f"unknown engine {engine_id!r}", "unknown_engine")
+        if not isinstance(new, dict) or not new:
+            return refuse(
+                'set must be a non-empty object, e.g. {"token_budget": 512}', "bad_request"
+            )
+        for key, value in new.items():
+            if key not in CONTROL_KEYS:
+                return refuse(f"unknown key {key!r}: use one of {list(CONTROL_KEYS)}", "bad_key")
+            if key == "token_budget":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    return refuse(f"token_budget must be an integer, got {value!r}", "bad_value")
+                top = conn.max_token_budget
+                if value < 1 or (top is not None and value > top):
+                    bound = f"from 1 to {top}" if top is not None else "at least 1"
+                    return refuse(f"token_budget must be {bound}, got {value}", "bad_value")
+            if key == "policy" and value not in conn.policies:
+                return refuse(
+                    f"policy must be one of {list(conn.policies)}, got {value!r}", "bad_value"
+                )
+        if cid in conn.pending:
+            return refuse(f"a control with id {cid!r} is already pending", "bad_request")
+        assert self._loop is not None
+        fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+        conn.pending[cid] = fut
+        out: dict[str, Any] = {"type": "control", "id": cid, "set": new}
+        if token is not None:
+            out["token"] = token
+        try:
+            await conn.ws.send(json.dumps(out))
+            answer = await asyncio.wait_for(fut, self.config.control_timeout)
+        except ConnectionClosed:
+            return refuse(f"engine {engine_id} disconnected before answering", "disconnected")
+        except TimeoutError:
+            return refuse(
+                f"no answer from engine {engine_id} within {self.config.control_timeout:g} s",
+                "timeout",
+            )
+        finally:
+            conn.pending.pop(cid, None)
+        if "type" not in answer:
+            # The engine dropped before answering (see _disconnected): the collector refuses.
+            return refuse(str(answer.get("error")), "disconnected")
+        ok = bool(answer.get("ok"))
+        self.metrics.controls.labels(outcome="accepted" if ok else "refused_by_engine").inc()
+        if ok:
+            for key, value in new.items():
+                setattr(conn, key, value)
+            self._refresh_seen(conn, connected=True)
+        return {**answer, "type": "control_ack", "id": cid}
