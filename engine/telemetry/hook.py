@@ -73,7 +73,9 @@ def start_server_publisher(
     """Start publishing ``client``'s events to the collector at ``url`` (``ws://host:port``,
     ``/ingest`` appended when there is no path): listener, ``/metrics`` counters (when
     ``registry`` is given) and the control relay. Raises ValueError for a bad URL."""
-    anchor = getattr(client, "clock_anchor", None)
+    anchor = getattr(client, "clock_anchor", None)  # the core's, as its token times use
+    if not isinstance(anchor, ClockAnchor):  # an in-thread core: the engine's own
+        anchor = getattr(getattr(client, "engine", None), "clock_anchor", None)
     if not isinstance(anchor, ClockAnchor):
         # Same host, same CLOCK_MONOTONIC (Linux): an anchor read here maps the core's times.
         anchor = ClockAnchor.now()
