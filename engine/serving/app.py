@@ -1,7 +1,8 @@
-"""The FastAPI app: server state, routes, OpenAI-shaped errors, step-loop lifespan."""
+"""The FastAPI app: server state, routes, OpenAI-shaped errors, engine-core shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -16,8 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.metrics import EngineMetrics
 from engine.multimodal import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 from engine.protocol import APIError, error_body
-from engine.serving.engine_loop import EngineLoop
-from engine.serving.engine_proc import EngineClient, ProcessLoop
+from engine.serving.client import EngineClient
 from engine.serving.routes_control import add_control_routes
 from engine.serving.routes_openai import add_openai_routes
 from engine.serving.state import DEFAULT_MAX_BODY_BYTES, ServerState
@@ -35,23 +35,24 @@ def build_app(
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     engine_id: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving ``engine``; its lifespan starts and stops the step loop.
+    """The FastAPI app serving ``engine``; its shutdown stops the engine core.
 
-    ``engine`` is an ``LLMEngine`` (stepped on a thread of this process) or an ``EngineClient``
-    (process mode: the app's shutdown stops the engine core process).
+    ``engine`` is an ``EngineClient`` (``EngineClient.spawn(config)``: the core in a child
+    process, the default) or an ``LLMEngine``, whose core loop then runs on a thread of this
+    process (``EngineClient.in_thread``).
     """
-    model_name = str(engine.model_name)
+    client = engine if isinstance(engine, EngineClient) else EngineClient.in_thread(engine)
+    model_name = str(client.model_name)
     eid = (
         engine_id
-        or getattr(engine, "engine_id", None)
-        or engine.config.engine_id
+        or client.engine_id
+        or client.config.engine_id
         or f"{socket.gethostname()}-{os.getpid()}"
     )
     metrics = EngineMetrics(model_name, eid)
-    engine.add_listener(metrics.on_event)
+    client.add_listener(metrics.on_event)
     state = ServerState(
-        engine=engine,
-        loop=ProcessLoop(engine) if isinstance(engine, EngineClient) else EngineLoop(engine),
+        client=client,
         metrics=metrics,
         model_name=model_name,
         engine_id=eid,
@@ -64,11 +65,10 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.loop.start()
         try:
             yield
         finally:
-            state.loop.stop()
+            await asyncio.to_thread(client.shutdown)
 
     app = FastAPI(title="chunkscope engine", lifespan=lifespan)
     app.state.server = state

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.multimodal import DEFAULT_MAX_IMAGE_BYTES
 from engine.serving.app import build_app
-from engine.serving.engine_proc import EngineClient, EngineStartError
+from engine.serving.client import EngineClient, EngineStartError
 from engine.serving.serve import bind_socket, uvicorn_server
 from engine.serving.state import DEFAULT_MAX_BODY_BYTES
 
@@ -60,10 +60,10 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--max-image-bytes", {"type": int, "default": DEFAULT_MAX_IMAGE_BYTES,
                            "help": "largest encoded image accepted; larger gets 400"}),
     ("--engine-in-thread", {"action": "store_true",
-                            "help": "step the engine on a thread of the HTTP server process "
+                            "help": "run the engine core on a thread of the HTTP server process "
                             "instead of in its own process (by default the engine core runs "
                             "in a child process, so HTTP handling and the steps do not share "
-                            "one GIL)"}),
+                            "one GIL); the same core loop either way"}),
     ("--log-level", {"default": "info", "choices": ("debug", "info", "warning", "error"),
                      "help": "log level"}),
 ]  # fmt: skip
@@ -133,19 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _serve(engine, args)
     finally:
-        if isinstance(engine, EngineClient):
-            engine.shutdown()  # idempotent: the app's shutdown stops it already
+        engine.shutdown()  # idempotent: the app's shutdown stops it already
 
 
-def _start_engine(config: Any, *, in_thread: bool) -> Any:
-    if not in_thread:
-        return EngineClient(config)
-    from engine.llm_engine import LLMEngine
-
-    return LLMEngine(config)
+def _start_engine(config: Any, *, in_thread: bool) -> EngineClient:
+    return EngineClient.in_thread(config) if in_thread else EngineClient.spawn(config)
 
 
-def _serve(engine: Any, args: argparse.Namespace) -> int:
+def _serve(engine: EngineClient, args: argparse.Namespace) -> int:
     app = build_app(
         engine,
         control_token=args.control_token or os.environ.get("CHUNKSCOPE_CONTROL_TOKEN"),

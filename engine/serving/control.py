@@ -85,7 +85,7 @@ def apply_changes(
     for key, value in checked.items():
         setter = engine.set_token_budget if key == "token_budget" else engine.set_policy
         kwargs: dict[str, object] = {"source": source}
-        if request_id is not None and _takes(setter, "request_id"):
+        if request_id is not None and takes_keyword(setter, "request_id"):
             kwargs["request_id"] = request_id
         events.append(setter(value, **kwargs))
     return events
@@ -134,7 +134,8 @@ async def apply_scheduler_update(
     return change
 
 
-def _takes(fn: Callable[..., Any], name: str) -> bool:
+def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` has a parameter ``name`` (engines older or newer than this server)."""
     try:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):

@@ -14,8 +14,8 @@ from fastapi import Request
 from engine.admission import QueueFullError
 from engine.protocol import APIError
 from engine.serving.detokenize import IncrementalDetokenizer, TextAccumulator
-from engine.serving.engine_loop import RequestFailed
 from engine.serving.state import ServerState
+from engine.serving.streams import ADMITTED, RequestFailed, RequestRefused, engine_dead
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +65,13 @@ class Generation:
         }
 
 
-class Session:
-    """Submits HTTP requests to the engine and consumes their outputs."""
+class GenerationRunner:
+    """Submits HTTP requests to the engine core and turns their outputs into text deltas."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
-    def submit(
+    async def submit(
         self,
         request: Request,
         prompt: list[int],
@@ -81,34 +81,33 @@ class Session:
         traffic_class: str | None,
         images: list[Any] | None = None,
     ) -> tuple[Generation, AsyncIterator[Delta]]:
-        """Queue the request in the engine; return its record and its text deltas.
+        """Queue the request in the engine core and wait until the core admitted it; return
+        its record and its text deltas. A refusal raises the APIError for it (503 with
+        Retry-After for a full queue, 400 for an invalid request) before any response starts.
 
-        From here on a task watches the connection, so a client that goes away is aborted at
-        once, whether or not the deltas are ever iterated (a stream whose first chunk never
+        From submission on a task watches the connection, so a client that goes away is aborted
+        at once, whether or not the deltas are ever iterated (a stream whose first chunk never
         went out) and whatever the ASGI server does about disconnects.
         """
-        rid, queue = self._add(prompt, params, traffic_class, images)
-        gen = Generation(request_id=rid, num_prompt_tokens=len(prompt))
-        watcher = asyncio.ensure_future(self._abort_on_disconnect(request, rid, queue))
-        return gen, self._deltas(gen, queue, stops, watcher)
-
-    def _add(
-        self, prompt: list[int], params: Any, traffic_class: str | None, images: list[Any] | None
-    ) -> tuple[str, asyncio.Queue[Any]]:
+        client = self.state.client
         try:
-            return self.state.loop.submit(
-                prompt, params, traffic_class=traffic_class, images=images
-            )
+            rid, queue = client.submit(prompt, params, traffic_class=traffic_class, images=images)
         except QueueFullError as exc:
-            raise APIError(
-                503,
-                f"the engine's waiting queue is full ({exc}); retry shortly",
-                type="server_error",
-                code="queue_full",
-                headers={"Retry-After": "1"},
-            ) from exc
+            raise _queue_full(str(exc)) from exc
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
+        watcher = asyncio.ensure_future(self._abort_on_disconnect(request, rid, queue))
+        try:
+            first = await queue.get()
+        except BaseException:
+            watcher.cancel()
+            client.abort(rid)
+            raise
+        if first is not ADMITTED:
+            watcher.cancel()
+            raise _refusal_error(first)
+        gen = Generation(request_id=rid, num_prompt_tokens=len(prompt))
+        return gen, self._deltas(gen, queue, stops, watcher)
 
     async def _abort_on_disconnect(
         self, request: Request, request_id: str, queue: asyncio.Queue[Any]
@@ -117,7 +116,7 @@ class Session:
         while (await request.receive())["type"] != "http.disconnect":
             pass
         logger.info("client of %s disconnected; request aborted", request_id)
-        self.state.loop.abort(request_id)
+        self.state.client.abort(request_id)
         queue.put_nowait(ClientGone())  # wakes the consumer, if there is one
 
     async def _deltas(
@@ -132,7 +131,7 @@ class Session:
         Raises ``ClientGone`` when the client disconnects, ``RequestFailed`` when the engine
         fails the request.
         """
-        detok = IncrementalDetokenizer(self.state.engine.tokenizer)
+        detok = IncrementalDetokenizer(self.state.client.tokenizer)
         acc = TextAccumulator(stops)
         done = False
         try:
@@ -155,7 +154,7 @@ class Session:
                 if out.finished:
                     acc.add(detok.flush())
                 if acc.stopped and not out.finished:
-                    self.state.loop.abort(gen.request_id)
+                    self.state.client.abort(gen.request_id, reason="stop")
                     done = True
                     gen.finish_reason = "stop"
                 elif out.finished:
@@ -168,4 +167,30 @@ class Session:
             watcher.cancel()
             if not done:  # the consumer stopped early (a failed send, a cancelled handler)
                 logger.info("request %s cancelled before finishing; aborting", gen.request_id)
-                self.state.loop.abort(gen.request_id)
+                self.state.client.abort(gen.request_id)
+
+
+def _queue_full(detail: str) -> APIError:
+    return APIError(
+        503,
+        f"the engine's waiting queue is full ({detail}); retry shortly",
+        type="server_error",
+        code="queue_full",
+        headers={"Retry-After": "1"},
+    )
+
+
+def _refusal_error(item: object) -> BaseException:
+    """The error for what came instead of ``ADMITTED``: a refusal, a dead engine, a client
+    that left."""
+    if isinstance(item, RequestRefused):
+        if item.kind == "queue_full":
+            return _queue_full(item.message)
+        if item.kind == "invalid":
+            return APIError(400, item.message, code="invalid_value")
+        return APIError(500, item.message, type="server_error", code="engine_error")
+    if isinstance(item, RequestFailed):
+        return engine_dead(str(item))
+    if isinstance(item, ClientGone):
+        return APIError(400, "client disconnected", code="client_disconnected")
+    return RuntimeError(f"unexpected first item {item!r} in a request queue")

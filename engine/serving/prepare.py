@@ -37,7 +37,7 @@ def _too_large(size: int, limit: int) -> APIError:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is None or model in (state.model_name, state.engine.config.model):
+    if model is None or model in (state.model_name, state.client.config.model):
         return
     raise APIError(
         400,
@@ -51,7 +51,7 @@ def check_model(state: ServerState, model: str | None) -> None:
 def resolve_max_tokens(
     state: ServerState, requested: int | None, prompt_len: int, prompt_param: str
 ) -> int:
-    max_len = int(state.engine.max_model_len)
+    max_len = int(state.client.max_model_len)
     if prompt_len >= max_len:
         raise APIError(
             400,
@@ -84,7 +84,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
 
 
 def load_chat_images(state: ServerState, req: ChatCompletionRequest) -> tuple[list, list]:
-    cap = int(state.engine.config.image_token_cap)
+    cap = int(state.client.config.image_token_cap)
 
     def load(url: str) -> Any:
         return load_image_input(

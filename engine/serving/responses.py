@@ -10,8 +10,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from engine.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from engine.serving.engine_loop import RequestFailed
 from engine.serving.generation import ClientGone, Delta, Generation
+from engine.serving.streams import RequestFailed
 
 _SSE_DONE = b"data: [DONE]\n\n"
 _TEXT_MARK = "\u0000TEXT\u0000"

@@ -20,20 +20,20 @@ logger = logging.getLogger(__name__)
 
 
 def add_control_routes(app: FastAPI, state: ServerState) -> None:
-    engine = state.engine
+    engine = state.client
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        alive = state.loop.alive
+        alive = state.client.alive
         body = {
             "status": "ok" if alive else "error",
             "step_loop_alive": alive,
-            "engine_mode": state.loop.mode,
+            "engine_mode": state.client.mode,
             "model": state.model_name,
             "engine_id": state.engine_id,
             "uptime_s": round(time.time() - state.started, 3),
-            "step_errors": state.loop.num_step_errors,
-            "last_error": state.loop.last_error,
+            "step_errors": state.client.num_step_errors,
+            "last_error": state.client.last_error,
         }
         return JSONResponse(body, status_code=200 if alive else 503)
 
@@ -89,7 +89,7 @@ def _check_control_token(state: ServerState, request: Request) -> None:
 
 
 def _scheduler_view(state: ServerState) -> dict[str, Any]:
-    engine = state.engine
+    engine = state.client
     stats = engine.stats()
     return {
         "token_budget": engine.token_budget,
@@ -111,7 +111,7 @@ async def _apply_scheduler_update(state: ServerState, body: object) -> dict[str,
             code="invalid_value",
         )
     try:
-        change = await apply_scheduler_update(state.engine, body, source="api")
+        change = await apply_scheduler_update(state.client, body, source="api")
     except ControlRefused as exc:
         raise APIError(400, exc.reason, param=exc.param, code="invalid_value") from exc
     view = _scheduler_view(state)

@@ -14,7 +14,7 @@ from engine.protocol import (
     check_traffic_class,
     parse_request,
 )
-from engine.serving.generation import Session
+from engine.serving.generation import GenerationRunner
 from engine.serving.prepare import (
     check_model,
     load_chat_images,
@@ -33,8 +33,8 @@ from engine.serving.state import ServerState
 
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
-    engine = state.engine
-    session = Session(state)
+    engine = state.client
+    runner = GenerationRunner(state)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -57,7 +57,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                 )
         max_tokens = resolve_max_tokens(state, req.max_tokens, len(ids), "prompt")
         params = sampling_params(req, max_tokens)
-        gen, deltas = session.submit(
+        gen, deltas = await runner.submit(
             request, ids, params, stops=req.stop_list, traffic_class=traffic_class
         )
         if req.stream:
@@ -79,7 +79,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
         max_tokens = resolve_max_tokens(state, req.requested_max_tokens, len(ids), "messages")
         params = sampling_params(req, max_tokens)
-        gen, deltas = session.submit(
+        gen, deltas = await runner.submit(
             request, ids, params, stops=req.stop_list, traffic_class=traffic_class, images=images
         )
         if req.stream:

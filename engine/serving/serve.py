@@ -12,14 +12,14 @@ from fastapi import FastAPI
 
 from engine.config import EngineConfig
 from engine.serving.app import build_app
-from engine.serving.engine_proc import EngineClient
+from engine.serving.client import EngineClient
 from engine.serving.state import ServerState
 
 
 @dataclass
 class ServerHandle:
-    """A server running on a background thread (tests, benchmarks); ``stop()`` also stops the
-    engine core process in process mode."""
+    """A server running on a background thread (tests, benchmarks); ``stop()`` also stops its
+    engine core."""
 
     base_url: str
     host: str
@@ -78,22 +78,26 @@ def serve_in_thread(
 ) -> ServerHandle:
     """Build the app for ``engine`` and serve it from a background thread on ``host:port``.
 
-    ``engine`` is an ``LLMEngine`` (stepped on a thread of this process) or an ``EngineConfig``
-    (process mode: the engine core starts in a child process). ``port=0`` picks a free port;
-    the returned handle has ``base_url`` and ``stop()``.
+    ``engine`` is an ``EngineConfig`` (the engine core starts in a child process, as under
+    ``python -m engine``), an ``EngineClient``, or an ``LLMEngine`` (its core loop runs on a
+    thread of this process, so a test can inspect or patch the engine). ``port=0`` picks a free
+    port; the returned handle has ``base_url``, ``state`` and ``stop()``.
     """
     if isinstance(engine, EngineConfig):
-        engine = EngineClient(engine)
+        client = EngineClient.spawn(engine)
+    elif isinstance(engine, EngineClient):
+        client = engine
+    else:
+        client = EngineClient.in_thread(engine)
     try:
-        return _serve(engine, host, port, log_level, startup_timeout, app_options)
+        return _serve(client, host, port, log_level, startup_timeout, app_options)
     except BaseException:
-        if isinstance(engine, EngineClient):
-            engine.shutdown()
+        client.shutdown()
         raise
 
 
 def _serve(
-    engine: Any,
+    engine: EngineClient,
     host: str,
     port: int,
     log_level: str,

@@ -1,22 +1,20 @@
-"""What every handler needs: the engine (or its client), its step loop, metrics and limits."""
+"""What every handler needs: the engine client, metrics and limits."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.metrics import EngineMetrics
 from engine.multimodal import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
-from engine.serving.engine_loop import StreamRouter
+from engine.serving.client import EngineClient
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 @dataclass
 class ServerState:
-    engine: Any
-    loop: StreamRouter
+    client: EngineClient
     metrics: EngineMetrics
     model_name: str
     engine_id: str

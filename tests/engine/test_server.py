@@ -1,4 +1,9 @@
-"""The OpenAI-compatible server, driven by the official `openai` client and raw HTTP."""
+"""The OpenAI-compatible server, driven by the official `openai` client and raw HTTP.
+
+The module's server runs as ``python -m engine`` does by default: the engine core in a child
+process. Tests that patch the ``LLMEngine`` itself start a server of their own whose core runs
+on a thread (the same core loop and client, over in-process queues).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,9 @@ import asyncio
 import base64
 import json
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -20,7 +26,7 @@ from engine.config import EngineConfig
 from engine.events import RequestEvent
 from engine.llm_engine import LLMEngine
 from engine.multimodal import encode_data_url, num_image_tokens
-from engine.server import ServerHandle, serve_in_thread
+from engine.serving import ServerHandle, serve_in_thread
 from tests.engine.serving_helpers import StepLog
 
 CONTROL_TOKEN = "s3cret"
@@ -31,17 +37,16 @@ MAX_IMAGE_BYTES = 200_000
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerHandle]:
-    engine = LLMEngine(
-        EngineConfig(model="tiny", device="cpu", max_model_len=MAX_MODEL_LEN, token_budget=256)
-    )
-    log = StepLog()
-    engine.add_listener(log)
+    config = EngineConfig(model="tiny", device="cpu", max_model_len=MAX_MODEL_LEN, token_budget=256)
     handle = serve_in_thread(
-        engine,
+        config,
         control_token=CONTROL_TOKEN,
         max_body_bytes=MAX_BODY,
         max_image_bytes=MAX_IMAGE_BYTES,
     )
+    assert handle.state.client.mode == "process"
+    log = StepLog()
+    handle.state.client.add_listener(log)  # events arrive from the core, one batch per step
     handle.step_log = log  # type: ignore[attr-defined]
     yield handle
     handle.stop()
@@ -55,7 +60,7 @@ def _image_url(h: int, w: int, fmt: str = "PNG") -> str:
 def _wait_idle(server: ServerHandle, timeout: float = 10.0) -> Any:
     deadline = time.monotonic() + timeout
     while True:
-        stats = server.state.engine.stats()
+        stats = server.state.client.stats()
         idle = stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_blocks_used == 0
         if idle or time.monotonic() > deadline:
             return stats
@@ -71,6 +76,7 @@ def test_models_and_health(client: openai.OpenAI, http: httpx.Client) -> None:
     assert http.get("/v1/models").json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
     health = http.get("/health").json()
     assert health["status"] == "ok" and health["step_loop_alive"] is True
+    assert health["engine_mode"] == "process"
 
 
 def test_completion_exact_max_tokens(client: openai.OpenAI) -> None:
@@ -271,7 +277,7 @@ def test_disconnect_frees_blocks(server: ServerHandle, http: httpx.Client) -> No
                     seen += 1
                 if seen >= 3:
                     break
-            assert server.state.engine.stats().kv_blocks_used > 0
+            assert server.state.client.stats().kv_blocks_used > 0
     # the connection is closed now: the request must be aborted and its blocks freed
     deadline = time.monotonic() + 10
     usage = None
@@ -287,7 +293,7 @@ def test_disconnect_frees_blocks(server: ServerHandle, http: httpx.Client) -> No
             break
         time.sleep(0.05)
     assert usage == 0
-    stats = server.state.engine.stats()
+    stats = server.state.client.stats()
     assert stats.num_running == 0 and stats.kv_blocks_used == 0
 
 
@@ -308,12 +314,11 @@ def test_stream_disconnect_before_first_chunk_aborts(spec_version: str) -> None:
     listening for ``http.disconnect`` itself (uvicorn's own scope says 2.3), so the server
     must watch the connection on its own.
     """
-    engine = LLMEngine(
-        EngineConfig(model="tiny", device="cpu", max_model_len=8192, token_budget=16)
-    )
+    config = EngineConfig(model="tiny", device="cpu", max_model_len=8192, token_budget=16)
     events: list[RequestEvent] = []
-    engine.add_listener(lambda e: events.append(e) if isinstance(e, RequestEvent) else None)
-    with serve_in_thread(engine) as handle:
+    with serve_in_thread(config) as handle:
+        client = handle.state.client
+        client.add_listener(lambda e: events.append(e) if isinstance(e, RequestEvent) else None)
         if spec_version != "server":
             inner = handle.server.config.loaded_app  # read by each new connection
             seen: list[str] = []
@@ -340,11 +345,10 @@ def test_stream_disconnect_before_first_chunk_aborts(spec_version: str) -> None:
                 time.sleep(0.002)
         # closed without reading a byte: the request must be aborted and its blocks freed
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if engine.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests():
-                break
+        while time.monotonic() < deadline and (not events or events[-1].kind != "aborted"):
             time.sleep(0.02)
-        assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests()
+        stats = client.stats()
+        assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
         kinds = [e.kind for e in events]
         assert kinds[0] == "arrived" and kinds[-1] == "aborted", kinds
         assert "first_token" not in kinds and "finished" not in kinds, kinds
@@ -417,6 +421,8 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("oversized image", "/v1/chat/completions", _image_body(_image_url(300, 300)), 400,
      "messages[0].content[0]"),
     ("bad traffic class", "/v1/completions", {"prompt": "x"}, 400, "X-Traffic-Class"),
+    ("image placeholder without an image", "/v1/completions", {"prompt": [256, 258, 65]}, 400,
+     None),
 ]  # fmt: skip
 
 
@@ -429,14 +435,14 @@ def test_bad_input_is_refused_and_engine_untouched(
     server: ServerHandle, http: httpx.Client, path: str, body: Any, status: int, param: str | None
 ) -> None:
     _wait_idle(server)
-    before = server.state.engine.stats()
+    before = server.state.client.stats()
     headers = {"X-Traffic-Class": "not valid!"} if param == "X-Traffic-Class" else {}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers["Content-Type"] = "application/json"
     err = _expect_error(http.post(path, content=content, headers=headers), status)
     if param is not None:
         assert err["param"] == param, err
-    after = server.state.engine.stats()
+    after = server.state.client.stats()
     assert after.step == before.step and after.num_waiting == 0 and after.num_running == 0
     _valid(http)
 
@@ -478,43 +484,141 @@ def test_unknown_route_is_openai_error(http: httpx.Client) -> None:
 # --- a server of its own: queue full and step-loop crashes -----------------------------------
 
 
-def test_queue_full_503_then_recovers() -> None:
-    engine = LLMEngine(
-        EngineConfig(model="tiny", device="cpu", max_model_len=256, max_num_seqs=1, max_waiting=1)
+@pytest.fixture(scope="module")
+def small_server() -> Iterator[ServerHandle]:
+    """One request runs at a time and one may wait: a full queue is easy to reach."""
+    config = EngineConfig(
+        model="tiny", device="cpu", max_model_len=4096, max_num_seqs=1, max_waiting=1
     )
-    real_step = engine.step
+    with serve_in_thread(config) as handle:
+        yield handle
 
-    def slow_step() -> Any:
-        time.sleep(0.01)  # so the first request surely runs while the others arrive
-        return real_step()
 
-    engine.step = slow_step  # type: ignore[method-assign]
-    with (
-        serve_in_thread(engine) as handle,
-        httpx.Client(base_url=handle.base_url, timeout=30) as http,
-    ):
-        long = {"prompt": "q", "max_tokens": 200, "ignore_eos": True, "stream": True}
+def _fill_queue_then(handle: ServerHandle, probe: Callable[[httpx.AsyncClient], Any]) -> Any:
+    """Run ``probe`` while one request runs (a long one) and one waits (max_waiting=1)."""
+    long = {"prompt": "q", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    client = handle.state.client
 
-        async def fill_and_probe() -> list[int]:
-            async with httpx.AsyncClient(base_url=handle.base_url, timeout=30) as ac:
-                async with ac.stream("POST", "/v1/completions", json=long) as r1:
-                    lines = r1.aiter_lines()  # keep the iterator: closing it closes r1
-                    await lines.__anext__()  # the first request is running
-                    async with ac.stream("POST", "/v1/completions", json=long) as r2:
-                        # the second waits (max_num_seqs=1); the third finds the queue full
-                        deadline = time.monotonic() + 5
-                        while engine.stats().num_waiting < 1 and time.monotonic() < deadline:
-                            await asyncio.sleep(0.01)
-                        r3 = await ac.post("/v1/completions", json={"prompt": "x"})
-                        assert r3.headers.get("retry-after") == "1"
-                        assert r3.json()["error"]["code"] == "queue_full"
-                        return [r1.status_code, r2.status_code, r3.status_code]
+    async def run() -> Any:
+        async with httpx.AsyncClient(base_url=handle.base_url, timeout=30) as ac:
+            async with ac.stream("POST", "/v1/completions", json=long) as r1:
+                lines = r1.aiter_lines()  # keep the iterator: closing it closes r1
+                await lines.__anext__()  # the first request is running
+                async with ac.stream("POST", "/v1/completions", json=long) as r2:
+                    deadline = time.monotonic() + 10  # the second waits (max_num_seqs=1)
+                    while client.stats().num_waiting < 1 and time.monotonic() < deadline:
+                        await asyncio.sleep(0.01)
+                    assert client.stats().num_waiting == 1
+                    result = await probe(ac)
+                    assert (r1.status_code, r2.status_code) == (200, 200)
+                    return result
 
-        assert asyncio.run(fill_and_probe()) == [200, 200, 503]
-        deadline = time.monotonic() + 10
-        while engine.stats().kv_blocks_used and time.monotonic() < deadline:
-            time.sleep(0.02)
+    result = asyncio.run(run())
+    assert _wait(lambda: client.stats().kv_blocks_used == 0)  # both aborted when closed
+    return result
+
+
+def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _expect_queue_full(r: httpx.Response) -> None:
+    err = _expect_error(r, 503)
+    assert err["code"] == "queue_full" and r.headers.get("retry-after") == "1"
+
+
+def test_queue_full_503_then_recovers(small_server: ServerHandle) -> None:
+    async def probe(ac: httpx.AsyncClient) -> httpx.Response:
+        return await ac.post("/v1/completions", json={"prompt": "x"})
+
+    _expect_queue_full(_fill_queue_then(small_server, probe))
+    with httpx.Client(base_url=small_server.base_url, timeout=30) as http:
         _valid(http)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_late_queue_full_is_503_not_500(
+    small_server: ServerHandle, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """The server's count of waiting requests can be a step old; when the engine core's own
+    check refuses, the client still gets the 503 with Retry-After (not a 500, not an SSE error
+    after a 200). Simulated by switching the server-side count off."""
+    import engine.serving.client as client_module
+
+    monkeypatch.setattr(client_module, "check_queue", lambda num_waiting, limits: None)
+
+    async def probe(ac: httpx.AsyncClient) -> httpx.Response:
+        body = {"prompt": "x", "max_tokens": 2, "stream": stream}
+        return await ac.post("/v1/completions", json=body)
+
+    _expect_queue_full(_fill_queue_then(small_server, probe))
+    assert small_server.state.client.stats().num_waiting == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_late_invalid_request_is_400_not_500(
+    server: ServerHandle, http: httpx.Client, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """A request only the engine core refuses (here: the server-side checks switched off) is a
+    400 with the engine's reason."""
+    import engine.serving.client as client_module
+
+    monkeypatch.setattr(client_module, "check_request", lambda prompt, *a: list(prompt))
+    body = {"prompt": [256, 258, 65], "max_tokens": 2, "stream": stream}
+    err = _expect_error(http.post("/v1/completions", json=body), 400)
+    assert "image placeholder" in err["message"] and err["code"] == "invalid_value"
+    monkeypatch.undo()
+    _valid(http)
+
+
+def test_control_does_not_stall_streams(
+    server: ServerHandle, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a PUT /v1/scheduler waits for the engine core's answer, other requests keep
+    streaming: the answer is held back until a whole stream has gone through, then the PUT
+    reports what was applied."""
+    client = server.state.client
+    held: list[tuple[int, Any]] = []
+    answer_held = threading.Event()
+    resolve = client._resolve_call
+
+    def hold(call_id: int, reply: Any) -> None:
+        held.append((call_id, reply))
+        answer_held.set()
+
+    monkeypatch.setattr(client, "_resolve_call", hold)
+    order: list[str] = []
+    put_result: list[httpx.Response] = []
+
+    def put() -> None:
+        auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+        with httpx.Client(base_url=server.base_url, timeout=30) as c:
+            put_result.append(c.put("/v1/scheduler", json={"token_budget": 200}, headers=auth))
+        order.append("control answered")
+
+    putter = threading.Thread(target=put)
+    putter.start()
+    assert answer_held.wait(30), "the control never reached the engine core"
+    body = {"prompt": "still flowing", "max_tokens": 6, "ignore_eos": True, "stream": True}
+    r = http.post("/v1/completions", json=body)
+    chunks = [line for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200 and len(chunks) == 6
+    order.append("stream done")
+    monkeypatch.undo()
+    resolve(*held[0])
+    putter.join(30)
+    assert order == ["stream done", "control answered"]
+    change = put_result[0].json()
+    assert put_result[0].status_code == 200, change
+    assert change["token_budget"] == 200 and change["changes"][0]["accepted"] is True
+    assert change["applied_at_step"] == change["changes"][0]["applied_at_step"] is not None
+    auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    assert http.put("/v1/scheduler", json={"token_budget": 256}, headers=auth).status_code == 200
 
 
 def test_step_crash_fails_requests_but_loop_survives() -> None:
@@ -549,6 +653,8 @@ def test_stop_string_ends_generation(server: ServerHandle, http: httpx.Client) -
         pytest.skip("greedy output has no clean two-character substring")
     stop = full[clean[0] : clean[0] + 2]
     expected = full[: full.index(stop)]
+    _wait_idle(server)
+    before = _finish_reasons(http)
     for stream in (False, True):
         r = http.post("/v1/completions", json={**body, "stop": [stop], "stream": stream})
         assert r.status_code == 200
@@ -562,5 +668,19 @@ def test_stop_string_ends_generation(server: ServerHandle, http: httpx.Client) -
             text = r.json()["choices"][0]["text"]
             reason = r.json()["choices"][0]["finish_reason"]
         assert text == expected and reason == "stop"
+    # the server aborts each in the engine with reason "stop": the metrics count two stops
+    want = {**before, "stop": before.get("stop", 0) + 2}
+    assert _wait(lambda: _finish_reasons(http) == want), (before, _finish_reasons(http))
     _wait_idle(server)
-    assert server.state.engine.stats().kv_blocks_used == 0
+    assert server.state.client.stats().kv_blocks_used == 0
+
+
+def _finish_reasons(http: httpx.Client) -> dict[str, float]:
+    families = text_string_to_metric_families(http.get("/metrics").text)
+    return {
+        s.labels["finished_reason"]: s.value
+        for f in families
+        if f.name == "chunkscope:request_success"
+        for s in f.samples
+        if s.name.endswith("_total")
+    }
