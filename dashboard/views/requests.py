@@ -45,7 +45,7 @@ st.dataframe(reqs[[c for c in COLUMNS if c in reqs]].round(1), hide_index=True, 
 
 worst = reqs.sort_values("max_itl_ms", ascending=False, na_position="last")
 ids = worst["request_id"].tolist()
-rid = st.selectbox("Request (worst stall first)", ids)
+rid = st.selectbox("Request (worst stall first)", ids, key="request_pick")
 row = worst[worst["request_id"] == rid].iloc[0]
 try:
     times = data.token_times(ctx.db_url, row["engine_id"], row["run_id"], rid)

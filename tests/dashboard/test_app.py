@@ -1,0 +1,134 @@
+"""Every page rendered by ``streamlit.testing.v1.AppTest`` against a store seeded through a real
+collector, the empty-store and collector-down paths, and the control path."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from tests.dashboard.seed import SynthRun, send_run
+
+APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "streamlit_app.py")
+PAGES = ["views/live.py", "views/step.py", "views/requests.py", "views/control.py",
+         "views/compare.py"]  # fmt: skip
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A collector on a fresh SQLite store holding one synthetic run (a budget change from
+    2048 to 128 at step 120); yields (collector URL, database URL)."""
+    from storage.testing import start_collector
+
+    db_url = f"sqlite:///{tmp_path_factory.mktemp('store') / 'chunkscope.db'}"
+    collector = start_collector(db_url)
+    try:
+        run = SynthRun()
+        assert send_run(collector.url, run) == len(run.events()) + 1  # + goodbye
+        yield collector.url, db_url
+    finally:
+        collector.stop()
+
+
+def _app(monkeypatch: pytest.MonkeyPatch, collector_url: str, db_url: str) -> AppTest:
+    monkeypatch.setenv("CHUNKSCOPE_COLLECTOR_URL", collector_url)
+    monkeypatch.setenv("CHUNKSCOPE_DB_URL", db_url)
+    monkeypatch.delenv("CHUNKSCOPE_CONTROL_TOKEN", raising=False)
+    return AppTest.from_file(APP, default_timeout=TIMEOUT)
+
+
+def _texts(at: AppTest, kind: str) -> list[str]:
+    return [str(e.value) for e in getattr(at, kind)]
+
+
+def _charts(at: AppTest) -> list[dict]:
+    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+
+
+def test_live_page_draws_every_chart_with_the_budget_change(
+    seeded: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    at = _app(monkeypatch, *seeded).run()
+    assert not at.exception
+    assert _texts(at, "header") == ["Live"]
+    charts = _charts(at)
+    titles = [c["layout"]["title"]["text"] for c in charts]
+    assert titles[0] == "Tokens per step"
+    assert titles[1].startswith("Inter-token latency — ") and "stalls" in titles[1]
+    assert "Latency by class" in titles and "KV cache and queue" in titles
+    # the budget change is a marker on every time axis (not on the latency bars)
+    for c in (charts[0], charts[1], charts[3]):
+        texts = [a.get("text") for a in c["layout"].get("annotations", [])]
+        assert "budget 2048 → 128 @ step 120" in texts
+        assert any(s["type"] == "line" for s in c["layout"]["shapes"])
+    # stalls ringed: the 2,000-token prefill steps at budget 2048 stall the chat streams
+    names = [t["name"] for t in charts[1]["data"]]
+    assert "stall" in names and "chat" in names
+    # the run ended with a goodbye: the page says the data is stored, not live
+    assert any("disconnected" in c for c in _texts(at, "caption"))
+    summary = at.dataframe[0].value
+    assert set(summary["traffic_class"]) == {"chat", "rag", "all"}
+
+
+def test_every_page_renders_the_seeded_store(
+    seeded: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    at = _app(monkeypatch, *seeded).run()
+    for page in PAGES[1:]:
+        at.switch_page(page).run()
+        assert not at.exception, (page, at.exception)
+    at.switch_page("views/step.py").run()
+    assert at.number_input(key="step_number").value == 239
+    layout = [c for c in _charts(at) if c["layout"]["title"]["text"].startswith("Chunk layout")]
+    assert layout and {t["name"] for t in layout[0]["data"]} == {"decode"}
+    at.number_input(key="step_number").set_value(130).run()
+    chunks = at.dataframe[-1].value
+    assert set(chunks["step"]) == {130}
+    assert "prefill" in set(chunks["kind"])  # rag-2 arrives at step 130, prefilled in chunks
+
+    at.switch_page("views/requests.py").run()
+    table = at.dataframe[0].value
+    assert len(table) == 13  # 4 long chat streams, 4 RAG prompts, 5 short chats
+    assert at.selectbox(key="request_pick").value == table.sort_values("max_itl_ms").iloc[-1]["request_id"]
+    assert [m.label for m in at.metric] == ["TTFT", "TPOT", "max ITL", "end to end"]
+
+    at.switch_page("views/compare.py").run()
+    table = at.dataframe[0].value.set_index("metric")
+    # 30 s either side of the change: the ITL tail shrinks after the budget drops
+    assert table.loc["ITL max (ms)", "B / A"] < 0.5
+
+
+def test_empty_store_and_collector_down_show_what_to_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from storage import db
+
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    db.migrate(db.connect(url))
+    at = _app(monkeypatch, "ws://127.0.0.1:9", url).run()
+    for page in PAGES:
+        at.switch_page(page).run()
+        assert not at.exception, (page, at.exception)
+        infos = " ".join(_texts(at, "info"))
+        assert "python -m engine" in infos or "nothing to control" in infos, page
+    assert any("unreachable" in w for w in _texts(at, "warning"))
+
+
+def test_store_not_created_yet_is_a_message_not_an_exception(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    at = _app(monkeypatch, "ws://127.0.0.1:9", f"sqlite:///{tmp_path / 'nothing-yet.db'}").run()
+    assert not at.exception
+    assert any("cannot be read" in w or "cannot read" in w for w in _texts(at, "warning"))
+
+
+def test_bad_settings_are_explained(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHUNKSCOPE_COLLECTOR_URL", "ws://127.0.0.1:9")
+    monkeypatch.delenv("CHUNKSCOPE_DB_URL", raising=False)
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    assert not at.exception
+    assert "needs the store too" in " ".join(_texts(at, "error"))
