@@ -220,13 +220,13 @@ def measure(client: str, streams: int, chunks_per_s: float, seconds: float) -> d
     return res
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, default=200)
     ap.add_argument("--chunks-per-s", type=float, default=2000.0)
     ap.add_argument("--seconds", type=float, default=8.0, help="length of each run")
     add_common_args(ap)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     out_dir = setup(a)
     if a.quick:
         a.seconds = min(a.seconds, 2.0)

@@ -178,11 +178,11 @@ def throughput(model: str, quick: bool, roof: dict[str, float]) -> dict[str, obj
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="llama3.2-1b", help="preset for the throughput part")
     add_common_args(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out_dir = setup(args)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check", file=sys.stderr)

@@ -1,0 +1,96 @@
+"""Every benchmark script writes its results through ``_common.write_json``, which records where the
+numbers come from: git commit and dirty flag, torch version and threads, the machine, and the full
+configuration. No timing is asserted here (performance lives in the scripts' JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPTS = sorted(p for p in BENCH.glob("*.py") if p.name != "_common.py")
+
+
+def _load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_bench_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def common() -> ModuleType:
+    sys.path.insert(0, str(BENCH))
+    try:
+        return _load(BENCH / "_common.py")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_write_json_records_provenance_and_config(common: ModuleType, tmp_path: Path) -> None:
+    import torch
+
+    ap = argparse.ArgumentParser()
+    common.add_common_args(ap)
+    ap.add_argument("--budget", type=int, default=512)
+    args = ap.parse_args(["--quick", "--out-dir", str(tmp_path)])
+    assert common.setup(args) == tmp_path
+    config = common.config_of(args)
+    assert config == {"quick": True, "out_dir": str(tmp_path), "threads": None, "budget": 512}
+    common.write_json(tmp_path / "r.json", {"value": 1}, script="x.py", config=config)
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert list(doc)[:3] == ["written_at", "provenance", "config"] and doc["value"] == 1
+    assert doc["config"] == config
+    prov = doc["provenance"]
+    assert prov["script"] == "x.py"
+    assert re.fullmatch(r"[0-9a-f]{40}", prov["git_commit"])
+    assert isinstance(prov["git_dirty"], bool)
+    assert prov["git_num_changed_paths"] >= len(prov["git_changed_paths"])
+    assert prov["git_dirty"] == (prov["git_num_changed_paths"] > 0)
+    m = prov["machine"]
+    assert m["torch_version"] == torch.__version__
+    assert m["torch_num_threads"] == torch.get_num_threads()
+    assert m["cpu_count"] >= 1 and m["platform"] and m["python"]
+
+
+def test_quick_results_never_land_in_results_dir(common: ModuleType) -> None:
+    ap = argparse.ArgumentParser()
+    common.add_common_args(ap)
+    assert common.setup(ap.parse_args(["--quick"])) == common.QUICK_DIR
+    assert common.setup(ap.parse_args([])) == common.RESULTS_DIR
+    assert common.QUICK_DIR != common.RESULTS_DIR
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_script_writes_through_write_json(script: Path) -> None:
+    """Statically: the script calls write_json with script= and config=, and writes no other
+    top-level JSON of its own."""
+    tree = ast.parse(script.read_text())
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "write_json"
+    ]
+    assert calls, f"{script.name} never calls write_json"
+    for c in calls:
+        assert {k.arg for k in c.keywords} >= {"script", "config"}
+        assert next(k for k in c.keywords if k.arg == "script").value.value == script.name  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_script_has_quick_and_parses(script: Path, capsys: pytest.CaptureFixture) -> None:
+    mod = _load(script)
+    with pytest.raises(SystemExit) as info:
+        mod.main(["--help"])
+    assert info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "--quick" in help_text and "--out-dir" in help_text and "--threads" in help_text
