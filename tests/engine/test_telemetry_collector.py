@@ -1,0 +1,78 @@
+"""The publisher against the real collector (``storage``), without an engine: a synthetic event
+stream in, ``storage.queries`` out; a declared gap; goodbye marks the run ended."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from engine.telemetry import BufferLimits, Publisher
+from storage import queries
+from storage.db import connect
+from storage.testing import SyntheticEngine, collector_in_thread, start_collector
+from tests.engine.test_telemetry_publisher import WAIT_S, free_port, wait_until
+
+
+def _hello(syn: SyntheticEngine) -> Any:
+    fields = {k: v for k, v in syn.hello().items() if k not in ("engine_id", "run_id")}
+    return lambda: fields
+
+
+def _publisher(url: str, syn: SyntheticEngine, **kw: Any) -> Publisher:
+    return Publisher(
+        url, engine_id=syn.engine_id, run_id=syn.run_id, hello=_hello(syn), linger_s=0.01,
+        backoff_initial_s=0.05, backoff_max_s=0.5, **kw,
+    )  # fmt: skip
+
+
+def test_synthetic_run_is_stored_once_and_ended_by_goodbye(tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'c.db'}"
+    syn = SyntheticEngine(engine_id="eng-syn", run_id="run-syn-1", seed=3)
+    events = syn.steps(300)
+    with collector_in_thread(db_url) as collector:
+        pub = _publisher(collector.url, syn, max_batch_events=100).start()
+        for ev in events:
+            pub.publish({k: v for k, v in ev.items() if k != "seq"})
+        assert pub.wait_acked(timeout=WAIT_S)
+        assert pub.stats().acked_seq == len(events)
+        pub.close(timeout=WAIT_S)
+    db = connect(db_url, readonly=True)
+    steps = queries.steps(db, engine_id="eng-syn")
+    assert list(steps["step"]) == list(range(300))
+    run = queries.engines(db).iloc[0]
+    assert run["run_id"] == "run-syn-1" and run["ended"] is not None
+    assert not run["ended_without_goodbye"]
+    rid = next(r for r, t in syn.truth.items() if len(t) > 3)
+    times = queries.token_times(db, engine_id="eng-syn", request_id=rid)
+    assert list(times["time_ns"]) == syn.truth[rid]  # exact token times
+
+
+def test_lost_events_reach_the_store_as_one_gap(tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'g.db'}"
+    port = free_port()
+    syn = SyntheticEngine(engine_id="eng-gap", run_id="run-gap-1", seed=4)
+    limits = BufferLimits(max_memory_events=50, max_spill_bytes=0)
+    pub = _publisher(f"ws://127.0.0.1:{port}", syn, limits=limits).start()
+    collector = None
+    try:
+        for ev in syn.steps(40):
+            pub.publish({k: v for k, v in ev.items() if k != "seq"})
+        lost = pub.stats().dropped_total
+        assert lost > 0
+        collector = start_collector(db_url, args=["--port", str(port)])
+        wait_until(lambda: pub.connected, "connected")
+        assert pub.wait_acked(timeout=WAIT_S)
+        pub.publish({"type": "request", "kind": "arrived", "request_id": "late", "time_ns": 1})
+        assert pub.wait_acked(timeout=WAIT_S)
+        pub.close(timeout=WAIT_S)
+    finally:
+        pub.close(timeout=1)
+        if collector is not None:
+            collector.stop()
+    db = connect(db_url, readonly=True)
+    gaps = queries.gaps(db, engine_id="eng-gap")
+    assert len(gaps) == 1
+    gap = gaps.iloc[0]
+    assert (gap["first_seq_lost"], gap["num_events_lost"]) == (51, lost)
+    assert gap["last_seq_lost"] == 50 + lost and gap["seq"] == 51 + lost
+    assert queries.engines(db).iloc[0]["num_gap_events"] == 1
