@@ -93,7 +93,10 @@ def test_every_page_renders_the_seeded_store(
     at.switch_page("views/requests.py").run()
     table = at.dataframe[0].value
     assert len(table) == 13  # 4 long chat streams, 4 RAG prompts, 5 short chats
-    assert at.selectbox(key="request_pick").value == table.sort_values("max_itl_ms").iloc[-1]["request_id"]
+    assert (
+        at.selectbox(key="request_pick").value
+        == table.sort_values("max_itl_ms").iloc[-1]["request_id"]
+    )
     assert [m.label for m in at.metric] == ["TTFT", "TPOT", "max ITL", "end to end"]
 
     at.switch_page("views/compare.py").run()
