@@ -1,18 +1,21 @@
 """The `chunkscope` console script: one entry point, one subcommand per process.
 
-Subcommands import their process lazily so that `chunkscope loadgen` never imports torch.
+Subcommands import their process lazily so that `chunkscope loadgen` and `chunkscope collector`
+never import torch.
 """
 
 from __future__ import annotations
 
 import sys
 
-_USAGE = """usage: chunkscope {engine,loadgen} [options]
+_USAGE = """usage: chunkscope {engine,loadgen,collector} [options]
 
 subcommands:
   engine    run the OpenAI-compatible chunked-prefill engine server (python -m engine)
   loadgen   replay chat / RAG / VLM / mixed traffic against an OpenAI-compatible server
             (python -m loadgen)
+  collector store engines' telemetry (websockets) in SQLite / PostgreSQL and relay controls
+            (python -m storage)
 
 Run `chunkscope SUBCOMMAND --help` for the options of each.
 """
@@ -32,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.cli import main as loadgen_main
 
         return loadgen_main(rest)
+    if command == "collector":
+        from storage.cli import main as storage_main
+
+        return storage_main(rest)
     print(f"chunkscope: unknown subcommand {command!r}\n\n{_USAGE}", file=sys.stderr)
     return 2
 
