@@ -326,3 +326,36 @@ def test_property_examples_do_hit_the_cache() -> None:
     )
     # request 2 (image b) may reuse only the 8-token text prefix; request 3 reuses image a's
     assert hits == 8 + 20
+
+
+def test_preempted_requests_with_cache_hits_same_logits(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """A cache too small for the batch: requests are preempted and recomputed, reusing cached
+    blocks (their own, and the shared prefix). Every logit row equals a cold, roomy run's."""
+    prefix = _text(40, 20)
+    prompts = [prefix + _text(20 + 7 * i, 21 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    warm = make_engine(token_budget=64, num_kv_blocks=14, enable_prefix_caching=True)
+    cold = make_engine(token_budget=64, enable_prefix_caching=False)
+
+    def run(engine: LLMEngine) -> tuple[dict[str, torch.Tensor], int, int]:
+        engine.runner.keep_logits = True
+        engine.runner.kept_logits.clear()
+        ids = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+        preempted = cached = 0
+        while engine.has_unfinished_requests():
+            res = engine.step()
+            if res.event is not None:
+                preempted += res.event.num_preemptions
+            cached += sum(o.num_cached_tokens for o in res.outputs if o.finished)
+        kept = {i: torch.stack(engine.runner.kept_logits[i]) for i in ids}
+        assert all(k.shape[0] == params.max_tokens for k in kept.values())
+        return kept, preempted, cached
+
+    got, preempted, cached = run(warm)
+    ref, ref_preempted, _ = run(cold)
+    assert preempted > 0 and ref_preempted == 0  # the small cache forces recomputation
+    assert cached >= 32  # the shared prefix (2 blocks) was reused at least once
+    for rid, logits in ref.items():
+        torch.testing.assert_close(got[rid], logits, atol=1e-4, rtol=0, msg=rid)
