@@ -56,6 +56,7 @@ class EngineClient:
         self.max_model_len = info.max_model_len
         self.max_token_budget = info.max_token_budget
         self.limits = info.limits
+        self.clock_anchor = info.clock_anchor  # the core's: maps its event times to wall time
         self.tokenizer = transport.tokenizer or make_tokenizer(
             info.tokenizer_folder, info.limits.vocab_size, info.eos_token_id
         )
@@ -164,9 +165,9 @@ class EngineClient:
             check_queue(self._stats.num_waiting + self._pending_adds, self.limits)
             stream = self.streams.open(request_id)  # engine_dead once closed
             self._pending_adds += 1
-        arrival = time.time()
+        arrival_ns = time.monotonic_ns()
         self._outbox.put(
-            ("add", request_id, prompt, params, traffic_class, images or None, arrival)
+            ("add", request_id, prompt, params, traffic_class, images or None, arrival_ns)
         )
         return request_id, stream
 

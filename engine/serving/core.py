@@ -5,7 +5,8 @@ pipes (the default) or on a thread behind two in-process queues (tests, embeddin
 sees only the two channel ends.
 
 Commands in (tuples): ``("add", request_id, prompt, params, traffic_class, images,
-arrival_time)``, ``("abort", request_id, reason)``, ``("control", call_id, changes, source,
+arrival_ns)`` (``time.monotonic_ns()`` read in the server process: one clock per host on
+Linux), ``("abort", request_id, reason)``, ``("control", call_id, changes, source,
 request_id)``, ``("shutdown",)``. Out goes ``("ready", CoreInfo)`` (or ``("failed", message)``)
 once, then ``CoreBatch`` messages: after taking commands, one with the answers (each add
 admitted or refused with its kind, control replies), sent before the step so a refusal reaches
@@ -64,6 +65,7 @@ class CoreInfo:
     tokenizer_folder: str | None  # None: the byte tokenizer
     eos_token_id: int | None
     stats: EngineStats
+    clock_anchor: Any = None  # the engine's ClockAnchor: maps its monotonic times to wall time
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ def core_info(engine: Any, tokenizer_folder: str | None) -> CoreInfo:
         tokenizer_folder=tokenizer_folder if engine.tokenizer.hf is not None else None,
         eos_token_id=engine.tokenizer.eos_token_id,
         stats=engine.stats(),
+        clock_anchor=getattr(engine, "clock_anchor", None),
     )
 
 
@@ -162,6 +165,7 @@ class EngineCore:
         self.replies: list[ControlReply] = []
         self.num_added = 0
         self._abort_takes_reason = takes_keyword(engine.abort_request, "reason")
+        self._add_takes_ns = takes_keyword(engine.add_request, "arrival_ns")
         engine.add_listener(self.events.append)
 
     def run(self) -> None:
@@ -216,8 +220,13 @@ class EngineCore:
         params: Any,
         traffic_class: str | None,
         images: list[Any] | None,
-        arrival_time: float,
+        arrival_ns: int,
     ) -> None:
+        arrival: dict[str, Any] = (
+            {"arrival_ns": arrival_ns}
+            if self._add_takes_ns
+            else {"arrival_time": time.time() - (time.monotonic_ns() - arrival_ns) / 1e9}
+        )
         try:
             self.engine.add_request(
                 prompt,
@@ -225,7 +234,7 @@ class EngineCore:
                 request_id=request_id,
                 traffic_class=traffic_class,
                 images=images,
-                arrival_time=arrival_time,
+                **arrival,
             )
         except QueueFullError as exc:  # the server's count was a step old
             self.admissions.append(Admission(request_id, "queue_full", str(exc)))
