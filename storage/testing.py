@@ -333,7 +333,8 @@ class FakeEngineClient:
     def connect(self, timeout: float = 10.0) -> int:
         from websockets.sync.client import connect
 
-        self._ws = connect(self.url + "/ingest", open_timeout=timeout, max_size=None)
+        self._ws = connect(self.url + "/ingest", open_timeout=timeout, max_size=None, proxy=None)
+        self._ws.__enter__()  # closed by close(); a context manager in websockets' terms
         self._ws.send(json.dumps(self.engine.hello(self.token)))
         first = json.loads(self._ws.recv(timeout=timeout))
         if first.get("type") != "ack":
