@@ -57,10 +57,13 @@ def test_ok_stream_timings_and_headers(mock_server: MockServer) -> None:
     for r in recs[:5]:
         assert r.output_tokens == 10 and r.prompt_tokens == 24 and r.usage_present
         assert len(r.itl_s) == 9 and len(r.chunk_wall) == 10
-        assert 0.001 < r.ttft_s < 0.5 and r.tpot_s is not None and r.e2e_s >= r.ttft_s
+        assert 0 < r.ttft_s <= r.e2e_s and r.tpot_s is not None and r.tpot_s > 0
         assert r.upload_bytes > 24 and r.endpoint == "/v1/completions"
         tt = r.server["token_times"]  # type: ignore[index]
-        assert max(abs(a - b) for a, b in zip(r.chunk_wall, tt, strict=True)) < 0.05
+        assert len(tt) == len(r.chunk_wall) and r.chunk_wall == sorted(r.chunk_wall)
+        # causal: no chunk reaches the client before the server stamped its token (1 ms: the
+        # client maps perf_counter onto the wall clock once per request)
+        assert all(a >= b - 1e-3 for a, b in zip(r.chunk_wall, tt, strict=True))
     vlm = recs[5]
     assert vlm.endpoint == "/v1/chat/completions" and vlm.output_tokens == 6
     assert len(vlm.chunk_wall) == 6
@@ -148,8 +151,15 @@ def test_max_concurrency_queues(mock_server: MockServer) -> None:
     mock_server.cfg.interval_ms = 10.0
     recs = _run(mock_server.url, [_spec(i, n=10) for i in range(6)], max_concurrency=2)
     assert all(r.status == "ok" for r in recs)
-    queued = sorted(r.queue_s for r in recs)
-    assert queued[-1] > 0.15  # the last pair waited for two rounds of ~0.1 s
+    # never more than two in flight, and two did run at once: a sweep over send..done
+    edges = sorted(
+        [(r.sent_s + r.e2e_s, -1) for r in recs] + [(r.sent_s, 1) for r in recs]
+    )  # at a tie the end sorts first
+    in_flight, peak = 0, 0
+    for _, step in edges:
+        in_flight += step
+        peak = max(peak, in_flight)
+    assert peak == 2
 
 
 def test_drain_timeout_cancels_and_reports(raw_server: Any) -> None:
@@ -160,7 +170,7 @@ def test_drain_timeout_cancels_and_reports(raw_server: Any) -> None:
     cfg = ClientConfig(base_url=raw_server(slow), model="m", request_timeout_s=60)
     out = asyncio.run(execute([_spec()], cfg, TokenSource(1), drain_timeout_s=0.3))
     (r,) = out.records
-    assert r.status == "error" and r.error.startswith("cancelled") and out.duration_s < 5
+    assert r.status == "error" and r.error.startswith("cancelled")  # not the 30 s answer
 
 
 def _sse_server(raw_server: Any, events: list[bytes]) -> str:

@@ -1,8 +1,8 @@
 """End to end against our engine (tiny preset): every profile runs, counts add up, and the client's
-chunk times agree with the engine's own per-token wall-clock times.
-
-Measured on the 2-core CI box: mean |client chunk time - engine token time| ~1-3 ms, max tens of
-ms when the engine's step loop, its HTTP loop and the client share the cores."""
+chunk times are consistent with the engine's own per-token times: in order, one chunk per token
+or fewer, and no chunk before its token. How closely they agree is logged, not asserted (on the
+2-core CI box the mean |client chunk time - engine token time| was ~1-3 ms, the max tens of ms
+when the engine, its HTTP loop and the client share the cores); timing belongs in benchmarks."""
 
 from __future__ import annotations
 
@@ -67,7 +67,6 @@ SMALL = [
     "--set",
     "vlm.output_max=32",
 ]
-MEAN_ERR_MS = 50.0  # allowed mean |client chunk time - engine token time|
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +154,8 @@ def _agreement(res: dict) -> dict[str, float]:
         srv = r["server"]
         assert srv is not None, "engine did not return its chunkscope block"
         tt, cw = srv["token_times"], r["chunk_wall"]
-        assert tt and cw
+        assert tt and cw and len(cw) <= len(tt) == r["output_tokens"]
+        assert tt == sorted(tt) and cw == sorted(cw)
         ttft.append(cw[0] - tt[0])
         if len(tt) == len(cw):
             one_to_one += 1
@@ -191,8 +191,9 @@ def test_profiles_against_engine(engine_url: str, tmp_path: Path, profile: str, 
     logger.info(
         "%s: client vs engine token times: %s (%.1f s)", profile, ag, time.perf_counter() - t
     )
-    assert max(ag["mean_ms"], ag["ttft_mean_ms"], ag["itl_mean_ms"]) < MEAN_ERR_MS, ag
-    assert ag["min_signed_ms"] > -5.0, ag  # a chunk cannot arrive before its token exists
+    # causal: a chunk cannot arrive before its token exists (5 ms: the two processes map their
+    # monotonic clocks onto the wall clock independently)
+    assert ag["min_signed_ms"] > -5.0, ag
     if profile == "mixed":
         assert set(summary["classes"]) == {"chat", "rag", "vlm"}
 
