@@ -297,11 +297,22 @@ def test_disconnect_frees_blocks(server: ServerHandle, http: httpx.Client) -> No
     assert stats.num_running == 0 and stats.kv_blocks_used == 0
 
 
-def test_non_stream_disconnect_frees_blocks(server: ServerHandle) -> None:
+def test_non_stream_disconnect_frees_blocks(server: ServerHandle, http: httpx.Client) -> None:
+    """A client that leaves while its (non-streaming) request runs: the request is aborted,
+    not run to max_tokens, and its blocks are freed."""
     _wait_idle(server)
-    body = {"prompt": "patience " * 4, "max_tokens": 450, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + "/v1/completions", json=body, timeout=0.3)
+    before = _finish_reasons(http)
+    client = server.state.client
+    body = json.dumps({"prompt": "patience " * 4, "max_tokens": 450, "ignore_eos": True})
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall((head + body).encode())
+        assert _wait(lambda: client.stats().num_running == 1)  # it runs in the engine
+    want = {**before, "abort": before.get("abort", 0) + 1}
+    assert _wait(lambda: _finish_reasons(http) == want), (before, _finish_reasons(http))
     stats = _wait_idle(server)
     assert stats.kv_blocks_used == 0 and stats.num_running == 0
 
