@@ -152,6 +152,9 @@ GAPS_COLUMNS = [
     "time",
 ]
 
+# Window bounds are widened by this much so that a time read back from a query (a float of
+# wall seconds) selects its own row again.
+_SLACK_NS = 1_000
 # Steps longer than this are not expected; it bounds the index scan of ``after_time``.
 _MAX_STEP_NS = 60 * 10**9
 
@@ -167,10 +170,15 @@ class _Run:
         self.mono_ns = int(m["clock_mono_ns"])
         self.started = m["started"]
 
-    def to_ns(self, wall_s: float | None) -> int | None:
+    def to_ns(self, wall_s: float | None, slack_ns: int = 0) -> int | None:
+        """Monotonic ns of a wall time, moved by ``slack_ns`` (float seconds since the epoch
+        carry about 0.25 us, so window bounds are widened by ``_SLACK_NS``)."""
         if wall_s is None:
             return None
-        return self.mono_ns + round(float(wall_s) * 1e9) - self.wall_ns
+        return self.mono_ns + round(float(wall_s) * 1e9) - self.wall_ns + slack_ns
+
+    def bounds(self, since: float | None, until: float | None) -> tuple[int | None, int | None]:
+        return self.to_ns(since, -_SLACK_NS), self.to_ns(until, _SLACK_NS)
 
     def wall(self, t_ns: Any) -> Any:
         """Wall seconds of monotonic ns (scalar, array or Series; None/NaN stay missing)."""
@@ -317,7 +325,7 @@ def steps(
     with db.connect() as conn:
         for run in _runs(conn, engine_id, run_id):
             conds = [s.c.run_key == run.key]
-            conds += _window(s.c.start_ns, run.to_ns(since), run.to_ns(until))
+            conds += _window(s.c.start_ns, *run.bounds(since, until))
             if after_step is not None:
                 conds.append(s.c.step > after_step)
             q = select(*cols).where(*conds)
@@ -408,7 +416,7 @@ def requests(
     frames = []
     with db.connect() as conn:
         for run in _runs(conn, engine_id, run_id):
-            lo, hi = run.to_ns(since), run.to_ns(until)
+            lo, hi = run.bounds(since, until)
             conds = [q.c.run_key == run.key]
             begin = func.coalesce(q.c.arrival_ns, q.c.first_scheduled_ns, q.c.first_token_ns)
             if hi is not None:
@@ -498,12 +506,11 @@ def token_itl(
     frames = []
     with db.connect() as conn:
         for run in _runs(conn, engine_id, run_id):
-            tokens, end_ns, step_no = _token_records(
-                conn, run, run.to_ns(since), run.to_ns(until), run.to_ns(after_time)
-            )
+            after_ns = run.to_ns(after_time, _SLACK_NS)
+            tokens, end_ns, step_no = _token_records(conn, run, *run.bounds(since, until), after_ns)
             keep = tokens["k"] >= 2
-            if after_time is not None:
-                keep &= end_ns > run.to_ns(after_time)
+            if after_ns is not None:
+                keep &= end_ns > after_ns
             if not keep.any():
                 continue
             tokens, end_ns, step_no = tokens[keep], end_ns[keep], step_no[keep]
@@ -607,7 +614,7 @@ def latency_summary(
     span_hi: float | None = None
     with db.connect() as conn:
         for run in _runs(conn, engine_id, run_id):
-            lo, hi = run.to_ns(since), run.to_ns(until)
+            lo, hi = run.bounds(since, until)
             tokens, end_ns, _ = _token_records(conn, run, lo, hi)
             if tokens.size:
                 _, classes = _request_lookup(conn, run.key, tokens["req"].astype(np.int64))

@@ -16,7 +16,7 @@ def wait_until(check: Callable[[], Any], timeout: float = 10.0, what: str = "con
     deadline = time.monotonic() + timeout
     while True:
         value = check()
-        if value:
+        if (not value.empty) if hasattr(value, "empty") else value:
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -1,0 +1,225 @@
+"""The control relay: control client -> collector -> engine -> back, every change stored once;
+refusals leave the budget unchanged."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from storage import db as dbm
+from storage import queries
+from storage.control import list_engines, send_control
+from storage.testing import FakeEngineClient, SyntheticEngine, start_collector
+
+from .helpers import run_row, wait_until
+
+
+def _engine(collector: Any, **kwargs: Any) -> tuple[SyntheticEngine, FakeEngineClient]:
+    eng = SyntheticEngine(
+        engine_id="engine-ctl", run_id="run-ctl", seed=11, max_token_budget=2048, **kwargs
+    )
+    client = FakeEngineClient(collector.url, eng)
+    client.connect()
+    client.send_events(eng.steps(3))
+    client.wait_ack(eng.seq)
+    return eng, client
+
+
+def _controls(db_url: str) -> Any:
+    db = dbm.connect(db_url, readonly=True)
+    try:
+        return queries.controls(db)
+    finally:
+        db.dispose()
+
+
+def test_accepted_control_reaches_engine_and_is_stored_once(collector: Any, db_url: str) -> None:
+    eng, client = _engine(collector)
+    ack = send_control(collector.url, "engine-ctl", {"token_budget": 256}, control_id="c1")
+    assert ack == {
+        "type": "control_ack",
+        "id": "c1",
+        "ok": True,
+        "applied_at_step": 3,
+        "old": {"token_budget": 512},
+        "new": {"token_budget": 256},
+    }
+    assert eng.token_budget == 256
+    assert [c["set"] for c in client.controls] == [{"token_budget": 256}]
+    # the engine's own control event arrives in its stream, before the step it applies to
+    client.send_events(eng.steps(2))
+    client.wait_ack(eng.seq)
+    client.close()
+    ctl = _controls(db_url)
+    assert len(ctl) == 1
+    row = ctl.iloc[0]
+    assert (row.key, row.old_value, row.new_value, bool(row.accepted)) == (
+        "token_budget",
+        512,
+        256,
+        True,
+    )
+    assert row.applied_at_step == 3 and row.request_id == "c1"
+    assert row.applied_at == pytest.approx(eng.wall(_step_start(db_url, 3)))
+    assert run_row(db_url, "engine-ctl", "run-ctl")["token_budget"] == 256
+
+
+def _step_start(db_url: str, step: int) -> int:
+    db = dbm.connect(db_url, readonly=True)
+    try:
+        st = queries.steps(db)
+        return int(st[st.step == step].start_ns.iloc[0])
+    finally:
+        db.dispose()
+
+
+REFUSALS = [
+    ({"token_budget": "512"}, "must be an integer"),
+    ({"token_budget": True}, "must be an integer"),
+    ({"token_budget": 0}, "from 1 to 2048"),
+    ({"token_budget": 2049}, "from 1 to 2048"),
+    ({"token_budget": 64, "policy": "fastest"}, "policy must be one of"),
+    ({"temperature": 1}, "unknown key"),
+    ({}, "non-empty object"),
+]
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"), REFUSALS, ids=[r[1] + str(i) for i, r in enumerate(REFUSALS)]
+)
+def test_refused_by_collector_changes_nothing(
+    collector_factory: Any, sqlite_url: str, changes: dict[str, Any], why: str
+) -> None:
+    collector = collector_factory(sqlite_url)
+    eng, client = _engine(collector)
+    ack = send_control(collector.url, "engine-ctl", changes, control_id="bad")
+    assert ack["ok"] is False and why in ack["error"], ack
+    assert client.controls == []  # never forwarded
+    assert eng.token_budget == 512
+    [listed] = list_engines(collector.url)
+    assert listed["token_budget"] == 512 and listed["connected"] is True
+    client.send_events(eng.steps(1))
+    client.wait_ack(eng.seq)
+    ctl = wait_until(
+        lambda: len(_controls(sqlite_url)) >= max(1, len(changes)) and _controls(sqlite_url),
+        what="refusal stored",
+    )
+    assert set(ctl.source) == {"collector"} and not ctl.accepted.any()
+    assert set(ctl.request_id) == {"bad"} and all(why in r for r in ctl.reason)
+    client.close()
+    assert run_row(sqlite_url, "engine-ctl", "run-ctl")["token_budget"] == 512
+
+
+def test_unknown_and_disconnected_engines(collector: Any, db_url: str) -> None:
+    ack = send_control(collector.url, "engine-nobody", {"token_budget": 64})
+    assert ack["ok"] is False and "unknown engine" in ack["error"]
+    eng, client = _engine(collector)
+    client.close()
+    wait_until(lambda: not list_engines(collector.url)[0]["connected"], what="disconnect seen")
+    ack = send_control(collector.url, "engine-ctl", {"token_budget": 64})
+    assert ack["ok"] is False and "not connected" in ack["error"]
+    ctl = wait_until(lambda: len(_controls(db_url)) == 2 and _controls(db_url), what="stored")
+    assert list(ctl.engine_id) == ["engine-nobody", "engine-ctl"]
+    assert run_row(db_url, "engine-ctl", "run-ctl")["token_budget"] == 512
+
+
+def test_refused_by_engine_is_relayed(collector_factory: Any, sqlite_url: str) -> None:
+    collector = collector_factory(sqlite_url)
+    eng, client = _engine(collector)
+    client.on_control = lambda m: {
+        "type": "control_ack",
+        "id": m["id"],
+        "ok": False,
+        "error": "control token required",
+    }
+    ack = send_control(collector.url, "engine-ctl", {"token_budget": 100}, control_id="x")
+    assert ack == {"type": "control_ack", "id": "x", "ok": False, "error": "control token required"}
+    assert eng.token_budget == 512
+    client.close()
+
+
+def test_no_answer_times_out(collector_factory: Any, sqlite_url: str) -> None:
+    collector = collector_factory(sqlite_url, control_timeout=0.3)
+    eng, client = _engine(collector)
+    client.on_control = lambda m: None  # an engine that never answers
+    ack = send_control(collector.url, "engine-ctl", {"token_budget": 100})
+    assert ack["ok"] is False and "no answer" in ack["error"]
+    ctl = wait_until(
+        lambda: len(_controls(sqlite_url)) == 1 and _controls(sqlite_url), what="stored"
+    )
+    assert ctl.iloc[0].source == "collector"
+    client.close()
+
+
+def test_control_token(collector_factory: Any, sqlite_url: str) -> None:
+    collector = collector_factory(sqlite_url, control_token="tok")
+    eng, client = _engine(collector)
+    ack = send_control(collector.url, "engine-ctl", {"token_budget": 100})
+    assert ack["ok"] is False and "control token" in ack["error"]
+    ack = send_control(collector.url, "engine-ctl", {"token_budget": 100}, token="nope")
+    assert ack["ok"] is False
+    assert eng.token_budget == 512
+    ack = send_control(collector.url, "engine-ctl", {"token_budget": 100}, token="tok")
+    assert ack["ok"] is True and eng.token_budget == 100
+    assert client.controls[-1]["token"] == "tok"  # forwarded for the engine's own check
+    client.close()
+
+
+def test_list_engines_and_unknown_messages(collector: Any) -> None:
+    from websockets.sync.client import connect
+
+    eng, client = _engine(collector)
+    [row] = list_engines(collector.url)
+    assert row["engine_id"] == "engine-ctl" and row["run_id"] == "run-ctl"
+    assert row["max_token_budget"] == 2048 and row["policy"] == "chunked"
+    assert row["last_step"] == 2
+    with connect(collector.url + "/control", open_timeout=10, proxy=None) as ws:
+        ws.send("{nope")
+        assert json.loads(ws.recv(timeout=10))["code"] == "bad_input"
+        ws.send(json.dumps({"type": "reboot"}))
+        assert json.loads(ws.recv(timeout=10))["code"] == "unknown_message"
+    client.close()
+
+
+def test_control_cli(tmp_path: Any) -> None:
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    proc = start_collector(url)
+    try:
+        eng, client = _engine(proc)
+        base = [sys.executable, "-m", "storage"]
+        out = subprocess.run(
+            [
+                *base,
+                "control",
+                "--url",
+                proc.url,
+                "--engine",
+                "engine-ctl",
+                "--token-budget",
+                "300",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["new"] == {"token_budget": 300}
+        out = subprocess.run(
+            [*base, "control", "--url", proc.url, "--engine", "engine-ctl", "--token-budget", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 1 and json.loads(out.stdout)["ok"] is False
+        out = subprocess.run(
+            [*base, "engines", "--url", proc.url], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0
+        assert json.loads(out.stdout.splitlines()[0])["token_budget"] == 300
+        client.close()
+    finally:
+        assert proc.stop() == 0
