@@ -30,6 +30,8 @@ def build_app(
     *,
     control_token: str | None = None,
     collector_url: str | None = None,
+    collector_token: str | None = None,
+    telemetry_spill_dir: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
@@ -65,10 +67,15 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from engine.telemetry.hook import start_for_state
+
+        publisher = start_for_state(state, token=collector_token, spill_dir=telemetry_spill_dir)
         try:
             yield
         finally:
             await asyncio.to_thread(client.shutdown)
+            if publisher is not None:  # after the core: its last events, then the goodbye
+                await asyncio.to_thread(publisher.close)
 
     app = FastAPI(title="chunkscope engine", lifespan=lifespan)
     app.state.server = state

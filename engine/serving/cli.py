@@ -50,8 +50,15 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--engine-id", {"default": None,
                      "help": "name of this engine in metrics and events (default: HOST-PID)"}),
     ("--collector-url", {"default": None,
-                         "help": "telemetry collector to stream events to; accepted and "
-                         "stored now, used once the telemetry collector lands"}),
+                         "help": "telemetry collector to stream every engine event to, e.g. "
+                         "ws://127.0.0.1:8765 (/ingest is appended); none: no telemetry"}),
+    ("--collector-token", {"default": None,
+                           "help": "the collector's --auth-token, sent in the hello; falls back "
+                           "to $CHUNKSCOPE_AUTH_TOKEN"}),
+    ("--telemetry-spill-dir", {"default": None,
+                               "help": "folder for telemetry events the collector has not "
+                               "acknowledged once 20,000 are held in memory (default: a "
+                               "temporary folder)"}),
     ("--control-token", {"default": None,
                          "help": "bearer token that PUT /v1/scheduler requires; falls back to "
                          "$CHUNKSCOPE_CONTROL_TOKEN (keeps it out of ps); neither: no token"}),
@@ -123,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         config = config_from_args(args)
+        if args.collector_url:
+            from engine.telemetry import normalize_collector_url
+
+            normalize_collector_url(args.collector_url)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     try:
@@ -145,6 +156,8 @@ def _serve(engine: EngineClient, args: argparse.Namespace) -> int:
         engine,
         control_token=args.control_token or os.environ.get("CHUNKSCOPE_CONTROL_TOKEN"),
         collector_url=args.collector_url,
+        collector_token=args.collector_token or os.environ.get("CHUNKSCOPE_AUTH_TOKEN"),
+        telemetry_spill_dir=args.telemetry_spill_dir,
         max_body_bytes=args.max_body_bytes,
         max_image_bytes=args.max_image_bytes,
         engine_id=args.engine_id,

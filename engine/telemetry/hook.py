@@ -95,3 +95,22 @@ def start_server_publisher(
         register_metrics(publisher, registry, model_name=model_name, engine_id=engine_id)
     client.add_listener(publisher.publish)
     return publisher.start()
+
+
+def start_for_state(
+    state: Any, *, token: str | None = None, spill_dir: str | Path | None = None
+) -> Publisher | None:
+    """The server's publisher (None without a collector URL): the app's lifespan starts it
+    once the engine is up and closes it after the engine core stopped."""
+    if not state.collector_url:
+        return None
+    return start_server_publisher(
+        state.client,
+        state.collector_url,
+        engine_id=state.engine_id,
+        model_name=state.model_name,
+        token=token,
+        control_token=state.control_token,
+        spill_dir=spill_dir,
+        registry=state.metrics.registry,
+    )
