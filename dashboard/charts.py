@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -37,8 +38,15 @@ LAYOUT = {
 
 
 def to_datetime(seconds: pd.Series | Iterable[float]) -> pd.Series:
-    """Wall seconds since the epoch -> UTC datetimes (what Plotly draws on a date axis)."""
+    """Wall seconds since the epoch -> UTC datetimes (for tables and labels)."""
     return pd.to_datetime(pd.Series(seconds, dtype="float64"), unit="s", utc=True)
+
+
+def to_axis(seconds: pd.Series | Iterable[float]) -> np.ndarray:
+    """Wall seconds since the epoch -> milliseconds since the epoch, which a Plotly axis of
+    type ``date`` draws as UTC times. Plain floats serialise about ten times faster than
+    datetimes, which matters for a Live page redrawn every second."""
+    return np.asarray(seconds, dtype="float64") * 1000.0
 
 
 def class_color(traffic_class: object) -> str:
@@ -104,7 +112,7 @@ def add_control_markers(
     marks = control_marker_times(controls)
     if marks.empty:
         return fig
-    times = to_datetime(marks["x"])
+    times = to_axis(marks["x"])
     for (_, m), t in zip(marks.iterrows(), times, strict=True):
         color = ACCEPTED_MARKER_COLOR if m["accepted"] else REFUSED_MARKER_COLOR
         for row in range(1, rows + 1):
@@ -144,7 +152,7 @@ def step_tokens_figure(steps: pd.DataFrame, controls: pd.DataFrame | None = None
     fig.update_layout(**LAYOUT, title="Tokens per step", barmode="stack", bargap=0)
     if steps is None or steps.empty:
         return _empty(fig, "no steps in this window")
-    start = to_datetime(steps["start"])
+    start = to_axis(steps["start"])
     width_ms = (steps["end"] - steps["start"]).clip(lower=0.0005) * 1000.0
     common = {"x": start, "width": width_ms, "offset": 0}
     fig.add_trace(
@@ -191,7 +199,7 @@ def step_tokens_figure(steps: pd.DataFrame, controls: pd.DataFrame | None = None
     )
     fig.update_yaxes(title_text="tokens", secondary_y=False, rangemode="tozero")
     fig.update_yaxes(title_text="step ms", secondary_y=True, rangemode="tozero", showgrid=False)
-    fig.update_xaxes(title_text="time (UTC)")
+    fig.update_xaxes(title_text="time (UTC)", type="date")
     return add_control_markers(fig, controls)
 
 
@@ -218,16 +226,26 @@ def itl_figure(
     *,
     factor: float = 3.0,
     threshold_ms: float | None = None,
+    max_points: int = 20_000,
 ) -> go.Figure:
     """Every streamed token's inter-token latency over time, one colour per traffic class; stalls
-    (see :func:`stall_mask`) ringed in red and counted in the title."""
+    (see :func:`stall_mask`, over all tokens) ringed in red and counted in the title. Beyond
+    ``max_points`` tokens the ordinary ones are thinned evenly; stalls are always drawn."""
     fig = go.Figure()
     fig.update_layout(**LAYOUT)
     if itl is None or itl.empty:
         fig.update_layout(title="Inter-token latency")
         return _empty(fig, "no streamed tokens in this window")
     stalls = stall_mask(itl, factor=factor, threshold_ms=threshold_ms)
-    t = to_datetime(itl["time"])
+    n_stalls = int(stalls.sum())
+    n_all = len(itl)
+    if n_all > max_points:
+        # Thin the ordinary points evenly (every stall is kept): a minute of 16 streams is
+        # ~100,000 points, which no screen shows apart, and each one costs serialisation time.
+        stride = -(-n_all // max_points)
+        keep = stalls.to_numpy() | (np.arange(n_all) % stride == 0)
+        itl, stalls = itl[keep], stalls[keep]
+    t = to_axis(itl["time"])
     classes = itl["traffic_class"].astype("object").where(itl["traffic_class"].notna(), None)
     for cls in sorted(classes.dropna().unique().tolist()) + (
         [None] if classes.isna().any() else []
@@ -240,12 +258,12 @@ def itl_figure(
                 y=itl.loc[sel, "itl_ms"],
                 mode="markers",
                 marker={"color": class_color(cls), "size": 4, "opacity": 0.7},
-                customdata=itl.loc[sel, ["request_id", "k"]].to_numpy(),
-                hovertemplate="%{customdata[0]} token %{customdata[1]}<br>ITL %{y:.1f} ms"
-                "<extra></extra>",
+                # numbers only: an object array of request ids is copied point by point
+                customdata=itl.loc[sel, ["step", "k"]].to_numpy(dtype="float64"),
+                hovertemplate="step %{customdata[0]}, token %{customdata[1]}<br>"
+                "ITL %{y:.1f} ms<extra></extra>",
             )
         )
-    n_stalls = int(stalls.sum())
     if n_stalls:
         fig.add_trace(
             go.Scattergl(
@@ -263,9 +281,10 @@ def itl_figure(
             )
         )
     rule = f"> {threshold_ms:g} ms" if threshold_ms is not None else f"> {factor:g}x median"
-    fig.update_layout(title=f"Inter-token latency — {n_stalls} stalls ({rule})")
+    shown = "" if len(itl) == n_all else f", {len(itl):,} of {n_all:,} tokens drawn"
+    fig.update_layout(title=f"Inter-token latency — {n_stalls} stalls ({rule}){shown}")
     fig.update_yaxes(title_text="ITL (ms)", type="log")
-    fig.update_xaxes(title_text="time (UTC)")
+    fig.update_xaxes(title_text="time (UTC)", type="date")
     return add_control_markers(fig, controls)
 
 
@@ -303,7 +322,7 @@ def kv_queue_figure(steps: pd.DataFrame, controls: pd.DataFrame | None = None) -
     fig.update_layout(**LAYOUT, title="KV cache and queue")
     if steps is None or steps.empty:
         return _empty(fig, "no steps in this window")
-    t = to_datetime(steps["start"])
+    t = to_axis(steps["start"])
     total = steps["kv_blocks_total"].where(steps["kv_blocks_total"] > 0)
     fig.add_trace(
         go.Scatter(
@@ -329,6 +348,7 @@ def kv_queue_figure(steps: pd.DataFrame, controls: pd.DataFrame | None = None) -
         )
     fig.update_yaxes(title_text="%", range=[0, 100], row=1, col=1)
     fig.update_yaxes(title_text="requests", rangemode="tozero", row=2, col=1)
+    fig.update_xaxes(type="date")
     return add_control_markers(fig, controls, rows=2)
 
 

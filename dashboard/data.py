@@ -81,7 +81,7 @@ def controls(
     return _call(db_url, "controls", engine_id=engine_id, run_id=run_id, since=since, until=until)
 
 
-@st.cache_data(ttl=2.0, show_spinner=False)
+@st.cache_data(ttl=5.0, show_spinner=False)
 def latency_summary(
     db_url: str | None,
     engine_id: str | None,

@@ -19,6 +19,9 @@ import pandas as pd
 logger = logging.getLogger(__name__)
 
 ITL_KEY = ["engine_id", "run_id", "request_id", "k"]
+# The window start of the Live page's summary and controls queries sits on this grid (seconds),
+# so their cached answers are reused between refreshes while the start has not moved.
+SUMMARY_GRID_S = 5.0
 
 
 @dataclass
@@ -51,6 +54,7 @@ class LiveWindow:
         number of new step and ITL rows."""
         new_rows = 0
         parts = [] if self.steps is None else [self.steps]
+        empty: pd.DataFrame | None = None
         for eid, rid in self.run_ids:
             after = self.last_step.get((eid, rid))
             if after is None:
@@ -58,6 +62,7 @@ class LiveWindow:
                 got = queries.steps(db, engine_id=eid, run_id=rid, since=since)
             else:
                 got = queries.steps(db, engine_id=eid, run_id=rid, after_step=after)
+            empty = got.iloc[0:0] if empty is None else empty
             if not got.empty:
                 self.last_step[(eid, rid)] = int(got["step"].max())
                 parts.append(got)
@@ -66,6 +71,8 @@ class LiveWindow:
                 # Nothing in the first window (no data yet): read from the run's start next time.
                 self.last_step[(eid, rid)] = -1
         self.steps = _concat(parts)
+        if self.steps.empty and empty is not None:
+            self.steps = empty  # keep the columns of an empty answer
         self.reads += 1
 
         if self.last_itl_time is None:

@@ -7,7 +7,7 @@ import time
 import streamlit as st
 
 from dashboard import charts, data, ui
-from dashboard.live import LiveWindow
+from dashboard.live import SUMMARY_GRID_S, LiveWindow
 
 REFRESH_S = 1.0
 
@@ -41,7 +41,8 @@ def live_view() -> None:
         problem = f"cannot read the store: {exc}"
     _status(ctx, lw, problem)
     win = lw.window()
-    since = win[0] if win else None
+    # on a 5 s grid, so the cached summary is reused between refreshes (it moves little)
+    since = None if win is None else SUMMARY_GRID_S * (win[0] // SUMMARY_GRID_S)
     try:
         ctrl = data.controls(ctx.db_url, ctx.engine_id, ctx.run_id, since, None)
         summary = data.latency_summary(ctx.db_url, ctx.engine_id, ctx.run_id, since, None)

@@ -187,3 +187,14 @@ def test_charts_never_import_streamlit() -> None:
         for alias in node.names
     } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert not any(n.startswith("streamlit") for n in names)
+
+
+def test_many_tokens_are_thinned_but_every_stall_is_kept() -> None:
+    values = [10.0] * 1000
+    for i in (3, 500, 999):
+        values[i] = 300.0
+    fig = charts.itl_figure(itl_frame(values), max_points=100)
+    drawn = sum(len(t.y) for t in fig.data if t.name != "stall")
+    assert drawn < 110
+    assert list(_trace(fig, "stall").y) == [300.0] * 3
+    assert "3 stalls" in fig.layout.title.text and "of 1,000 tokens drawn" in fig.layout.title.text
