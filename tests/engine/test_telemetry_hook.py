@@ -57,7 +57,8 @@ def test_hello_control_relay_and_metrics(client: EngineClient) -> None:
         assert (hello["engine_id"], hello["model"], hello["token_budget"]) == ("eng-h", "tiny", 64)
         assert hello["max_token_budget"] == 512 and hello["block_size"] == 16
         assert hello["kv_blocks_total"] == client.stats().kv_blocks_total > 0
-        assert hello["config"]["model"] == "tiny" and set(hello["clock"]) == {"wall_ns", "mono_ns"}
+        assert hello["config"]["model"] == "tiny"
+        assert hello["clock"] == client.clock_anchor.to_dict()  # the core's own anchor
         json.dumps(hello)  # plain JSON all through
 
         collector.send({"type": "control", "id": "c1", "set": {"token_budget": 32}})
@@ -102,3 +103,12 @@ def test_hello_control_relay_and_metrics(client: EngineClient) -> None:
         pub.close(timeout=WAIT_S)
         collector.stop()
     assert collector.stored[max(collector.stored)]["type"] == "goodbye"
+
+
+def test_bad_collector_url_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.serving.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--collector-url", "http://127.0.0.1:8765"])
+    assert info.value.code == 2
+    assert "ws://HOST:PORT" in capsys.readouterr().err
