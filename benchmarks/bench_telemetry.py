@@ -7,8 +7,12 @@ whole publisher path (listener, buffer, encoding, frames, acks) while the collec
 same seeded workload (N concurrent streaming requests x P prompt tokens x O output tokens,
 ``ignore_eos``) runs against each; passes alternate off / on ``--repeats`` times after a warm-up,
 so background load hits both alike. Throughput is output tokens / wall time (first request sent
-to the last token received). After the passes the "on" server's ``/metrics`` must show nothing
-dropped and every event acknowledged, and the store must hold one step row per engine step.
+to the last token received). Because wall time on a shared 2-core machine swings with other
+work, each pass also records the CPU seconds the server process and its engine core used
+(``/proc``) per output token: on / off of that is the cost of telemetry itself, and its inverse
+the throughput ratio when the engine is CPU-bound. After the passes the "on" server's
+``/metrics`` must show nothing dropped and every event acknowledged, and the store must hold one
+step row per engine step.
 
 Run from the repo root:  .venv/bin/python benchmarks/bench_telemetry.py [--quick]
 Writes benchmarks/results/telemetry_overhead.json (provenance and configuration included).
@@ -81,6 +85,27 @@ def stop(proc: subprocess.Popen[str]) -> None:
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its children (the engine core), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def stat(p: int) -> list[str] | None:
+        try:
+            text = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            return None
+        return text.rsplit(")", 1)[1].split()  # fields from 3 (state) on
+
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        f = stat(int(entry.name))
+        if f is not None and (int(entry.name) == pid or int(f[1]) == pid):
+            total += (int(f[11]) + int(f[12])) / tick  # utime, stime
+    return total
 
 
 async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], a: Any) -> int:
@@ -174,8 +199,14 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_pass(url, warm, a))
         for _ in range(a.repeats):
             for side in ("off", "on"):
-                runs[side].append(asyncio.run(_pass(servers[side][1], prompts, a)))
-                print(f"{side}: {runs[side][-1]['tokens_per_s']:.0f} tok/s")
+                proc, url = servers[side]
+                cpu0 = process_cpu_s(proc.pid)
+                run = asyncio.run(_pass(url, prompts, a))
+                run["cpu_s"] = process_cpu_s(proc.pid) - cpu0
+                run["cpu_ms_per_token"] = run["cpu_s"] * 1e3 / max(1, run["tokens"])
+                runs[side].append(run)
+                print(f"{side}: {run['tokens_per_s']:.0f} tok/s, "
+                      f"{run['cpu_ms_per_token']:.3f} CPU ms/token")  # fmt: skip
         telemetry = wait_acked(servers["on"][1])
     finally:
         for proc, _ in servers.values():
@@ -186,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def side(rs: list[dict[str, Any]]) -> dict[str, Any]:
         tps = [r["tokens_per_s"] for r in rs]
+        cpu = [r["cpu_ms_per_token"] for r in rs]
         return {
+            "cpu_ms_per_token_median": statistics.median(cpu),
+            "cpu_ms_per_token_min": min(cpu),
+            "all_runs_cpu_ms_per_token": cpu,
             "tokens_per_s_best": max(tps),
             "tokens_per_s_median": statistics.median(tps),
             "all_runs_tokens_per_s": tps,
@@ -196,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     off, on = side(runs["off"]), side(runs["on"])
     ratio_best = on["tokens_per_s_best"] / off["tokens_per_s_best"]
     ratio_median = on["tokens_per_s_median"] / off["tokens_per_s_median"]
-    print(f"on/off: best {ratio_best:.3f}, median {ratio_median:.3f} (target {TARGET})")
+    cpu_ratio = on["cpu_ms_per_token_median"] / off["cpu_ms_per_token_median"]
+    print(f"on/off: best {ratio_best:.3f}, median {ratio_median:.3f} (target {TARGET}); "
+          f"CPU per token on/off (median) {cpu_ratio:.3f}")  # fmt: skip
     write_json(
         out_dir / "telemetry_overhead.json",
         {
@@ -205,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_best": ratio_best,
             "ratio_median": ratio_median,
             "meets_target": ratio_best >= TARGET,
+            "cpu_per_token_on_over_off_median": cpu_ratio,
+            "implied_ratio_when_cpu_bound": 1 / cpu_ratio,
             "off": off,
             "on": on,
             "telemetry_metrics_after": telemetry,
