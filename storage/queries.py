@@ -582,9 +582,11 @@ def token_times(
 # ---- summaries --------------------------------------------------------------------------------
 
 
-def _pct(values: np.ndarray, q: float) -> float | None:
+def _pcts(values: np.ndarray, qs: list[float]) -> list[float | None]:
     values = values[~np.isnan(values)]
-    return float(np.percentile(values, q)) if values.size else None
+    if not values.size:
+        return [None] * len(qs)
+    return [float(v) for v in np.percentile(values, qs)]
 
 
 def latency_summary(
@@ -597,55 +599,67 @@ def latency_summary(
 ) -> pd.DataFrame:
     """Latency percentiles by traffic class over a window, plus a row ``traffic_class="all"``.
 
-    TTFT over requests whose first token is in the window; TPOT over requests finished in it
-    (two tokens or more); ITL over every token k >= 2 produced in it; ``num_requests`` counts
-    requests finished in the window; ``output_tokens`` counts tokens produced in it, and
-    ``tokens_per_s`` divides them by the window (or, when open, by the span of its steps);
+    ITL over every token k >= 2 produced by a step starting in the window; ``output_tokens``
+    counts the tokens produced in it and ``tokens_per_s`` divides them by the window (or, when
+    it is open, by the span of its steps). TTFT over requests whose first token is in the
+    window; TPOT over requests finished in it with two tokens or more; ``num_requests`` counts
+    the requests finished in the window (among those that produced a token or arrived in it).
     ``num_gaps`` is the number of telemetry ``gap`` events in the window (the same on every
     row: lost events belong to no class).
     """
     q = schema.requests
     s = schema.steps
     g = schema.gaps
-    itl_parts: list[pd.DataFrame] = []
-    req_parts: list[pd.DataFrame] = []
+    names: dict[str, int] = {}  # class name -> code
+    itl_codes: list[np.ndarray] = []
+    itl_vals: list[np.ndarray] = []
+    tok_codes: list[np.ndarray] = []
+    req_frames: list[pd.DataFrame] = []
     num_gaps = 0
     span_lo: float | None = None
     span_hi: float | None = None
+
+    def code_of(cls: Any) -> int:
+        name = "unknown" if cls is None else str(cls)
+        return names.setdefault(name, len(names))
+
     with db.connect() as conn:
         for run in _runs(conn, engine_id, run_id):
             lo, hi = run.bounds(since, until)
-            tokens, end_ns, _ = _token_records(conn, run, lo, hi)
+            tokens, _, _ = _token_records(conn, run, lo, hi)
+            req_lo: int | None = None
             if tokens.size:
-                _, classes = _request_lookup(conn, run.key, tokens["req"].astype(np.int64))
-                itl_parts.append(
-                    pd.DataFrame(
-                        {
-                            "traffic_class": classes,
-                            "k": tokens["k"],
-                            "itl_ms": np.where(tokens["k"] >= 2, tokens["itl_ns"] / 1e6, np.nan),
-                        }
+                req = tokens["req"].astype(np.int64)
+                r_lo, r_hi = int(req.min()), int(req.max())
+                codes = np.zeros(r_hi - r_lo + 1, dtype=np.int64)
+                codes[:] = code_of(None)
+                for req_no, cls in conn.execute(
+                    select(q.c.req_no, q.c.traffic_class).where(
+                        q.c.run_key == run.key, q.c.req_no >= r_lo, q.c.req_no <= r_hi
                     )
-                )
-            conds = [q.c.run_key == run.key]
-            if lo is not None or hi is not None:
-                conds.append(
-                    or_(
-                        and_(*_window(q.c.first_token_ns, lo, hi)),
-                        and_(*_window(q.c.finished_ns, lo, hi)),
-                    )
-                )
-            rows = conn.execute(
-                select(
-                    q.c.traffic_class,
-                    q.c.arrival_ns,
-                    q.c.first_token_ns,
-                    q.c.last_token_ns,
-                    q.c.finished_ns,
-                    q.c.num_tokens,
-                ).where(*conds)
-            ).all()
-            if rows:
+                ):
+                    codes[req_no - r_lo] = code_of(cls)
+                token_codes = codes[req - r_lo]
+                tok_codes.append(token_codes)
+                later = tokens["k"] >= 2
+                itl_codes.append(token_codes[later])
+                itl_vals.append(tokens["itl_ns"][later] / 1e6)
+                req_lo = r_lo
+            arr_conds = [q.c.run_key == run.key, *_window(q.c.arrival_ns, lo, hi)]
+            first_arrival = conn.execute(select(func.min(q.c.req_no)).where(*arr_conds)).scalar()
+            if first_arrival is not None:
+                req_lo = first_arrival if req_lo is None else min(req_lo, first_arrival)
+            if req_lo is not None:
+                rows = conn.execute(
+                    select(
+                        q.c.traffic_class,
+                        q.c.arrival_ns,
+                        q.c.first_token_ns,
+                        q.c.last_token_ns,
+                        q.c.finished_ns,
+                        q.c.num_tokens,
+                    ).where(q.c.run_key == run.key, q.c.req_no >= req_lo)
+                ).all()
                 df = pd.DataFrame(
                     rows,
                     columns=[
@@ -664,10 +678,10 @@ def latency_summary(
                 n = df["num_tokens"].astype("float64")
                 ttft = (first - df["arrival_ns"].astype("float64")) / 1e6
                 tpot = (df["last_token_ns"].astype("float64") - first) / (n - 1) / 1e6
-                req_parts.append(
+                req_frames.append(
                     pd.DataFrame(
                         {
-                            "traffic_class": df["traffic_class"],
+                            "code": [code_of(c) for c in df["traffic_class"]],
                             "ttft_ms": ttft.where(in_first),
                             "tpot_ms": tpot.where(in_fin & (n >= 2)),
                             "finished": in_fin,
@@ -690,41 +704,41 @@ def latency_summary(
                     b_lo, b_hi = run.wall(bounds[0]), run.wall(bounds[1])
                     span_lo = b_lo if span_lo is None else min(span_lo, b_lo)
                     span_hi = b_hi if span_hi is None else max(span_hi, b_hi)
+    if not tok_codes and not req_frames:
+        return _empty(LATENCY_SUMMARY_COLUMNS)
     lo_s = since if since is not None else span_lo
     hi_s = until if until is not None else span_hi
     window_s = (hi_s - lo_s) if lo_s is not None and hi_s is not None else None
-    itl = pd.concat(itl_parts, ignore_index=True) if itl_parts else None
-    reqs = pd.concat(req_parts, ignore_index=True) if req_parts else None
-    if itl is None and reqs is None:
-        return _empty(LATENCY_SUMMARY_COLUMNS)
-    for df in (itl, reqs):
-        if df is not None:
-            df["traffic_class"] = df["traffic_class"].fillna("unknown").astype(str)
-    classes = sorted(
-        set(itl["traffic_class"] if itl is not None else [])
-        | set(reqs["traffic_class"] if reqs is not None else [])
-    )
+    all_tok = np.concatenate(tok_codes) if tok_codes else np.empty(0, dtype=np.int64)
+    all_itl_c = np.concatenate(itl_codes) if itl_codes else np.empty(0, dtype=np.int64)
+    all_itl = np.concatenate(itl_vals) if itl_vals else np.empty(0)
+    reqs = pd.concat(req_frames, ignore_index=True) if req_frames else None
+    used = set(np.unique(all_tok).tolist())
+    if reqs is not None:
+        used |= set(reqs["code"].unique().tolist())
+    by_name = sorted((name, code) for name, code in names.items() if code in used)
     out = []
-    for cls in [*classes, "all"]:
-        i = itl if itl is None or cls == "all" else itl[itl["traffic_class"] == cls]
-        r = reqs if reqs is None or cls == "all" else reqs[reqs["traffic_class"] == cls]
-        itl_v = i["itl_ms"].to_numpy(dtype=np.float64) if i is not None else np.empty(0)
-        ttft_v = r["ttft_ms"].to_numpy(dtype=np.float64) if r is not None else np.empty(0)
-        tpot_v = r["tpot_ms"].to_numpy(dtype=np.float64) if r is not None else np.empty(0)
-        n_out = int(len(i)) if i is not None else 0
-        itl_clean = itl_v[~np.isnan(itl_v)]
+    for name, code in [*by_name, ("all", None)]:
+        itl = all_itl if code is None else all_itl[all_itl_c == code]
+        n_out = int(all_tok.size if code is None else np.count_nonzero(all_tok == code))
+        r = reqs if reqs is None or code is None else reqs[reqs["code"] == code]
+        ttft = r["ttft_ms"].to_numpy(dtype=np.float64) if r is not None else np.empty(0)
+        tpot = r["tpot_ms"].to_numpy(dtype=np.float64) if r is not None else np.empty(0)
+        ttft50, ttft99 = _pcts(ttft, [50, 99])
+        tpot50, tpot99 = _pcts(tpot, [50, 99])
+        itl50, itl99, itl999 = _pcts(itl, [50, 99, 99.9])
         out.append(
             {
-                "traffic_class": cls,
+                "traffic_class": name,
                 "num_requests": int(r["finished"].sum()) if r is not None else 0,
-                "ttft_p50_ms": _pct(ttft_v, 50),
-                "ttft_p99_ms": _pct(ttft_v, 99),
-                "tpot_p50_ms": _pct(tpot_v, 50),
-                "tpot_p99_ms": _pct(tpot_v, 99),
-                "itl_p50_ms": _pct(itl_clean, 50),
-                "itl_p99_ms": _pct(itl_clean, 99),
-                "itl_p999_ms": _pct(itl_clean, 99.9),
-                "itl_max_ms": float(itl_clean.max()) if itl_clean.size else None,
+                "ttft_p50_ms": ttft50,
+                "ttft_p99_ms": ttft99,
+                "tpot_p50_ms": tpot50,
+                "tpot_p99_ms": tpot99,
+                "itl_p50_ms": itl50,
+                "itl_p99_ms": itl99,
+                "itl_p999_ms": itl999,
+                "itl_max_ms": float(itl.max()) if itl.size else None,
                 "num_gaps": num_gaps,
                 "output_tokens": n_out,
                 "tokens_per_s": n_out / window_s if window_s else None,

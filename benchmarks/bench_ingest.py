@@ -1,0 +1,279 @@
+"""Collector ingest through the full path: a publisher-like websocket client -> collector
+(``python -m storage``, its own process) -> SQLite (WAL) on this machine's cores.
+
+For step events of 8, 64 and 256 chunks (plus the request events of a steady decode workload:
+arrived / first_scheduled / first_token / finished as requests come and go), the client sends
+pre-encoded frames (one every ``--frame-ms``, as the engine's publisher batches them) at a target
+rate of step events per second for ``--seconds``, and records for every frame the time from its
+send to the ack that covers it (the ack is sent after the commit, so this is the ingest lag
+including the database). A rate is *sustained* when the client kept the pace (>= 97% of the
+target), every frame was acked, and the p99 lag stayed under ``--max-lag`` seconds (1 s). Rates
+double from ``--start-rate`` until one is not sustained; the highest sustained rate is reported
+per chunk count, along with the collector's CPU use.
+
+Run from the repo root:  .venv/bin/python benchmarks/bench_ingest.py [--quick]
+Writes benchmarks/results/ingest.json (configuration and git state included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import git_state  # noqa: E402
+
+from storage.testing import SyntheticEngine, start_collector  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _make_frames(
+    chunks: int, rate: float, seconds: float, frame_ms: float, seed: int
+) -> tuple[list[tuple[int, str]], int, int]:
+    """Pre-encoded frames for ``rate`` steps/s over ``seconds``: [(last seq, json)], steps,
+    events. Steps of ``chunks`` chunks: a steady decode batch of ``chunks`` requests."""
+    eng = SyntheticEngine(
+        engine_id=f"bench-{chunks}-{int(rate)}",
+        run_id=f"run-{chunks}-{int(rate)}-{seed}",
+        seed=seed,
+        concurrency=chunks,
+        token_budget=chunks + 32,
+        max_token_budget=max(16384, chunks + 32),
+        prompt_tokens=(8, 32),
+        output_tokens=(64, 256),
+        step_ns=int(1e9 / rate),
+    )
+    n_steps = int(rate * seconds)
+    per_frame = max(1, round(rate * frame_ms / 1000))
+    out: list[tuple[int, str]] = []
+    n_events = 0
+    done = 0
+    while done < n_steps:
+        k = min(per_frame, n_steps - done)
+        events = eng.steps(k)
+        done += k
+        n_events += len(events)
+        frame = {
+            "schema": 1,
+            "type": "events",
+            "engine_id": eng.engine_id,
+            "run_id": eng.run_id,
+            "events": events,
+        }
+        out.append((events[-1]["seq"], json.dumps(frame, separators=(",", ":"))))
+    return out, n_steps, n_events, eng  # type: ignore[return-value]
+
+
+async def _run_level(
+    url: str,
+    frames: list[tuple[int, str]],
+    hello: dict[str, Any],
+    frame_s: float,
+    drain_timeout: float,
+) -> dict[str, Any]:
+    from websockets.asyncio.client import connect
+
+    sent_at: list[float] = []
+    lags: list[float] = []
+    acked = 0
+    done = asyncio.Event()
+    last_seq = frames[-1][0]
+    async with connect(url + "/ingest", max_size=None, compression=None, proxy=None) as ws:
+        await ws.send(json.dumps(hello))
+        json.loads(await ws.recv())
+
+        async def reader() -> None:
+            nonlocal acked
+            i = 0
+            async for raw in ws:
+                msg = json.loads(raw)
+                if msg.get("type") != "ack":
+                    continue
+                now = time.perf_counter()
+                acked = msg["seq"]
+                while i < len(sent_at) and frames[i][0] <= acked:
+                    lags.append(now - sent_at[i])
+                    i += 1
+                if acked >= last_seq:
+                    done.set()
+                    return
+
+        task = asyncio.create_task(reader())
+        t0 = time.perf_counter()
+        for i, (_, text) in enumerate(frames):
+            target = t0 + i * frame_s
+            delay = target - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent_at.append(time.perf_counter())
+            await ws.send(text)
+        t_sent = time.perf_counter()
+        try:
+            await asyncio.wait_for(done.wait(), drain_timeout)
+        except TimeoutError:
+            pass
+        t_end = time.perf_counter()
+        task.cancel()
+    return {
+        "send_seconds": t_sent - t0,
+        "drain_seconds": t_end - t_sent,
+        "frames": len(frames),
+        "frames_acked": len(lags),
+        "lags": lags,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[8, 64, 256])
+    ap.add_argument(
+        "--start-rate",
+        type=float,
+        nargs="+",
+        default=[500, 250, 125],
+        help="first rate (steps/s) tried for each --chunks value",
+    )
+    ap.add_argument("--max-rate", type=float, default=16000)
+    ap.add_argument("--seconds", type=float, default=6.0, help="length of each rate level")
+    ap.add_argument("--frame-ms", type=float, default=20.0, help="publisher batching interval")
+    ap.add_argument("--max-lag", type=float, default=1.0, help="p99 lag bound for 'sustained'")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="1 s levels, 8 and 64 chunks only")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.seconds, args.chunks = 1.0, [8, 64]
+    out_path = (
+        Path(args.out)
+        if args.out
+        else (
+            Path(tempfile.gettempdir()) / "chunkscope-bench-quick" / "ingest.json"
+            if args.quick
+            else RESULTS / "ingest.json"
+        )
+    )
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        db_url = f"sqlite:///{tmp}/ingest.db"
+        proc = start_collector(db_url, args=["--log-level", "WARNING"])
+        try:
+            for n_chunks, start in zip(
+                args.chunks, args.start_rate * len(args.chunks), strict=False
+            ):
+                rate = start
+                best: dict[str, Any] | None = None
+                while rate <= args.max_rate:
+                    t = time.perf_counter()
+                    frames, n_steps, n_events, eng = _make_frames(
+                        n_chunks, rate, args.seconds, args.frame_ms, args.seed
+                    )
+                    gen_s = time.perf_counter() - t
+                    cpu0 = _cpu_seconds(proc.process.pid)
+                    level = asyncio.run(
+                        _run_level(
+                            proc.url, frames, eng.hello(), args.frame_ms / 1000, drain_timeout=30.0
+                        )
+                    )
+                    cpu = _cpu_seconds(proc.process.pid) - cpu0
+                    lags = sorted(level.pop("lags"))
+                    wall = level["send_seconds"] + level["drain_seconds"]
+                    achieved = n_steps / level["send_seconds"]
+                    row = {
+                        "chunks_per_step": n_chunks,
+                        "target_steps_per_s": rate,
+                        "achieved_steps_per_s": round(achieved, 1),
+                        "chunk_records_per_s": round(achieved * n_chunks, 1),
+                        "steps": n_steps,
+                        "events": n_events,
+                        "frame_bytes_mean": round(statistics.fmean(len(f[1]) for f in frames)),
+                        **level,
+                        "lag_p50_s": lags[len(lags) // 2] if lags else None,
+                        "lag_p99_s": lags[min(len(lags) - 1, int(len(lags) * 0.99))]
+                        if lags
+                        else None,
+                        "lag_max_s": lags[-1] if lags else None,
+                        "collector_cpu_cores": round(cpu / wall, 3),
+                        "generate_seconds": round(gen_s, 2),
+                    }
+                    row["sustained"] = bool(
+                        level["frames_acked"] == level["frames"]
+                        and achieved >= 0.97 * rate
+                        and row["lag_p99_s"] is not None
+                        and row["lag_p99_s"] < args.max_lag
+                    )
+                    print(
+                        f"chunks={n_chunks:4d} rate={rate:7.0f}/s achieved={achieved:7.0f}/s "
+                        f"lag p50={row['lag_p50_s'] or 0:.3f}s p99={row['lag_p99_s'] or 0:.3f}s "
+                        f"max={row['lag_max_s'] or 0:.3f}s cpu={row['collector_cpu_cores']:.2f} "
+                        f"acked={level['frames_acked']}/{level['frames']} "
+                        f"{'OK' if row['sustained'] else 'NOT sustained'}",
+                        flush=True,
+                    )
+                    results.append(row)
+                    if not row["sustained"]:
+                        break
+                    best = row
+                    rate *= 2
+                print(
+                    f"chunks={n_chunks}: highest sustained "
+                    f"{best['target_steps_per_s'] if best else None} steps/s",
+                    flush=True,
+                )
+        finally:
+            proc.stop()
+    summary = {}
+    for n_chunks in args.chunks:
+        ok = [r for r in results if r["chunks_per_step"] == n_chunks and r["sustained"]]
+        best = max(ok, key=lambda r: r["target_steps_per_s"]) if ok else None
+        summary[str(n_chunks)] = {
+            "highest_sustained_steps_per_s": best["target_steps_per_s"] if best else None,
+            "chunk_records_per_s": best["chunk_records_per_s"] if best else None,
+            "lag_p99_s": best["lag_p99_s"] if best else None,
+            "collector_cpu_cores": best["collector_cpu_cores"] if best else None,
+        }
+    target = summary.get("64", {}).get("highest_sustained_steps_per_s")
+    payload = {
+        "benchmark": "bench_ingest",
+        "provenance": {
+            **git_state(),
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "loadavg_at_end": os.getloadavg(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+        "config": {
+            **vars(args),
+            "store": "sqlite (WAL, synchronous=NORMAL)",
+            "collector": "python -m storage, separate process",
+        },
+        "target": "1000 step events/s of 64 chunks with ingest lag < 1 s",
+        "target_met": bool(target is not None and target >= 1000),
+        "summary": summary,
+        "levels": results,
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
