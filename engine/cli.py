@@ -1,14 +1,14 @@
 """The `chunkscope` console script: one entry point, one subcommand per process.
 
-Subcommands import their process lazily so that `chunkscope loadgen` and `chunkscope collector`
-never import torch.
+Subcommands import their process lazily so that `chunkscope loadgen`, `chunkscope collector` and
+`chunkscope export` never import torch.
 """
 
 from __future__ import annotations
 
 import sys
 
-_USAGE = """usage: chunkscope {engine,loadgen,collector} [options]
+_USAGE = """usage: chunkscope {engine,loadgen,collector,export} [options]
 
 subcommands:
   engine    run the OpenAI-compatible chunked-prefill engine server (python -m engine)
@@ -16,6 +16,8 @@ subcommands:
             (python -m loadgen)
   collector store engines' telemetry (websockets) in SQLite / PostgreSQL and relay controls
             (python -m storage)
+  export    write stored telemetry as a Chrome trace (Perfetto) or CSV / Parquet tables
+            (python -m storage export)
 
 Run `chunkscope SUBCOMMAND --help` for the options of each.
 """
@@ -39,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         from storage.cli import main as storage_main
 
         return storage_main(rest)
+    if command == "export":
+        from storage.export import main as export_main
+
+        return export_main(rest)
     print(f"chunkscope: unknown subcommand {command!r}\n\n{_USAGE}", file=sys.stderr)
     return 2
 

@@ -3,6 +3,7 @@
 python -m storage [collector] [--host H] [--port P] [--db URL | --data-dir DIR] ...
 python -m storage control --url ws://127.0.0.1:8765 --engine ID --token-budget 512
 python -m storage engines --url ws://127.0.0.1:8765
+python -m storage export --db URL --format chrome-trace|csv|parquet --out PATH
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def _collector_parser() -> argparse.ArgumentParser:
         description="Telemetry collector: engines stream step, request and control events to "
         "ws://HOST:PORT/ingest; they are stored in SQLite (WAL) or PostgreSQL. Control clients "
         "use ws://HOST:PORT/control; GET /healthz and /metrics answer on the same port. "
-        "Other subcommands: `control`, `engines` (see `python -m storage control --help`).",
+        "Other subcommands: `control`, `engines`, `export` (see `python -m storage control "
+        "--help`).",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument(
@@ -194,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_control(args[1:])
     if args and args[0] == "engines":
         return run_engines(args[1:])
+    if args and args[0] == "export":
+        from storage.export import main as export_main
+
+        return export_main(args[1:], prog="python -m storage export")
     if args and args[0] == "collector":
         args = args[1:]
     return run_collector(args)

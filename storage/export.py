@@ -29,14 +29,15 @@ origin, in seconds since the epoch, is ``otherData.time_origin_unix_s``. Every t
 the store's wall-clock columns through one monotone mapping, so slices that follow each other in
 the engine never overlap in the trace. One process per run (``engine <id> / run <id>``) holds:
 
-- thread ``steps``: each step a complete slice (``"ph": "X"``) named ``prefill``, ``decode`` or
-  ``prefill+decode``, its numbers and its chunk layout (request id, kind, start, num_tokens,
-  produced) in ``args``; budget and policy changes as instant events (``"ph": "i"``);
+- thread ``steps``: each step a complete slice (``"ph": "X"``) named ``step prefill``,
+  ``step decode`` or ``step prefill+decode``, its numbers and its chunk layout (request id,
+  kind, start, num_tokens, produced) in ``args``; budget and policy changes as instant events
+  (``"ph": "i"``);
 - one thread per request (``req <id> [class]``, sorted by arrival): a slice from arrival to
   finish (or to the last time the selection knows of), nested phase slices ``queued``
   (arrival -> first scheduled), ``prefill`` (-> first token) and ``decode`` (-> finish), the
-  request's chunks as slices of the steps that carried them, an instant ``first token`` and an
-  instant ``token`` for each later token (``args.itl_ms``);
+  request's chunks as slices of the steps that carried them (``prefill 512``, ``decode 1``),
+  an instant ``first token`` and an instant ``token`` for each later token (``args.itl_ms``);
 - counters (``"ph": "C"``, sampled at each step start): ``tokens`` (budget), ``tokens scheduled``
   (prefill, decode), ``KV blocks`` (used) and ``requests`` (running, waiting);
 - names and order through metadata events (``"ph": "M"``).
@@ -282,8 +283,8 @@ def _finite(value: Any) -> float | None:
 
 def _step_name(prefill: int, decode: int) -> str:
     if prefill and decode:
-        return "prefill+decode"
-    return "prefill" if prefill else "decode"
+        return "step prefill+decode"
+    return "step prefill" if prefill else "step decode"
 
 
 class _Trace:
