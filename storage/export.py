@@ -41,6 +41,9 @@ the engine never overlap in the trace. One process per run (``engine <id> / run 
 - counters (``"ph": "C"``, sampled at each step start): ``tokens`` (budget), ``tokens scheduled``
   (prefill, decode), ``KV blocks`` (used) and ``requests`` (running, waiting);
 - names and order through metadata events (``"ph": "M"``).
+
+Thread ids are unique in the whole trace and each run's ``pid`` is the tid of its steps thread
+(Perfetto keys threads by tid alone).
 """
 
 from __future__ import annotations
@@ -79,8 +82,6 @@ TOKENS_COLUMNS = [
     "step",
     "itl_ms",
 ]
-STEPS_TID = 1
-_FIRST_REQUEST_TID = 2
 
 
 class ExportError(Exception):
@@ -291,6 +292,12 @@ class _Trace:
     def __init__(self, origin: float) -> None:
         self.origin = origin
         self.events: list[dict[str, Any]] = []
+        self._last_tid = 0
+
+    def new_tid(self) -> int:
+        """A thread id unique in the whole trace (Perfetto keys threads by tid alone)."""
+        self._last_tid += 1
+        return self._last_tid
 
     def us(self, t: float) -> float:
         """Microseconds since the origin (monotone in ``t``)."""
@@ -333,11 +340,12 @@ class _Trace:
         )
 
     def counter(self, name: str, pid: int, t: float, values: dict[str, Any]) -> None:
+        """A process counter sample (written on the process's main thread, tid = pid)."""
         args = {k: _num(v) for k, v in values.items()}
         args = {k: v for k, v in args.items() if v is not None}
         if args:
             self.events.append(
-                {"name": name, "ph": "C", "ts": self.us(t), "pid": pid, "tid": 0, "args": args}
+                {"name": name, "ph": "C", "ts": self.us(t), "pid": pid, "tid": pid, "args": args}
             )
 
 
@@ -383,11 +391,9 @@ def chrome_trace(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
     """The selection as a trace-event JSON object (see the module docstring)."""
     origin = _origin(tables)
     trace = _Trace(origin)
-    for index, (engine_id, run_id) in enumerate(_runs(tables)):
-        pid = index + 1
+    for engine_id, run_id in _runs(tables):
         _run_events(
             trace,
-            pid,
             engine_id,
             run_id,
             _of_run(tables["steps"], engine_id, run_id),
@@ -396,14 +402,15 @@ def chrome_trace(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
             _of_run(tables["tokens"], engine_id, run_id),
             _of_run(tables["controls"], engine_id, run_id),
         )
+    # traceEvents last: Perfetto reads displayTimeUnit only before the events
     return {
-        "traceEvents": trace.events,
         "displayTimeUnit": "ms",
         "otherData": {
             "producer": "chunkscope export",
             "time_origin_unix_s": origin,
             "time_unit": "microseconds since time_origin_unix_s",
         },
+        "traceEvents": trace.events,
     }
 
 
@@ -415,7 +422,6 @@ def _records(df: pd.DataFrame) -> Iterator[dict[str, Any]]:
 
 def _run_events(
     trace: _Trace,
-    pid: int,
     engine_id: str,
     run_id: str,
     steps: pd.DataFrame,
@@ -424,10 +430,12 @@ def _run_events(
     tokens: pd.DataFrame,
     controls: pd.DataFrame,
 ) -> None:
-    trace.meta("process_name", pid, 0, {"name": f"engine {engine_id} / run {run_id}"})
-    trace.meta("process_sort_index", pid, 0, {"sort_index": pid})
-    trace.meta("thread_name", pid, STEPS_TID, {"name": "steps"})
-    trace.meta("thread_sort_index", pid, STEPS_TID, {"sort_index": 0})
+    # the steps thread is the run's main thread: pid = its tid
+    pid = steps_tid = trace.new_tid()
+    trace.meta("process_name", pid, pid, {"name": f"engine {engine_id} / run {run_id}"})
+    trace.meta("process_sort_index", pid, pid, {"sort_index": pid})
+    trace.meta("thread_name", pid, steps_tid, {"name": "steps"})
+    trace.meta("thread_sort_index", pid, steps_tid, {"sort_index": 0})
 
     step_times: dict[int, tuple[float, float]] = {}
     by_step: dict[int, list[dict[str, Any]]] = {}
@@ -451,7 +459,7 @@ def _run_events(
         trace.slice(
             _step_name(prefill, decode),
             pid,
-            STEPS_TID,
+            steps_tid,
             start,
             end,
             {
@@ -486,7 +494,7 @@ def _run_events(
         trace.instant(
             f"{c['key']} {c['old_value']} -> {c['new_value']}{verdict}",
             pid,
-            STEPS_TID,
+            steps_tid,
             t,
             {k: _num(v) for k, v in c.items() if k not in ("engine_id", "run_id")},
             scope="p",
@@ -498,11 +506,11 @@ def _run_events(
     for r in _records(requests):
         rid = str(r["request_id"])
         if rid not in tids:
-            tids[rid] = _FIRST_REQUEST_TID + len(tids)
+            tids[rid] = trace.new_tid()
             info[rid] = r
     for rid in chunks["request_id"].dropna().astype(str).unique() if not chunks.empty else []:
         if rid not in tids:
-            tids[rid] = _FIRST_REQUEST_TID + len(tids)
+            tids[rid] = trace.new_tid()
     req_chunks: dict[str, list[dict[str, Any]]] = {}
     for c in _records(chunks):
         if c["request_id"] is not None:

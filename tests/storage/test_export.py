@@ -108,6 +108,11 @@ def validate_trace(doc: Any) -> list[dict[str, Any]]:
                 "thread_sort_index",
             ), ev
             assert isinstance(ev["args"], dict)
+    # Perfetto keys threads by tid alone: a tid belongs to one process
+    owner: dict[int, int] = {}
+    for ev in events:
+        assert owner.setdefault(ev["tid"], ev["pid"]) == ev["pid"], ev
+    assert list(doc)[-1] == "traceEvents"  # displayTimeUnit is read only before the events
     _check_nesting(events)
     return events
 
@@ -145,10 +150,9 @@ def test_chrome_trace_shows_steps_requests_and_counters(
     events = validate_trace(doc)
 
     # one process per run, named; a steps thread and one thread per request
-    names = {
-        (e["pid"], e["tid"]): e["args"]["name"] for e in _by(events, "M") if "name" in e["args"]
-    }
-    processes = {pid: name for (pid, tid), name in names.items() if tid == 0}
+    meta = _by(events, "M")
+    processes = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
     assert sorted(processes.values()) == [
         "engine engine-a / run run-a",
         "engine engine-b / run run-b",
@@ -157,13 +161,14 @@ def test_chrome_trace_shows_steps_requests_and_counters(
     steps = queries.steps(ro)
     reqs = queries.requests(ro)
     for engine_id, pid in pid_of.items():
-        assert names[(pid, export.STEPS_TID)] == "steps"
-        threads = {n for (p, t), n in names.items() if p == pid and t >= 2}
+        assert names[(pid, pid)] == "steps"
+        threads = {n for (p, t), n in names.items() if p == pid and t != pid}
         mine = reqs[reqs["engine_id"] == engine_id]
         assert threads == {f"req {r.request_id} [{r.traffic_class}]" for r in mine.itertuples()}
 
     # steps: one complete slice each, with the chunk layout
-    step_slices = [e for e in _by(events, "X") if e["tid"] == export.STEPS_TID]
+    step_slices = [e for e in _by(events, "X") if e["name"].startswith("step ")]
+    assert all(e["tid"] == e["pid"] for e in step_slices)
     assert len(step_slices) == len(steps)
     a_pid = pid_of["engine-a"]
     a_steps = {e["args"]["step"]: e for e in step_slices if e["pid"] == a_pid}
@@ -253,8 +258,8 @@ def test_chrome_trace_gzip_and_filters(
     )
     assert code == 0
     events = validate_trace(json.loads(gzip.decompress(out.read_bytes())))
-    assert {e["pid"] for e in events} == {1}
-    step_slices = [e for e in events if e["ph"] == "X" and e["tid"] == export.STEPS_TID]
+    assert len({e["pid"] for e in events}) == 1
+    step_slices = [e for e in events if e["ph"] == "X" and e["name"].startswith("step ")]
     assert sorted(e["args"]["step"] for e in step_slices) == list(range(10, 21))
     window = queries.requests(ro, engine_id="engine-a", since=since, until=until)
     assert sum(1 for e in events if e["name"].startswith("request ")) == len(window)
@@ -496,7 +501,7 @@ def test_real_tiny_engine_events_export(tmp_path: Path) -> None:
     assert result.counts["tokens"] == 3 * 6
     trace = validate_trace(json.loads(out.read_text()))
     slices = {
-        e["args"]["step"]: e for e in trace if e["ph"] == "X" and e["tid"] == export.STEPS_TID
+        e["args"]["step"]: e for e in trace if e["ph"] == "X" and e["name"].startswith("step ")
     }
     for ev in steps:
         layout = slices[ev.step]["args"]["chunks"]
