@@ -166,65 +166,83 @@ def fresh_context() -> Context:
     return build_context(st.session_state.get("engine_choice"))
 
 
-def sidebar() -> Context:
-    """Process state, collector state, the engine picker and the traffic launcher."""
-    ctx = build_context(st.session_state.get("engine_choice"))
-    sb = st.sidebar
-    sb.title("chunkscope")
-    stk = ctx.stack
-    if stk.embedded:
-        sb.caption(
-            "Embedded: collector and engine started by the dashboard "
-            f"(data in {ctx.settings.data_dir})"
-        )
-        rows = stk.describe()
-        if stk.starting:
-            sb.info("Starting the collector and the engine…")
-        if rows:
-            sb.dataframe(pd.DataFrame(rows), hide_index=True)
-        if stk.error:
-            sb.error(f"Embedded stack: {stk.error.splitlines()[0]}")
-            with sb.expander("log"):
-                sb.code(stk.error[-3000:])
-        if not stk.starting and any(not c.alive() for c in stk.children()):
-            if sb.button("Restart stopped processes"):
-                stk.restart()
-                st.rerun()
-    else:
-        sb.caption(f"Attached: collector {ctx.collector_url or '—'} · store {ctx.db_url}")
-    live, err = collector_engines(ctx.collector_url)
-    if live is not None:
-        n = sum(1 for e in live if e.get("connected"))
-        sb.success(f"Collector up: {n} engine(s) connected")
-    elif ctx.collector_url or stk.starting:
-        sb.warning(f"Collector unreachable ({err}). Showing stored data.")
-    if ctx.store_error:
-        sb.warning(f"Store: {ctx.store_error}")
+SIDEBAR_REFRESH_S = 2.0
 
-    if not ctx.empty:
-        labels = [run_label(r) for r in ctx.engines.to_dict("records")]
-        options = [*labels, ALL]
-        current = st.session_state.get("engine_choice")
-        index = options.index(current) if current in options else 0
-        sb.selectbox("Engine", options, index=index, key="engine_choice")
-        ctx = build_context(st.session_state.get("engine_choice"))
-    traffic_launcher(ctx)
+
+def sidebar() -> Context:
+    """The sidebar: process and collector state, the engine picker and the traffic launcher,
+    each a fragment refreshed every couple of seconds (so the state shown follows the children
+    starting or dying without a click). Returns this run's context for the page."""
+    st.sidebar.title("chunkscope")
+    with st.sidebar:
+        _status_panel()
+        _traffic_panel()
+    ctx = build_context(st.session_state.get("engine_choice"))
     st.session_state[CONTEXT_KEY] = ctx
     return ctx
 
 
-def engine_http_url(ctx: Context) -> str | None:
-    return ctx.stack.engine_url
+def _engine_changed() -> None:
+    st.session_state["engine_choice_changed"] = True
 
 
-def traffic_launcher(ctx: Context) -> None:
-    sb = st.sidebar
-    sb.subheader("Traffic")
-    lch = launcher(str(ctx.settings.data_dir))
-    default_url = engine_http_url(ctx) or "http://127.0.0.1:8000"
-    url = sb.text_input("Engine URL", value=default_url, key="traffic_url")
-    profile = sb.selectbox("Profile", list(PROFILES), key="traffic_profile")
-    rate = sb.number_input(
+@st.fragment(run_every=SIDEBAR_REFRESH_S)
+def _status_panel() -> None:
+    if st.session_state.pop("engine_choice_changed", False):
+        st.rerun()  # the whole page follows the new selection
+    ctx = build_context(st.session_state.get("engine_choice"))
+    stk = ctx.stack
+    if stk.embedded:
+        st.caption(
+            "Embedded: collector and engine started by the dashboard "
+            f"(data in {ctx.settings.data_dir})"
+        )
+        if stk.starting:
+            st.info("Starting the collector and the engine…")
+        rows = stk.describe()
+        if rows:
+            st.dataframe(pd.DataFrame(rows), hide_index=True)
+        if stk.error:
+            st.error(f"Embedded stack: {stk.error.splitlines()[0]}")
+            with st.expander("log"):
+                st.code(stk.error[-3000:])
+        if not stk.starting and any(not c.alive() for c in stk.children()):
+            if st.button("Restart stopped processes"):
+                stk.restart()
+    else:
+        st.caption(f"Attached: collector {ctx.collector_url or '—'} · store {ctx.db_url}")
+    live, err = collector_engines(ctx.collector_url)
+    if live is not None:
+        n = sum(1 for e in live if e.get("connected"))
+        st.success(f"Collector up: {n} engine(s) connected")
+    elif ctx.collector_url or stk.starting:
+        st.warning(f"Collector unreachable ({err}). Showing stored data.")
+    if ctx.store_error:
+        st.warning(f"Store: {ctx.store_error}")
+    if not ctx.empty:
+        labels = [run_label(r) for r in ctx.engines.to_dict("records")]
+        options = [*labels, ALL]
+        current = st.session_state.get("engine_choice")
+        if current not in options:
+            st.session_state.pop("engine_choice", None)
+        st.selectbox("Engine", options, key="engine_choice", on_change=_engine_changed)
+
+
+@st.fragment(run_every=SIDEBAR_REFRESH_S)
+def _traffic_panel() -> None:
+    s = settings()
+    stk = stack(s, repr(s))
+    lch = launcher(str(s.data_dir))
+    st.subheader("Traffic")
+    if stk.embedded:
+        url = stk.engine_url
+        st.caption(f"Engine: {url or 'starting…'}")
+    else:
+        url = st.text_input(
+            "Engine URL", value=s.engine_url or "http://127.0.0.1:8000", key="traffic_url"
+        )
+    profile = st.selectbox("Profile", list(PROFILES), key="traffic_profile")
+    rate = st.number_input(
         "Rate (req/s)",
         min_value=0.01,
         max_value=100.0,
@@ -232,18 +250,20 @@ def traffic_launcher(ctx: Context) -> None:
         step=0.1,
         key=f"traffic_rate_{profile}",
     )
-    duration = sb.number_input(
+    duration = st.number_input(
         "Duration (s)", min_value=1.0, max_value=3600.0, value=DEFAULT_DURATION_S, step=10.0
     )
-    c1, c2 = sb.columns(2)
-    if c1.button("Start traffic", disabled=lch.running):
+    c1, c2 = st.columns(2)
+    if c1.button("Start traffic", disabled=lch.running or not url):
         try:
-            lch.start(url, profile, rate=rate, duration=duration, seed=int(time.time()) % 10_000)
+            lch.start(
+                url or "", profile, rate=rate, duration=duration, seed=int(time.time()) % 10_000
+            )
         except (ValueError, RuntimeError, OSError) as exc:
-            sb.error(str(exc))
+            st.error(str(exc))
     if c2.button("Stop traffic", disabled=not lch.running):
         lch.stop()
-    sb.caption(f"Load: {lch.state()}")
+    st.caption(f"Load: {lch.state()}")
 
 
 def empty_store_help(ctx: Context) -> None:

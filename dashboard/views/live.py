@@ -10,6 +10,7 @@ from dashboard import charts, data, ui
 from dashboard.live import SUMMARY_GRID_S, LiveWindow
 
 REFRESH_S = 1.0
+SUMMARY_REFRESH_S = 5.0
 
 st.header("Live")
 c1, c2, c3 = st.columns(3)
@@ -41,13 +42,11 @@ def live_view() -> None:
         problem = f"cannot read the store: {exc}"
     _status(ctx, lw, problem)
     win = lw.window()
-    # on a 5 s grid, so the cached summary is reused between refreshes (it moves little)
     since = None if win is None else SUMMARY_GRID_S * (win[0] // SUMMARY_GRID_S)
     try:
         ctrl = data.controls(ctx.db_url, ctx.engine_id, ctx.run_id, since, None)
-        summary = data.latency_summary(ctx.db_url, ctx.engine_id, ctx.run_id, since, None)
     except data.StoreUnavailable:
-        ctrl = summary = None
+        ctrl = None
     steps = lw.steps
     fig = charts.step_tokens_figure(steps, ctrl)
     fig.update_layout(uirevision="live-steps", height=360)
@@ -57,17 +56,33 @@ def live_view() -> None:
     )
     fig.update_layout(uirevision="live-itl", height=360)
     st.plotly_chart(fig, key="live_itl")
-    left, right = st.columns(2)
+    fig = charts.kv_queue_figure(steps, ctrl)
+    fig.update_layout(uirevision="live-kv", height=380)
+    st.plotly_chart(fig, key="live_kv")
+
+
+@st.fragment(run_every=SUMMARY_REFRESH_S)
+def latency_view() -> None:
+    """TTFT / TPOT percentiles by class over the window: a heavier query, so its own, slower
+    fragment (the timeline above keeps its one-second pace)."""
+    ctx = ui.fresh_context()
+    latest = ctx.latest
+    if ctx.empty or latest is None:
+        return
+    since = SUMMARY_GRID_S * ((latest - window_s) // SUMMARY_GRID_S)
+    try:
+        summary = data.latency_summary(ctx.db_url, ctx.engine_id, ctx.run_id, since, None)
+    except data.StoreUnavailable as exc:
+        st.warning(str(exc))
+        return
+    left, right = st.columns([3, 2])
     with left:
         fig = charts.latency_figure(summary)
         fig.update_layout(height=320)
         st.plotly_chart(fig, key="live_latency")
-        if summary is not None and not summary.empty:
-            st.dataframe(summary.round(1), hide_index=True)
     with right:
-        fig = charts.kv_queue_figure(steps, ctrl)
-        fig.update_layout(uirevision="live-kv", height=420)
-        st.plotly_chart(fig, key="live_kv")
+        if not summary.empty:
+            st.dataframe(summary.round(1), hide_index=True)
 
 
 def _status(ctx: ui.Context, lw: LiveWindow, problem: str | None) -> None:
@@ -91,3 +106,4 @@ def _status(ctx: ui.Context, lw: LiveWindow, problem: str | None) -> None:
 
 
 live_view()
+latency_view()
