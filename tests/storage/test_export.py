@@ -516,3 +516,25 @@ def test_real_tiny_engine_events_export(tmp_path: Path) -> None:
         )
         <= 64
     )
+
+
+# ---- PostgreSQL -------------------------------------------------------------------------------
+
+
+def test_postgresql_store_exports_the_same_tables(
+    pg_server: Any, seeded: tuple[str, dict[str, SyntheticEngine]], tmp_path: Path
+) -> None:
+    """The same synthetic runs stored in PostgreSQL export the same rows as from SQLite."""
+    pg_url = pg_server.create_database()
+    _seed(pg_url)
+    for name, url in (("sqlite", seeded[0]), ("pg", pg_url)):
+        assert export.main(["--db", url, "--format", "parquet", "--out", str(tmp_path / name)]) == 0
+    for table in export.TABLES:
+        lite = pq.read_table(tmp_path / "sqlite" / f"{table}.parquet").to_pandas()
+        pg = pq.read_table(tmp_path / "pg" / f"{table}.parquet").to_pandas()
+        assert list(pg.columns) == list(lite.columns), table
+        pd.testing.assert_frame_equal(pg, lite, check_dtype=False, obj=table)
+    out = tmp_path / "pg.json"
+    assert export.main(["--db", pg_url, "--format", "chrome-trace", "--out", str(out)]) == 0
+    events = validate_trace(json.loads(out.read_text()))
+    assert sum(1 for e in events if e["ph"] == "X" and e["name"].startswith("step ")) == 120
