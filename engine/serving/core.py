@@ -166,9 +166,20 @@ class EngineCore:
         self.num_added = 0
         self._abort_takes_reason = takes_keyword(engine.abort_request, "reason")
         self._add_takes_ns = takes_keyword(engine.add_request, "arrival_ns")
-        engine.add_listener(self.events.append)
+        self._running = True
+        engine.add_listener(self._collect)
+
+    def _collect(self, event: Event) -> None:
+        if self._running:  # an engine may outlive its core (a test serves it again)
+            self.events.append(event)
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._running = False
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             aborted = False
