@@ -185,11 +185,12 @@ def main() -> int:
             ),
             args.repeats,
         )
-        last = int(queries.steps(db, engine_id="bench-engine", until=t_end, limit=1).step.iloc[0])
-        r["live_refresh_after_step"] = timed(
-            lambda last=last: queries.steps(db, engine_id="bench-engine", after_step=last - 50),
-            args.repeats,
-        )
+        if where == "live":  # a Live page refresh: the steps after the last one it has
+            last = int(queries.steps(db, engine_id="bench-engine", limit=1).step.iloc[0])
+            r["live_refresh_after_step"] = timed(
+                lambda last=last: queries.steps(db, engine_id="bench-engine", after_step=last - 50),
+                args.repeats,
+            )
         reqs = queries.requests(db, engine_id="bench-engine", since=t_end - 60, until=t_end)
         rid = reqs.sort_values("num_output_tokens").request_id.iloc[-1]
         r["token_times_one_request"] = timed(

@@ -645,11 +645,25 @@ def latency_summary(
                 itl_codes.append(token_codes[later])
                 itl_vals.append(tokens["itl_ns"][later] / 1e6)
                 req_lo = r_lo
-            arr_conds = [q.c.run_key == run.key, *_window(q.c.arrival_ns, lo, hi)]
-            first_arrival = conn.execute(select(func.min(q.c.req_no)).where(*arr_conds)).scalar()
-            if first_arrival is not None:
-                req_lo = first_arrival if req_lo is None else min(req_lo, first_arrival)
+            # Requests are numbered in order of arrival, so the ones that matter (a token in
+            # the window, or arrived in it) form a short range of req_no: the window's tokens'
+            # numbers widened to the first and last arrival in the window.
+            req_hi = int(tokens["req"].max()) if tokens.size else None
+            if lo is not None or hi is not None:
+                in_window = [q.c.run_key == run.key, *_window(q.c.arrival_ns, lo, hi)]
+                for order in (q.c.arrival_ns, q.c.arrival_ns.desc()):
+                    found = conn.execute(
+                        select(q.c.req_no).where(*in_window).order_by(order).limit(1)
+                    ).scalar()
+                    if found is not None:
+                        req_lo = found if req_lo is None else min(req_lo, found)
+                        req_hi = found if req_hi is None else max(req_hi, found)
+            if lo is None and hi is None:
+                req_lo, req_hi = 0, None
             if req_lo is not None:
+                conds = [q.c.run_key == run.key, q.c.req_no >= req_lo]
+                if req_hi is not None:
+                    conds.append(q.c.req_no <= req_hi)
                 rows = conn.execute(
                     select(
                         q.c.traffic_class,
@@ -658,7 +672,7 @@ def latency_summary(
                         q.c.last_token_ns,
                         q.c.finished_ns,
                         q.c.num_tokens,
-                    ).where(q.c.run_key == run.key, q.c.req_no >= req_lo)
+                    ).where(*conds)
                 ).all()
                 df = pd.DataFrame(
                     rows,
