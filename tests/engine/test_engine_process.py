@@ -6,11 +6,13 @@ under its server, a core that cannot start, and no core outliving a killed serve
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -77,6 +79,33 @@ def test_killed_core_fails_requests_and_health_503() -> None:
     finally:
         handle.stop()
     assert _gone(pid) and set(multiprocessing.active_children()) == before
+
+
+def test_control_pending_when_the_core_dies_is_engine_dead() -> None:
+    """A scheduler change whose answer never comes (the core was killed first) ends with
+    engine_dead: no hang, and no timeout that could misreport a change the core applied."""
+    from engine.protocol import APIError
+    from engine.serving.control import apply_scheduler_update
+
+    client = EngineClient.spawn(_config())
+    try:
+        held = threading.Event()
+        client._resolve_call = lambda call_id, reply: held.set()  # type: ignore[method-assign]
+
+        async def change_then_kill() -> None:
+            task = asyncio.ensure_future(
+                apply_scheduler_update(client, {"token_budget": 64}, source="test")
+            )
+            assert await asyncio.to_thread(held.wait, 30)  # the core answered; we hold it
+            os.kill(client.pid, signal.SIGKILL)
+            with pytest.raises(APIError) as info:
+                await asyncio.wait_for(task, 30)
+            assert info.value.code == "engine_dead" and "SIGKILL" in info.value.message
+
+        asyncio.run(change_then_kill())
+        assert not client.alive
+    finally:
+        client.shutdown()
 
 
 def test_bad_model_fails_to_start_without_a_child() -> None:
