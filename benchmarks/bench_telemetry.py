@@ -14,6 +14,10 @@ the throughput ratio when the engine is CPU-bound. After the passes the "on" ser
 ``/metrics`` must show nothing dropped and every event acknowledged, and the store must hold one
 step row per engine step.
 
+Also measured, in this process and far less sensitive to other load: the publisher's own CPU
+time per step (publish on the caller's thread, encoding and sending on its thread) for steps of
+8, 64 and 256 chunks, against a sink that acks every frame.
+
 Run from the repo root:  .venv/bin/python benchmarks/bench_telemetry.py [--quick]
 Writes benchmarks/results/telemetry_overhead.json (provenance and configuration included).
 """
@@ -159,6 +163,75 @@ def wait_acked(url: str, timeout: float = 60.0) -> dict[str, float]:
         time.sleep(0.2)
 
 
+def publisher_cost(num_chunks: int, num_steps: int) -> dict[str, Any]:
+    """CPU microseconds per step of the publisher itself, in this process, against a sink that
+    acks every frame: ``publish`` on the caller's thread (a step event with ``num_chunks``
+    chunks plus two request events per step) and the publisher thread (encoding, frames,
+    acks), read from that thread's own CPU clock."""
+    from websockets.asyncio.server import serve
+
+    from engine.events import ChunkRecord, RequestEvent, StepEvent
+    from engine.telemetry import Publisher
+
+    port: list[int] = []
+    started = threading.Event()
+    loop = asyncio.new_event_loop()
+
+    async def handler(ws: Any) -> None:
+        await ws.recv()
+        seq = 0
+        await ws.send('{"type":"ack","seq":0}')
+        async for raw in ws:
+            seq = json.loads(raw)["events"][-1]["seq"]
+            await ws.send(json.dumps({"type": "ack", "seq": seq}))
+
+    async def sink() -> None:
+        server = await serve(handler, "127.0.0.1", 0, compression=None, max_size=None)
+        port.append(server.sockets[0].getsockname()[1])
+        started.set()
+        await server.wait_closed()
+
+    threading.Thread(target=lambda: loop.run_until_complete(sink()), daemon=True).start()
+    started.wait(10)
+    events: list[Any] = []
+    for i in range(num_steps):
+        chunks = [ChunkRecord(f"cmpl-{i * 1000 + j:032x}", "decode", 100 + i, 1, True)
+                  for j in range(num_chunks)]  # fmt: skip
+        events.append(RequestEvent(kind="arrived", request_id=f"cmpl-{i:032x}", time_ns=i))
+        events.append(StepEvent(
+            step=i, start_ns=i * 1000, end_ns=i * 1000 + 900, token_budget=512,
+            policy="chunked", num_decode_tokens=num_chunks, num_prefill_tokens=0,
+            num_scheduled_tokens=num_chunks, num_running=num_chunks, num_waiting=0,
+            kv_blocks_used=10, kv_blocks_total=100, num_preemptions=0, chunks=chunks,
+            forward_ns=800,
+        ))  # fmt: skip
+        events.append(RequestEvent(kind="finished", request_id=f"cmpl-{i:032x}", time_ns=i))
+    pub = Publisher(f"ws://127.0.0.1:{port[0]}", engine_id="bench", hello=lambda: {}).start()
+    deadline = time.monotonic() + 10
+    while not pub.connected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pub._thread is not None and pub._thread.ident is not None  # noqa: SLF001
+    clock = time.pthread_getcpuclockid(pub._thread.ident)  # noqa: SLF001
+    sender0 = time.clock_gettime(clock)
+    caller0 = time.thread_time()
+    for ev in events:
+        pub.publish(ev)
+    caller = time.thread_time() - caller0
+    assert pub.wait_acked(timeout=120)
+    sender = time.clock_gettime(clock) - sender0
+    stats = pub.stats()
+    pub.close()
+    return {
+        "num_chunks": num_chunks,
+        "num_steps": num_steps,
+        "events_per_step": 3,
+        "publish_cpu_us_per_step": caller / num_steps * 1e6,
+        "publisher_thread_cpu_us_per_step": sender / num_steps * 1e6,
+        "frames": stats.frames_sent,
+        "events": stats.events_sent,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
@@ -178,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         a.num_requests, a.output_len, a.repeats = 8, 16, 1
     if a.threads is not None:  # the engine cores run in child processes
         os.environ["OMP_NUM_THREADS"] = str(a.threads)
+
+    cost = [publisher_cost(n, 200 if a.quick else 2000) for n in (8, 64, 256)]
+    for c in cost:
+        print(f"publisher, {c['num_chunks']:3d}-chunk steps: publish "
+              f"{c['publish_cpu_us_per_step']:.1f} us/step on the caller's thread, "
+              f"{c['publisher_thread_cpu_us_per_step']:.1f} us/step on its own thread")  # fmt: skip
 
     from storage.testing import start_collector
 
@@ -246,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             "implied_ratio_when_cpu_bound": 1 / cpu_ratio,
             "off": off,
             "on": on,
+            "publisher_cpu_cost": cost,
             "telemetry_metrics_after": telemetry,
             "stored_steps": stored_steps,
             "engine_steps_on_side": telemetry.get("engine_steps"),
