@@ -36,8 +36,9 @@ the engine never overlap in the trace. One process per run (``engine <id> / run 
 - one thread per request (``req <id> [class]``, sorted by arrival): a slice from arrival to
   finish (or to the last time the selection knows of), nested phase slices ``queued``
   (arrival -> first scheduled), ``prefill`` (-> first token) and ``decode`` (-> finish), the
-  request's chunks as slices of the steps that carried them (``prefill 512``, ``decode 1``),
-  an instant ``first token`` and an instant ``token`` for each later token (``args.itl_ms``);
+  request's chunks as slices of the steps that carried them (``prefill 512``, ``decode 1``;
+  one that produced a token has its index ``args.token`` and, from the second token on, the
+  gap to the previous one ``args.itl_ms``) and an instant ``first token``;
 - counters (``"ph": "C"``, sampled at each step start): ``tokens`` (budget), ``tokens scheduled``
   (prefill, decode), ``KV blocks`` (used) and ``requests`` (running, waiting);
 - names and order through metadata events (``"ph": "M"``).
@@ -415,8 +416,11 @@ def chrome_trace(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
 
 
 def _records(df: pd.DataFrame) -> Iterator[dict[str, Any]]:
+    """Rows as dicts (columns turned into Python lists once: iterating Arrow-backed strings
+    value by value is slow)."""
     cols = list(df.columns)
-    for row in df.itertuples(index=False, name=None):
+    values = [df[c].tolist() for c in cols]
+    for row in zip(*values, strict=True):
         yield dict(zip(cols, row, strict=True))
 
 
@@ -515,10 +519,16 @@ def _run_events(
     for c in _records(chunks):
         if c["request_id"] is not None:
             req_chunks.setdefault(str(c["request_id"]), []).append(c)
-    req_tokens: dict[str, list[dict[str, Any]]] = {}
+    # (request id, step) -> (k, itl_ms) of the token that step produced for it
+    token_of: dict[tuple[str, int], tuple[int, Any]] = {}
+    firsts: dict[str, list[dict[str, Any]]] = {}
     for tok in _records(tokens):
-        if tok["request_id"] is not None:
-            req_tokens.setdefault(str(tok["request_id"]), []).append(tok)
+        if tok["request_id"] is None:
+            continue
+        rid = str(tok["request_id"])
+        token_of[(rid, int(tok["step"]))] = (int(tok["k"]), _num(tok["itl_ms"]))
+        if int(tok["k"]) == 1:
+            firsts.setdefault(rid, []).append(tok)
 
     for rid, tid in tids.items():
         r = info.get(rid)
@@ -527,18 +537,12 @@ def _run_events(
         trace.meta("thread_name", pid, tid, {"name": label})
         trace.meta("thread_sort_index", pid, tid, {"sort_index": tid})
         spans = [step_times[int(c["step"])] for c in req_chunks.get(rid, [])]
-        _request_events(trace, pid, tid, rid, r, req_chunks.get(rid, []), spans)
-        for tok in req_tokens.get(rid, []):
+        _request_events(trace, pid, tid, rid, r, req_chunks.get(rid, []), spans, token_of)
+        for tok in firsts.get(rid, []):
             t = _finite(tok["time"])
-            if t is None:
-                continue
-            k = int(tok["k"])
-            args = {"request_id": rid, "k": k, "step": _num(tok["step"])}
-            if k == 1:
+            if t is not None:
+                args = {"request_id": rid, "k": 1, "step": _num(tok["step"])}
                 trace.instant("first token", pid, tid, t, args)
-            else:
-                args["itl_ms"] = _num(tok["itl_ms"])
-                trace.instant("token", pid, tid, t, args)
 
 
 def _request_events(
@@ -549,6 +553,7 @@ def _request_events(
     r: dict[str, Any] | None,
     chunks: list[dict[str, Any]],
     spans: list[tuple[float, float]],
+    token_of: dict[tuple[str, int], tuple[int, Any]],
 ) -> None:
     """The request's slice, its phases and its chunks, properly nested on its thread."""
     known = [t for span in spans for t in span]
@@ -599,20 +604,20 @@ def _request_events(
         t0, t1 = max(t0, begin), min(t1, end)
         if t1 < t0:
             continue
-        trace.slice(
-            f"{c['kind']} {int(c['num_tokens'])}",
-            pid,
-            tid,
-            t0,
-            t1,
-            {
-                "step": int(c["step"]),
-                "kind": c["kind"],
-                "start": int(c["start"]),
-                "num_tokens": int(c["num_tokens"]),
-                "produced": bool(c["produced_token"]),
-            },
-        )
+        step = int(c["step"])
+        args = {
+            "step": step,
+            "kind": c["kind"],
+            "start": int(c["start"]),
+            "num_tokens": int(c["num_tokens"]),
+            "produced": bool(c["produced_token"]),
+        }
+        token = token_of.get((rid, step)) if c["produced_token"] else None
+        if token is not None:
+            args["token"] = token[0]
+            if token[0] > 1:
+                args["itl_ms"] = token[1]
+        trace.slice(f"{c['kind']} {int(c['num_tokens'])}", pid, tid, t0, t1, args)
 
 
 def _phases(

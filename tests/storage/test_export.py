@@ -211,9 +211,18 @@ def test_chrome_trace_shows_steps_requests_and_counters(
     tok = next(e for e in firsts if e["args"]["request_id"] == finished["request_id"])
     assert tok["ts"] == pytest.approx((finished["first_token"] - origin) * 1e6)
     assert tok["tid"] == sl["tid"]
-    # every token is on its request's track: as many as the synthetic engines produced
+    # every token is on its request's track (a chunk slice that produced it, with its gap)
     n_tokens = sum(len(t) for eng in engines.values() for t in eng.truth.values())
-    assert len(firsts) + sum(1 for e in _by(events, "i") if e["name"] == "token") == n_tokens
+    produced = [e for e in _by(events, "X") if e.get("args", {}).get("token") is not None]
+    assert len(produced) == n_tokens
+    itl = queries.token_itl(ro)
+    gaps = {(r.request_id, r.k): r.itl_ms for r in itl.itertuples()}
+    for e in produced:
+        rid = names[(e["pid"], e["tid"])].split()[1]
+        if e["args"]["token"] == 1:
+            assert "itl_ms" not in e["args"]
+        else:
+            assert e["args"]["itl_ms"] == pytest.approx(gaps[(rid, e["args"]["token"])])
 
     # counters: budget, KV, queue, sampled at every step; the budget cut is visible
     counters = _by(events, "C")
