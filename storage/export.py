@@ -669,6 +669,20 @@ class ExportResult:
     counts: dict[str, int]
 
 
+def _requests_in_window(requests: pd.DataFrame, selection: Selection) -> bool:
+    """Whether a request arrived, was scheduled, got its first token or finished in the window
+    (``queries.requests`` also returns requests never finished, whatever the window)."""
+    if requests.empty:
+        return False
+    lo = -math.inf if selection.since is None else selection.since
+    hi = math.inf if selection.until is None else selection.until
+    for col in ("arrival", "first_scheduled", "first_token", "finished"):
+        t = pd.to_numeric(requests[col], errors="coerce")
+        if ((t >= lo) & (t <= hi)).any():
+            return True
+    return False
+
+
 def export(url: str, selection: Selection, fmt: str, out: str | Path) -> ExportResult:
     """Export the selection of the store at ``url`` as ``fmt`` to ``out``. Raises
     ``ExportError`` (nothing written) for an unknown format, a bad URL or an empty selection."""
@@ -688,7 +702,7 @@ def export(url: str, selection: Selection, fmt: str, out: str | Path) -> ExportR
     finally:
         db.dispose()
     counts = {name: len(df) for name, df in tables.items()}
-    if counts["steps"] == 0 and counts["requests"] == 0:
+    if counts["steps"] == 0 and not _requests_in_window(tables["requests"], selection):
         raise ExportError(f"nothing to export: no steps and no requests for {selection.describe()}")
     if fmt == "chrome-trace":
         paths = [write_chrome_trace(tables, out)]
