@@ -46,9 +46,10 @@ def _cpu_seconds(pid: int) -> float:
 
 def _make_frames(
     chunks: int, rate: float, seconds: float, frame_ms: float, seed: int
-) -> tuple[list[tuple[int, str]], int, int]:
+) -> tuple[list[tuple[int, str]], int, int, SyntheticEngine, float]:
     """Pre-encoded frames for ``rate`` steps/s over ``seconds``: [(last seq, json)], steps,
-    events. Steps of ``chunks`` chunks: a steady decode batch of ``chunks`` requests."""
+    events, the engine, seconds between frames. Steps of ``chunks`` chunks: a steady decode
+    batch of ``chunks`` requests."""
     eng = SyntheticEngine(
         engine_id=f"bench-{chunks}-{int(rate)}",
         run_id=f"run-{chunks}-{int(rate)}-{seed}",
@@ -78,7 +79,7 @@ def _make_frames(
             "events": events,
         }
         out.append((events[-1]["seq"], json.dumps(frame, separators=(",", ":"))))
-    return out, n_steps, n_events, eng  # type: ignore[return-value]
+    return out, n_steps, n_events, eng, per_frame / rate
 
 
 async def _run_level(
@@ -181,15 +182,13 @@ def main() -> int:
                 best: dict[str, Any] | None = None
                 while rate <= args.max_rate:
                     t = time.perf_counter()
-                    frames, n_steps, n_events, eng = _make_frames(
+                    frames, n_steps, n_events, eng, frame_s = _make_frames(
                         n_chunks, rate, args.seconds, args.frame_ms, args.seed
                     )
                     gen_s = time.perf_counter() - t
                     cpu0 = _cpu_seconds(proc.process.pid)
                     level = asyncio.run(
-                        _run_level(
-                            proc.url, frames, eng.hello(), args.frame_ms / 1000, drain_timeout=30.0
-                        )
+                        _run_level(proc.url, frames, eng.hello(), frame_s, drain_timeout=30.0)
                     )
                     cpu = _cpu_seconds(proc.process.pid) - cpu0
                     lags = sorted(level.pop("lags"))
