@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
 CLASS_COLORS = {
@@ -29,11 +30,14 @@ ACCEPTED_MARKER_COLOR = "#8c564b"
 REFUSED_MARKER_COLOR = "#bbbbbb"
 STALL_COLOR = "#d62728"
 
+# plotly_white with the title at the very top, so the legend row under it never overlaps it
+TEMPLATE = go.layout.Template(pio.templates["plotly_white"])
+TEMPLATE.layout.title.update(y=0.98, yanchor="top")
 LAYOUT = {
-    "margin": {"l": 50, "r": 30, "t": 40, "b": 40},
+    "margin": {"l": 50, "r": 30, "t": 80, "b": 40},
     "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
     "hovermode": "closest",
-    "template": "plotly_white",
+    "template": TEMPLATE,
 }
 
 
@@ -143,45 +147,67 @@ def add_control_markers(
     return fig
 
 
-def step_tokens_figure(steps: pd.DataFrame, controls: pd.DataFrame | None = None) -> go.Figure:
-    """Tokens per step, decode and prefill stacked, each bar as wide as its step lasted.
+def step_series(
+    steps: pd.DataFrame, values: pd.Series | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """A step-shaped line (Plotly ``line.shape="hv"``) holding ``values[i]`` from step i's start
+    to its end and 0 until the next step starts: two points per step, one SVG path for the whole
+    window (a bar per step would be thousands of elements redrawn every second)."""
+    n = len(steps)
+    x = np.empty(2 * n, dtype="float64")
+    x[0::2] = to_axis(steps["start"])
+    x[1::2] = to_axis(steps["end"])
+    y = np.zeros(2 * n, dtype="float64")
+    y[0::2] = np.asarray(values, dtype="float64")
+    return x, y
 
-    The budget in force is a step line; step duration (ms) is on the right axis.
-    """
+
+def step_tokens_figure(steps: pd.DataFrame, controls: pd.DataFrame | None = None) -> go.Figure:
+    """Tokens per step over time, decode and prefill stacked, each step as wide as it lasted
+    (a 2-second prefill step is a 2-second-wide block). The budget in force is a dashed line;
+    each step's duration (ms) is on the right axis."""
     fig = make_subplots(specs=[[{"secondary_y": True}]])
-    fig.update_layout(**LAYOUT, title="Tokens per step", barmode="stack", bargap=0)
+    fig.update_layout(**LAYOUT, title="Tokens per step")
     if steps is None or steps.empty:
         return _empty(fig, "no steps in this window")
-    start = to_axis(steps["start"])
-    width_ms = (steps["end"] - steps["start"]).clip(lower=0.0005) * 1000.0
-    common = {"x": start, "width": width_ms, "offset": 0}
+    decode = steps["num_decode_tokens"].to_numpy(dtype="float64")
+    total = decode + steps["num_prefill_tokens"].to_numpy(dtype="float64")
+    x, y_decode = step_series(steps, decode)
+    _, y_total = step_series(steps, total)
+    step_no = np.repeat(steps["step"].to_numpy(), 2)
+    prefill = np.repeat(steps["num_prefill_tokens"].to_numpy(), 2)
     fig.add_trace(
-        go.Bar(
+        go.Scatter(
             name="decode",
-            y=steps["num_decode_tokens"],
-            marker={"color": DECODE_COLOR, "line": {"width": 0}},
-            customdata=steps["step"],
+            x=x,
+            y=y_decode,
+            mode="lines",
+            line={"color": DECODE_COLOR, "shape": "hv", "width": 1},
+            fill="tozeroy",
+            customdata=step_no,
             hovertemplate="step %{customdata}<br>decode %{y}<extra></extra>",
-            **common,
-        ),
-        secondary_y=False,
-    )
-    fig.add_trace(
-        go.Bar(
-            name="prefill",
-            y=steps["num_prefill_tokens"],
-            marker={"color": PREFILL_COLOR, "line": {"width": 0}},
-            customdata=steps["step"],
-            hovertemplate="step %{customdata}<br>prefill %{y}<extra></extra>",
-            **common,
         ),
         secondary_y=False,
     )
     fig.add_trace(
         go.Scatter(
+            name="prefill",
+            x=x,
+            y=y_total,
+            mode="lines",
+            line={"color": PREFILL_COLOR, "shape": "hv", "width": 1},
+            fill="tonexty",
+            customdata=np.stack([step_no, prefill], axis=1),
+            hovertemplate="step %{customdata[0]}<br>prefill %{customdata[1]}<extra></extra>",
+        ),
+        secondary_y=False,
+    )
+    start = to_axis(steps["start"])
+    fig.add_trace(
+        go.Scatter(
             name="token budget",
             x=start,
-            y=steps["token_budget"],
+            y=steps["token_budget"].to_numpy(),
             mode="lines",
             line={"color": BUDGET_COLOR, "dash": "dash", "shape": "hv"},
         ),
@@ -191,9 +217,9 @@ def step_tokens_figure(steps: pd.DataFrame, controls: pd.DataFrame | None = None
         go.Scatter(
             name="step duration (ms)",
             x=start,
-            y=steps["duration_ms"],
-            mode="markers",
-            marker={"color": "#9467bd", "size": 4},
+            y=steps["duration_ms"].to_numpy(),
+            mode="lines",
+            line={"color": "#9467bd", "shape": "hv", "width": 1},
         ),
         secondary_y=True,
     )
@@ -226,7 +252,7 @@ def itl_figure(
     *,
     factor: float = 3.0,
     threshold_ms: float | None = None,
-    max_points: int = 20_000,
+    max_points: int = 10_000,
 ) -> go.Figure:
     """Every streamed token's inter-token latency over time, one colour per traffic class; stalls
     (see :func:`stall_mask`, over all tokens) ringed in red and counted in the title. Beyond

@@ -173,16 +173,16 @@ _CHAT = (
     "chat.input_median=48",
     "chat.input_p90=160",
     "chat.input_max=512",
-    "chat.output_median=200",
-    "chat.output_p90=400",
-    "chat.output_max=600",
+    "chat.output_median=150",
+    "chat.output_p90=300",
+    "chat.output_max=400",
 )
 _RAG = (
-    "rag.num_documents=8",
-    "rag.doc_median=3000",
-    "rag.doc_p90=5000",
+    "rag.num_documents=256",  # few repeats in a few minutes: the prefix cache rarely hides one
+    "rag.doc_median=2500",
+    "rag.doc_p90=3500",
     "rag.doc_min=1500",
-    "rag.doc_max=6000",
+    "rag.doc_max=4000",  # fits the starting budget (4096): one prompt, one long step
     "rag.output_median=32",
     "rag.output_p90=64",
     "rag.output_max=128",
@@ -198,7 +198,7 @@ _VLM = (
 PROFILES: dict[str, TrafficProfile] = {
     "mixed": TrafficProfile(
         "mixed",
-        1.5,
+        1.2,
         (
             *_CHAT,
             *_RAG,
@@ -208,9 +208,9 @@ PROFILES: dict[str, TrafficProfile] = {
             "mixed.vlm_share=0.05",
         ),
     ),
-    "chat": TrafficProfile("chat", 1.2, _CHAT),
-    "rag": TrafficProfile("rag", 0.15, _RAG),
-    "vlm": TrafficProfile("vlm", 0.3, _VLM),
+    "chat": TrafficProfile("chat", 1.0, _CHAT),
+    "rag": TrafficProfile("rag", 0.12, _RAG),
+    "vlm": TrafficProfile("vlm", 0.2, _VLM),
 }
 DEFAULT_DURATION_S = 120.0
 

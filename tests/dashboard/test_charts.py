@@ -30,15 +30,20 @@ def test_step_tokens_stacks_decode_and_prefill_with_budget_and_duration() -> Non
     steps = steps_frame(10)
     fig = charts.step_tokens_figure(steps, controls_frame())
     decode, prefill = _trace(fig, "decode"), _trace(fig, "prefill")
-    assert list(decode.y) == [4] * 10
-    assert list(prefill.y) == [1000, 0, 0, 0, 0, 1000, 0, 0, 0, 0]
-    # each bar starts at its step's start and is as wide as the step lasted (ms on a date axis)
-    assert decode.offset == 0
-    assert list(prefill.width) == pytest.approx([500.0] + [10.0] * 4 + [500.0] + [10.0] * 4)
+    # two points per step: its value from its start, 0 from its end (a block as wide as the step)
+    assert list(decode.y) == [4, 0] * 10
+    assert list(prefill.y[:4]) == [1004, 0, 4, 0]  # stacked: decode + prefill
+    assert decode.line.shape == prefill.line.shape == "hv"
+    assert (decode.fill, prefill.fill) == ("tozeroy", "tonexty")
+    x = list(decode.x)
+    assert x[0] == pytest.approx(steps["start"].iloc[0] * 1000)
+    assert x[1] - x[0] == pytest.approx(500.0)  # the prefill step lasted 0.5 s
+    assert x[3] - x[2] == pytest.approx(10.0)
+    assert fig.layout.xaxis.type == "date"
     assert list(_trace(fig, "token budget").y) == [2048] * 10
     duration = _trace(fig, "step duration (ms)")
     assert duration.yaxis == "y2"
-    assert fig.layout.barmode == "stack"
+    assert list(duration.y[:2]) == pytest.approx([500.0, 10.0])
 
 
 def test_budget_changes_are_markers_accepted_at_applied_time_refused_dotted() -> None:
