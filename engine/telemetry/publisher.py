@@ -163,6 +163,8 @@ class Publisher:
     def publish(self, event: Any) -> None:
         """Queue one event (an ``engine.events`` event or a dict with ``type``); constant time,
         thread-safe, never blocks on the network. Usable as an engine listener."""
+        if isinstance(event, dict) and not isinstance(event.get("type"), str):
+            raise ValueError(f"an event needs a string 'type', got keys {sorted(event)[:10]}")
         if not self._stopping:
             self.buffer.publish(event)
 
@@ -275,6 +277,8 @@ class Publisher:
                 await self._connect_once()
             except (OSError, TimeoutError, WebSocketException, _SessionError) as exc:
                 self._note_problem(exc)
+            except Exception:  # noqa: BLE001 - a bug here must not end telemetry for good
+                logger.exception("telemetry: the collector session failed; reconnecting")
             finally:
                 self._set_connected(False)
             if self._done():
@@ -443,9 +447,7 @@ class Publisher:
             return list(session.carry)
         session.carry.clear()
         taken = self.buffer.take(session.cursor, self.max_batch_events, arm=arm)
-        return [
-            (seq, item if isinstance(item, str) else encode_event(seq, item)) for seq, item in taken
-        ]
+        return [(seq, item if isinstance(item, str) else _encode(seq, item)) for seq, item in taken]
 
     def _frame(self, entries: list[tuple[int, str]], session: _Session) -> tuple[str, int, int]:
         """A frame of the first entries that fit ``max_frame_bytes`` (at least one); the rest
@@ -529,6 +531,16 @@ class _Session:
     def __post_init__(self) -> None:
         self.carry = deque()
         self.acked = asyncio.Event()
+
+
+def _encode(seq: int, event: Any) -> str:
+    """``encode_event``; an event that cannot be encoded still takes its seq, as an
+    ``unencodable`` event (readers skip unknown types) rather than an undeclared gap."""
+    try:
+        return encode_event(seq, event)
+    except Exception as exc:  # noqa: BLE001 - one bad event must not stop the stream
+        logger.error("telemetry: event seq %d cannot be encoded (%s): %r", seq, exc, event)
+        return json.dumps({"type": "unencodable", "seq": seq, "reason": str(exc)[:500]})
 
 
 def _parse(raw: str | bytes) -> dict[str, Any]:

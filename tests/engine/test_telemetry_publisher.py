@@ -506,3 +506,24 @@ def test_bad_publisher_settings_are_value_errors() -> None:
         Publisher("ws://127.0.0.1:1", engine_id="", hello=hello_fields)
     with pytest.raises(ValueError, match="max_batch_events"):
         Publisher("ws://127.0.0.1:1", engine_id="e", hello=hello_fields, max_batch_events=0)
+
+
+class _Unencodable:
+    def to_dict(self) -> dict[str, Any]:
+        raise RuntimeError("broken event")
+
+
+def test_an_event_that_cannot_be_encoded_keeps_its_seq(collector: FakeCollector) -> None:
+    pub = make_publisher(collector.url).start()
+    try:
+        pub.publish(req_event(0))
+        pub.publish(_Unencodable())
+        pub.publish(req_event(2))
+        assert pub.wait_acked(timeout=WAIT_S)
+        assert stored_seqs(collector) == [1, 2, 3]
+        assert collector.stored[2]["type"] == "unencodable"
+        assert "broken event" in collector.stored[2]["reason"]
+        with pytest.raises(ValueError, match="type"):
+            pub.publish({"kind": "arrived"})
+    finally:
+        pub.close(timeout=WAIT_S)
