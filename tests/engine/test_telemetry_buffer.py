@@ -180,3 +180,16 @@ def test_close_deletes_spill_files(tmp_path: Path) -> None:
 def test_bad_limits_are_refused(kw: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         BufferLimits(**kw).validate()  # type: ignore[arg-type]
+
+
+def test_the_telemetry_package_never_imports_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, engine.telemetry, engine.telemetry.hook, engine.telemetry.metrics; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
