@@ -134,13 +134,13 @@ def add_control_markers(
             )
         fig.add_annotation(
             x=t,
-            y=1,
+            y=0.99,
             xref="x",
             yref="y domain",
             text=m["label"],
             showarrow=False,
             xanchor="left",
-            yanchor="bottom",
+            yanchor="top",
             font={"size": 11, "color": color},
             bgcolor="rgba(255,255,255,0.7)",
         )
@@ -229,20 +229,17 @@ def step_tokens_figure(steps: pd.DataFrame, controls: pd.DataFrame | None = None
     return add_control_markers(fig, controls)
 
 
-def stall_mask(
-    itl: pd.DataFrame, *, factor: float = 3.0, threshold_ms: float | None = None
-) -> pd.Series:
-    """Which inter-token latencies are stalls: above ``factor`` x the window's median ITL, or
-    above ``threshold_ms`` when it is given (the stricter of the two is not applied: either)."""
+def stall_mask(itl: pd.DataFrame, *, factor: float = 3.0, floor_ms: float = 0.0) -> pd.Series:
+    """Which inter-token latencies are stalls: above ``factor`` x the window's median ITL and
+    above ``floor_ms`` (so a 30 ms chunked step among 4 ms decode steps is not called a stall
+    when the floor is, say, 100 ms; 0 turns the floor off)."""
     if itl is None or itl.empty:
         return pd.Series([], dtype=bool)
-    if factor <= 0:
+    if not factor > 0:
         raise ValueError(f"stall factor must be > 0, got {factor}")
-    limit = float(itl["itl_ms"].median()) * factor
-    if threshold_ms is not None:
-        if threshold_ms <= 0:
-            raise ValueError(f"stall threshold must be > 0 ms, got {threshold_ms}")
-        limit = threshold_ms
+    if not floor_ms >= 0:
+        raise ValueError(f"stall floor must be >= 0 ms, got {floor_ms}")
+    limit = max(float(itl["itl_ms"].median()) * factor, floor_ms)
     return itl["itl_ms"] > limit
 
 
@@ -251,7 +248,7 @@ def itl_figure(
     controls: pd.DataFrame | None = None,
     *,
     factor: float = 3.0,
-    threshold_ms: float | None = None,
+    floor_ms: float = 0.0,
     max_points: int = 10_000,
 ) -> go.Figure:
     """Every streamed token's inter-token latency over time, one colour per traffic class; stalls
@@ -262,7 +259,7 @@ def itl_figure(
     if itl is None or itl.empty:
         fig.update_layout(title="Inter-token latency")
         return _empty(fig, "no streamed tokens in this window")
-    stalls = stall_mask(itl, factor=factor, threshold_ms=threshold_ms)
+    stalls = stall_mask(itl, factor=factor, floor_ms=floor_ms)
     n_stalls = int(stalls.sum())
     n_all = len(itl)
     if n_all > max_points:
@@ -306,7 +303,7 @@ def itl_figure(
                 hoverinfo="skip",
             )
         )
-    rule = f"> {threshold_ms:g} ms" if threshold_ms is not None else f"> {factor:g}x median"
+    rule = f"> {factor:g}x median" + (f" and > {floor_ms:g} ms" if floor_ms else "")
     shown = "" if len(itl) == n_all else f", {len(itl):,} of {n_all:,} tokens drawn"
     fig.update_layout(title=f"Inter-token latency — {n_stalls} stalls ({rule}){shown}")
     fig.update_yaxes(title_text="ITL (ms)", type="log")

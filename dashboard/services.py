@@ -129,7 +129,7 @@ class Stack:
                         str(self._collector_url),
                     ),
                     logs / "engine.log",
-                ).start()
+                ).start(env={"OMP_NUM_THREADS": str(s.engine_threads)})
                 self._engine_url = self.engine.wait_ready(ENGINE_READY, ENGINE_START_TIMEOUT_S)
         except (OSError, RuntimeError) as exc:
             self.error = str(exc)

@@ -16,7 +16,7 @@ st.header("Live")
 c1, c2, c3 = st.columns(3)
 window_s = c1.select_slider("Window (s)", options=[15, 30, 60, 120, 300], value=60)
 factor = c2.number_input("Stall: ITL above x median", min_value=1.1, value=3.0, step=0.5)
-threshold = c3.number_input("or above (ms, 0 = off)", min_value=0.0, value=0.0, step=10.0)
+floor = c3.number_input("and above (ms)", min_value=0.0, value=100.0, step=10.0)
 
 
 @st.fragment(run_every=REFRESH_S)
@@ -51,9 +51,7 @@ def live_view() -> None:
     fig = charts.step_tokens_figure(steps, ctrl)
     fig.update_layout(uirevision="live-steps", height=360)
     st.plotly_chart(fig, key="live_steps")
-    fig = charts.itl_figure(
-        lw.itl, ctrl, factor=float(factor), threshold_ms=float(threshold) or None
-    )
+    fig = charts.itl_figure(lw.itl, ctrl, factor=float(factor), floor_ms=float(floor))
     fig.update_layout(uirevision="live-itl", height=360)
     st.plotly_chart(fig, key="live_itl")
     fig = charts.kv_queue_figure(steps, ctrl)

@@ -2,8 +2,8 @@
 (docs/telemetry.md), to seed stores for the dashboard tests and benchmark.
 
 The simulated engine: chat requests decode one token per step; RAG prompts are prefilled in
-chunks of whatever budget is left; a step lasts 4 ms plus 1 ms per 64 prefill tokens, so a
-2,048-token prefill step stalls every chat stream for about 36 ms. At ``change_at_step`` the
+chunks of whatever budget is left; a step lasts 4 ms plus 1 ms per 8 prefill tokens, so a
+2,000-token prefill step stalls every chat stream for about 250 ms. At ``change_at_step`` the
 budget drops (a ``control`` event, applied at that step).
 """
 
@@ -98,7 +98,7 @@ class SynthRun:
                     left -= n
                     prefill += n
             decode = sum(1 for c in chunks if c.kind == "decode")
-            end = t + 4_000_000 + prefill * 1_000_000 // 64
+            end = t + 4_000_000 + prefill * 1_000_000 // 8
             for c in chunks:
                 if c.produced_token:
                     r = next(x for x in reqs if x.rid == c.request_id)

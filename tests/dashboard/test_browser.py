@@ -6,7 +6,9 @@ Chromium comes from Debian (``apt-get install chromium``, done by ``.ci/run``); 
 ``playwright install``. Without it the test skips, saying why, unless
 ``CHUNKSCOPE_REQUIRE_CHROMIUM=1`` makes that a failure. ``CHUNKSCOPE_SCREENSHOT=PATH`` also
 writes the screenshot there (``docs/img/dashboard.png`` was made that way);
-``CHUNKSCOPE_BROWSER_MODEL`` picks the engine preset (default ``tiny``, for speed).
+``CHUNKSCOPE_BROWSER_MODEL`` picks the engine preset (default ``tiny``, for speed);
+``CHUNKSCOPE_SCREENSHOT_BEFORE_S`` / ``_WAIT_S`` let traffic run longer before the budget change
+and before the screenshot.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def test_browser_live_charts_budget_change_and_screenshot(tmp_path: Path) -> Non
                 page.get_by_text(re.compile(r"Inter-token latency — \d+ stalls"))
             ).to_be_visible()
             expect(page.locator(".js-plotly-plot .scatterlayer .point").first).to_be_attached()
+            time.sleep(float(os.environ.get("CHUNKSCOPE_SCREENSHOT_BEFORE_S", "0")))
 
             # the budget, changed through the UI
             page.get_by_role("link", name="Control").click()

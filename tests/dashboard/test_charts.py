@@ -82,14 +82,15 @@ def test_every_time_axis_carries_the_markers() -> None:
         assert {s.xref for s in shapes} == ({"x"} if rows == 1 else {"x", "x2"})
 
 
-def test_stalls_are_itl_above_factor_times_median_or_threshold() -> None:
+def test_stalls_are_itl_above_factor_times_median_and_the_floor() -> None:
     itl = itl_frame([10, 10, 10, 10, 35, 10, 500])
     assert charts.stall_mask(itl, factor=3.0).tolist() == [False] * 4 + [True, False, True]
-    assert charts.stall_mask(itl, threshold_ms=100).tolist() == [False] * 6 + [True]
+    assert charts.stall_mask(itl, factor=3.0, floor_ms=100).tolist() == [False] * 6 + [True]
+    assert not charts.stall_mask(itl, factor=100.0).any()
     with pytest.raises(ValueError, match="stall factor"):
         charts.stall_mask(itl, factor=0)
-    with pytest.raises(ValueError, match="threshold"):
-        charts.stall_mask(itl, threshold_ms=-1)
+    with pytest.raises(ValueError, match="floor"):
+        charts.stall_mask(itl, floor_ms=-1)
 
 
 def test_itl_figure_colours_by_class_and_rings_stalls() -> None:
