@@ -18,20 +18,25 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
-from engine.events import ControlEvent, RequestEvent, StepEvent
+from engine.events import ChunkRecord, ControlEvent, RequestEvent, StepEvent
 
 logger = logging.getLogger(__name__)
 
 _FLAT_EVENTS = (StepEvent, RequestEvent, ControlEvent)
+# The direct chunk encoder writes exactly these fields; a ChunkRecord with others uses json.
+_CHUNK_FIELDS_OK = tuple(f.name for f in fields(ChunkRecord)) == (
+    "request_id", "kind", "start", "num_tokens", "produced_token"
+)  # fmt: skip
 
 DEFAULT_MAX_MEMORY_EVENTS = 20_000
 DEFAULT_MAX_SPILL_BYTES = 1 << 30
@@ -52,8 +57,37 @@ def event_dict(event: Any) -> dict[str, Any]:
     return event.to_dict() if hasattr(event, "to_dict") else dict(event)
 
 
+_SAFE_ID = re.compile(r"[A-Za-z0-9_.:\-]*\Z").match
+
+
+def _encode_step(seq: int, event: StepEvent) -> str:
+    """A step event as JSON with its chunks written out directly (most of the telemetry's CPU:
+    ~30 us instead of ~48 for 64 chunks); equal to ``json.dumps`` of ``to_dict()`` + seq."""
+    d = {k: v for k, v in vars(event).items() if k != "chunks"}
+    d["type"] = event.type
+    d["seq"] = seq
+    head = json.dumps(d, separators=(",", ":"), default=str)
+    parts = []
+    for c in event.chunks:
+        rid, kind, start, n = c.request_id, c.kind, c.start, c.num_tokens
+        produced = c.produced_token
+        if not (
+            type(rid) is str and _SAFE_ID(rid) and kind in ("prefill", "decode")
+            and type(start) is int and type(n) is int and type(produced) is bool
+        ):  # fmt: skip
+            parts.append(json.dumps(dict(vars(c)), separators=(",", ":"), default=str))
+            continue
+        parts.append(
+            f'{{"request_id":"{rid}","kind":"{kind}","start":{start},"num_tokens":{n},'
+            f'"produced_token":{"true" if produced else "false"}}}'
+        )
+    return f'{head[:-1]},"chunks":[{",".join(parts)}]}}'
+
+
 def encode_event(seq: int, event: Any) -> str:
     """One event as compact JSON text with its ``seq`` (an Event with ``to_dict()`` or a dict)."""
+    if type(event) is StepEvent and _CHUNK_FIELDS_OK:
+        return _encode_step(seq, event)
     d = event_dict(event)
     if "type" not in d:
         raise ValueError(f"an event needs a 'type' field, got keys {sorted(d)}")

@@ -81,6 +81,11 @@ def test_fast_event_dicts_equal_to_dict() -> None:
         assert d == ev.to_dict() and d is not event_dict(ev)
         assert json.loads(json.dumps(d)) == json.loads(json.dumps(ev.to_dict()))
     assert event_dict(step)["chunks"][0] is not event_dict(step)["chunks"][0]
+    odd_chunks = [ChunkRecord('q"uo\\te/ü', "prefill", 0, 3, False),
+                  ChunkRecord("ok-1", "decode", 5, 1, True)]  # fmt: skip
+    odd = StepEvent(**{**vars(step), "chunks": odd_chunks})
+    for seq, ev in enumerate([*events, odd], start=1):  # the direct step encoder included
+        assert json.loads(encode_event(seq, ev)) == {**ev.to_dict(), "seq": seq}
     raw = {"type": "gap", "x": 1}
     assert event_dict(raw) == raw and event_dict(raw) is not raw
 
