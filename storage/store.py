@@ -240,8 +240,11 @@ class _Batch:
 class Store:
     """The writer's state and its one write connection."""
 
-    def __init__(self, db: Engine) -> None:
+    def __init__(self, db: Engine, *, sqlite_autocheckpoint: bool = True) -> None:
+        """``sqlite_autocheckpoint=False`` leaves WAL checkpoints to someone else (the writer
+        runs them on a thread of their own, so a checkpoint's fsync never delays a commit)."""
         self.db = db
+        self._autocheckpoint = sqlite_autocheckpoint
         self._conn: Connection | None = None
         self._runs: dict[int, RunState] = {}
         self._upd_requests = (
@@ -259,6 +262,9 @@ class Store:
     def conn(self) -> Connection:
         if self._conn is None:
             self._conn = self.db.connect()
+            if not self._autocheckpoint and self.db.dialect.name == "sqlite":
+                self._conn.exec_driver_sql("PRAGMA wal_autocheckpoint = 0")
+                self._conn.commit()
         return self._conn
 
     def close(self) -> None:

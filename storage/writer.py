@@ -5,6 +5,12 @@ everything queued (up to ``max_batch_events`` events), applies it in one transac
 (``Store.apply``) and reports ``(ops, results, seconds)`` through ``on_commit`` after the commit.
 If a batch fails, each op is retried alone so one bad op cannot take the others down; an op that
 still fails gets its exception as its result.
+
+On SQLite the writer's connection does not checkpoint the WAL itself: a checkpoint copies the
+WAL into the database file and syncs it, which can take a few hundred milliseconds on a slow
+disk, and every commit waiting behind it would delay its acks. A second thread with its own
+connection runs a PASSIVE checkpoint (never blocks the writer or readers) every
+``checkpoint_interval`` seconds instead.
 """
 
 from __future__ import annotations
@@ -29,9 +35,19 @@ CommitCallback = Callable[[list[Any], list[Any], float], None]
 
 class Writer:
     def __init__(
-        self, db: Engine, on_commit: CommitCallback, *, max_batch_events: int = 50_000
+        self,
+        db: Engine,
+        on_commit: CommitCallback,
+        *,
+        max_batch_events: int = 50_000,
+        checkpoint_interval: float = 1.0,
     ) -> None:
-        self.store = Store(db)
+        self.db = db
+        self._sqlite = db.dialect.name == "sqlite"
+        self.store = Store(db, sqlite_autocheckpoint=not self._sqlite)
+        self._checkpoint_interval = checkpoint_interval
+        self._stopping = threading.Event()
+        self._checkpointer: threading.Thread | None = None
         self._on_commit = on_commit
         self._max_batch_events = max_batch_events
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -47,6 +63,25 @@ class Writer:
             )
         self._thread = threading.Thread(target=self._run, name="storage-writer", daemon=True)
         self._thread.start()
+        if self._sqlite:
+            self._checkpointer = threading.Thread(
+                target=self._checkpoints, name="storage-checkpoint", daemon=True
+            )
+            self._checkpointer.start()
+
+    def _checkpoints(self) -> None:
+        with self.db.connect() as conn:
+            while not self._stopping.wait(self._checkpoint_interval):
+                try:
+                    conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+                    conn.commit()
+                except Exception:
+                    logger.exception("WAL checkpoint failed")
+            try:  # a last full one, so the database file holds everything
+                conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+                conn.commit()
+            except Exception:
+                logger.exception("final WAL checkpoint failed")
 
     def submit(self, op: Any) -> None:
         self._queue.put(op)
@@ -60,6 +95,10 @@ class Writer:
         if self._thread.is_alive():
             logger.error("writer did not stop within %.0f s", timeout)
         self._thread = None
+        self._stopping.set()
+        if self._checkpointer is not None:
+            self._checkpointer.join(timeout)
+            self._checkpointer = None
 
     def _run(self) -> None:
         try:

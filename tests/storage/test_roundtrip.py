@@ -232,3 +232,31 @@ def test_many_engines_one_collector(collector: Any, db_url: str) -> None:
             assert stored_seqs(db_url, eng.engine_id, eng.run_id) == list(range(1, eng.seq + 1))
     finally:
         db.dispose()
+
+
+def test_a_reader_never_blocks_the_writer(collector_factory: Any, sqlite_url: str) -> None:
+    """A dashboard holding a read transaction open (WAL snapshot) while the collector writes."""
+    collector = collector_factory(sqlite_url)
+    eng = SyntheticEngine(engine_id="engine-r", run_id="run-r", seed=4)
+    client = FakeEngineClient(collector.url, eng)
+    client.connect()
+    client.send_events(eng.steps(5))
+    client.wait_ack(eng.seq)
+    import sqlite3
+
+    path = sqlite_url.removeprefix("sqlite:///")
+    reader = sqlite3.connect(path, isolation_level=None, timeout=10)
+    db = dbm.connect(sqlite_url, readonly=True)
+    try:
+        reader.execute("BEGIN")  # a read transaction: its snapshot stays until COMMIT
+        seen = reader.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
+        assert seen == 5
+        client.send_events(eng.steps(20))
+        assert client.wait_ack(eng.seq) == eng.seq  # committed while the read is open
+        assert reader.execute("SELECT COUNT(*) FROM steps").fetchone()[0] == 5
+        assert len(queries.steps(db)) == 25  # a new reader sees the new rows
+        reader.execute("COMMIT")
+    finally:
+        reader.close()
+        db.dispose()
+        client.close()
