@@ -1,0 +1,8 @@
+"""`python -m advisor`."""
+
+from __future__ import annotations
+
+from advisor.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

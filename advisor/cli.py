@@ -1,0 +1,135 @@
+"""`python -m advisor predict`: predicted latency and throughput per budget, from the store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from advisor.recommend import Slo
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUDGETS = "128,256,512,1024,2048,8192"
+
+
+def parse_budgets(text: str) -> list[int]:
+    try:
+        budgets = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"budgets must be integers, got {text!r}") from exc
+    if not budgets or any(b < 1 for b in budgets):
+        raise argparse.ArgumentTypeError(f"budgets must be >= 1, got {text!r}")
+    return budgets
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="advisor",
+        description="Budget advisor: predict what each token budget would do to TTFT, ITL and "
+        "throughput for the traffic recorded in the store, and recommend one.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    pr = sub.add_parser(
+        "predict",
+        help="fit the step cost model, simulate the observed traffic at each budget, recommend",
+    )
+    pr.add_argument("--db", required=True, help="store URL, e.g. sqlite:///data/chunkscope.db")
+    pr.add_argument("--engine", dest="engine_id", help="engine id (default: all)")
+    pr.add_argument("--run", dest="run_id", help="run id (default: all)")
+    pr.add_argument("--since", type=float, help="window start, wall seconds since the epoch")
+    pr.add_argument("--until", type=float, help="window end, wall seconds since the epoch")
+    pr.add_argument("--fit-since", type=float, help="steps to fit from (default: --since)")
+    pr.add_argument("--fit-until", type=float, help="steps to fit until (default: --until)")
+    pr.add_argument("--budgets", type=parse_budgets, default=parse_budgets(DEFAULT_BUDGETS))
+    pr.add_argument("--slo-itl-ms", type=_positive, help="SLO on the p99 inter-token latency")
+    pr.add_argument("--slo-ttft-ms", type=_positive, help="SLO on the p99 time to first token")
+    pr.add_argument(
+        "--no-step-gap",
+        dest="step_gap",
+        action="store_false",
+        help="do not add the measured pause between steps to each simulated step",
+    )
+    pr.add_argument("--out", metavar="FILE.json", help="write the prediction document here")
+    pr.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.1f}"
+    return str(v)
+
+
+def table(doc: dict[str, Any]) -> str:
+    fit = doc["fit"]
+    m = fit["model"]
+    lines = [
+        f"cost model ({fit['num_steps']} steps): step = {m['const'] * 1e3:.3g} ms "
+        f"+ {m['prefill'] * 1e6:.3g} us/prefill token + {m['decode'] * 1e6:.3g} us/decode token "
+        f"+ {m['attn'] * 1e9:.3g} ns/attention pair; relative error p50 "
+        f"{100 * m['rel_err_p50']:.1f}% p95 {100 * m['rel_err_p95']:.1f}%, R^2 {m['r2']:.3f}; "
+        f"pause between steps {fit['step_gap_s'] * 1e3:.2f} ms",
+        f"traffic: {doc['traffic']['classes'].get('all', {}).get('num_requests', 0)} requests "
+        f"over {doc['traffic']['duration_s']:.0f} s",
+    ]
+    cols = ["budget", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "ttft_p50_ms", "ttft_p99_ms"]
+    cols.append("tokens_per_s")
+    rows = [[_fmt(w.get(c)) for c in cols] for w in doc["windows"]]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    lines.append(f"Pareto front (TTFT p99 vs ITL p99): {doc['pareto_budgets']}")
+    lines.append(doc["reason"])
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=args.log_level,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+    from advisor.fit import FitError
+    from advisor.predict import predict_from_store
+
+    try:
+        doc = predict_from_store(
+            args.db,
+            args.budgets,
+            engine_id=args.engine_id,
+            run_id=args.run_id,
+            since=args.since,
+            until=args.until,
+            fit_since=args.fit_since,
+            fit_until=args.fit_until,
+            slo=Slo(args.slo_itl_ms, args.slo_ttft_ms),
+            step_gap=args.step_gap,
+        )
+    except (FitError, ValueError) as exc:
+        print(f"advisor: {exc}", file=sys.stderr)
+        return 1
+    doc["config"] = {k: v for k, v in vars(args).items() if k != "db"}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print(table(doc))
+    return 0

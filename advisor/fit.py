@@ -1,0 +1,181 @@
+"""Fit the step cost model (``engine.cost_model``) to the steps recorded in the store.
+
+Each stored step gives its chunk layout (``storage.queries.step_chunks``) and its duration
+(``end_ns - start_ns``, ``storage.queries.steps``); the work of a step is
+``StepWork(prefill tokens, decode tokens, attention pairs)`` exactly as ``StepWork.from_chunks``
+counts it, and ``engine.cost_model.fit`` solves the least squares. The report carries the fit's
+own error (relative error p50/p95 and R^2 on the steps it was fitted on) and the engine's pause
+between steps while it has work (the time from one step's end to the next step's start: event
+emission, the inbox, telemetry), which the simulator adds after every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from sqlalchemy import Engine
+
+from engine.cost_model import CostModel, StepWork, fit
+from storage import queries
+
+logger = logging.getLogger(__name__)
+
+
+class FitError(ValueError):
+    """Too few usable steps in the selection to fit the model."""
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """A fitted cost model and how well it fits."""
+
+    model: CostModel
+    num_steps: int
+    step_gap_s: float  # median pause between consecutive steps while the engine is busy
+    step_gap_p90_s: float
+    selection: dict[str, Any] = field(default_factory=dict)
+
+    def step_seconds(self, work: StepWork) -> float:
+        """Predicted seconds of a step doing ``work`` (never below zero)."""
+        return max(0.0, self.model.predict(work))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["model"] = self.model.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FitReport:
+        return cls(
+            model=CostModel.from_dict(d["model"]),
+            num_steps=int(d["num_steps"]),
+            step_gap_s=float(d["step_gap_s"]),
+            step_gap_p90_s=float(d.get("step_gap_p90_s", d["step_gap_s"])),
+            selection=dict(d.get("selection") or {}),
+        )
+
+
+def step_works(chunks: pd.DataFrame) -> pd.DataFrame:
+    """Per (engine, run, step): prefill tokens, decode tokens and attention pairs of its chunks,
+    counted as ``StepWork.from_chunks`` counts them (vectorised)."""
+    cols = ["engine_id", "run_id", "step", "prefill_tokens", "decode_tokens", "attention_pairs"]
+    if chunks.empty:
+        return pd.DataFrame({c: pd.Series(dtype="int64") for c in cols})
+    n = chunks["num_tokens"].to_numpy(dtype=np.int64)
+    s = chunks["start"].to_numpy(dtype=np.int64)
+    decode = (chunks["kind"] == "decode").to_numpy()
+    df = pd.DataFrame(
+        {
+            "engine_id": chunks["engine_id"].to_numpy(),
+            "run_id": chunks["run_id"].to_numpy(),
+            "step": chunks["step"].to_numpy(dtype=np.int64),
+            "prefill_tokens": np.where(decode, 0, n),
+            "decode_tokens": np.where(decode, n, 0),
+            "attention_pairs": n * s + n * (n + 1) // 2,
+        }
+    )
+    return df.groupby(["engine_id", "run_id", "step"], as_index=False, sort=True).sum()
+
+
+def busy_gaps_s(steps: pd.DataFrame) -> np.ndarray:
+    """Seconds from each step's end to the next step's start, for steps after which the engine
+    still had requests (so it did not wait for work) - per run, consecutive step numbers only."""
+    out: list[np.ndarray] = []
+    for _, g in steps.groupby(["engine_id", "run_id"], sort=False):
+        g = g.sort_values("step")
+        step = g["step"].to_numpy(dtype=np.int64)
+        start = g["start_ns"].to_numpy(dtype=np.int64)
+        end = g["end_ns"].to_numpy(dtype=np.int64)
+        busy = (g["num_running"].fillna(0) + g["num_waiting"].fillna(0)).to_numpy() > 0
+        ok = (np.diff(step) == 1) & busy[:-1]
+        gap = (start[1:] - end[:-1])[ok]
+        out.append(gap[gap >= 0] / 1e9)
+    return np.concatenate(out) if out else np.empty(0)
+
+
+def load_steps(
+    db: Engine,
+    *,
+    engine_id: str | None = None,
+    run_id: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+) -> pd.DataFrame:
+    """The selected steps with their work: the columns of ``queries.steps`` plus
+    ``prefill_tokens``, ``decode_tokens``, ``attention_pairs``."""
+    steps = queries.steps(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
+    if steps.empty:
+        return steps.assign(prefill_tokens=[], decode_tokens=[], attention_pairs=[])
+    works = []
+    for (eid, rid), g in steps.groupby(["engine_id", "run_id"], sort=False):
+        chunks = queries.step_chunks(
+            db,
+            engine_id=eid,
+            run_id=rid,
+            step_from=int(g["step"].min()),
+            step_to=int(g["step"].max()),
+        )
+        works.append(step_works(chunks))
+    work = pd.concat(works, ignore_index=True) if works else step_works(pd.DataFrame())
+    merged = steps.merge(work, on=["engine_id", "run_id", "step"], how="left")
+    for c in ("prefill_tokens", "decode_tokens", "attention_pairs"):
+        merged[c] = merged[c].fillna(0).astype("int64")
+    return merged
+
+
+def fit_steps(steps: pd.DataFrame, selection: dict[str, Any] | None = None) -> FitReport:
+    """Fit the cost model to steps as returned by :func:`load_steps`."""
+    usable = steps[(steps["end_ns"] >= steps["start_ns"]) & (steps["num_scheduled_tokens"] > 0)]
+    if len(usable) < 4:
+        raise FitError(f"need at least 4 steps with tokens to fit, the selection has {len(usable)}")
+    works = [
+        StepWork(int(p), int(d), int(a))
+        for p, d, a in zip(
+            usable["prefill_tokens"],
+            usable["decode_tokens"],
+            usable["attention_pairs"],
+            strict=True,
+        )
+    ]
+    seconds = ((usable["end_ns"] - usable["start_ns"]).to_numpy(dtype=np.int64) / 1e9).tolist()
+    model = fit(works, seconds)
+    gaps = busy_gaps_s(steps)
+    report = FitReport(
+        model=model,
+        num_steps=len(works),
+        step_gap_s=float(np.median(gaps)) if gaps.size else 0.0,
+        step_gap_p90_s=float(np.percentile(gaps, 90)) if gaps.size else 0.0,
+        selection=dict(selection or {}),
+    )
+    logger.info(
+        "cost model from %d steps: const %.3g s, prefill %.3g s/token, decode %.3g s/token, "
+        "attention %.3g s/pair; relative error p50 %.1f%% p95 %.1f%%, R^2 %.3f; gap %.3g s",
+        report.num_steps,
+        model.const,
+        model.prefill,
+        model.decode,
+        model.attn,
+        100 * model.rel_err_p50,
+        100 * model.rel_err_p95,
+        model.r2,
+        report.step_gap_s,
+    )
+    return report
+
+
+def fit_from_store(
+    db: Engine,
+    *,
+    engine_id: str | None = None,
+    run_id: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+) -> FitReport:
+    """Fit the cost model to the steps of the selection (see ``storage.queries`` for filters)."""
+    steps = load_steps(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
+    selection = {"engine_id": engine_id, "run_id": run_id, "since": since, "until": until}
+    return fit_steps(steps, selection)

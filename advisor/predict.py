@@ -1,0 +1,123 @@
+"""Prediction end to end: fit the cost model from the store, read the traffic of a window,
+simulate it at each budget, and recommend. The document it returns is what ``python -m advisor
+predict --out FILE`` writes and what ``python -m loadgen sweep --predictions FILE`` reads."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from advisor.fit import FitReport, fit_from_store
+from advisor.pareto import front_budgets
+from advisor.recommend import Slo, recommend
+from advisor.simulate import cost_model_step_ns, predict_budgets
+from advisor.traffic import engine_shape, observed_traffic, shape_dict, to_sim_requests
+
+logger = logging.getLogger(__name__)
+
+TOOL = "chunkscope-advisor"
+
+
+def predict_from_store(
+    db_url: str,
+    budgets: Sequence[int],
+    *,
+    engine_id: str | None = None,
+    run_id: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    fit_since: float | None = None,
+    fit_until: float | None = None,
+    slo: Slo | None = None,
+    step_gap: bool = True,
+    max_steps: int | None = 2_000_000,
+) -> dict[str, Any]:
+    """Predicted figures per budget for the traffic of [since, until], step times from a fit
+    on the steps of [fit_since, fit_until] (default: the same window)."""
+    from storage import db as dbm
+
+    slo = slo or Slo()
+    db = dbm.connect(db_url, readonly=True)
+    try:
+        fsince = since if fit_since is None else fit_since
+        funtil = until if fit_until is None else fit_until
+        report = fit_from_store(db, engine_id=engine_id, run_id=run_id, since=fsince, until=funtil)
+        traffic = observed_traffic(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
+        shape = engine_shape(db, engine_id=engine_id, run_id=run_id)
+    finally:
+        db.dispose()
+    return predict_traffic(
+        report,
+        traffic,
+        shape,
+        budgets,
+        slo=slo,
+        step_gap=step_gap,
+        max_steps=max_steps,
+        selection={
+            "db": _redact(db_url),
+            "engine_id": engine_id,
+            "run_id": run_id,
+            "since": since,
+            "until": until,
+            "fit_since": fsince,
+            "fit_until": funtil,
+        },
+    )
+
+
+def predict_traffic(
+    report: FitReport,
+    traffic: Any,
+    shape: Any,
+    budgets: Sequence[int],
+    *,
+    slo: Slo,
+    step_gap: bool = True,
+    max_steps: int | None = 2_000_000,
+    selection: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    if not traffic.requests:
+        raise ValueError("no request arrived in the selected window: nothing to simulate")
+    reqs, warm = to_sim_requests(traffic, shape.block_size)
+    gap_ns = round(report.step_gap_s * 1e9) if step_gap else 0
+    t0 = time.perf_counter()
+    windows = predict_budgets(
+        reqs,
+        shape,
+        sorted({int(b) for b in budgets}),
+        step_ns=cost_model_step_ns(report.step_seconds),
+        gap_ns=gap_ns,
+        warm_prefixes=warm,
+        max_steps=max_steps,
+    )
+    sim_s = time.perf_counter() - t0
+    rec = recommend(windows, slo, "predicted")
+    return {
+        "tool": TOOL,
+        "created": time.time(),
+        "selection": selection or {},
+        "fit": report.to_dict(),
+        "engine_shape": shape_dict(shape),
+        "traffic": traffic.summary(),
+        "slo": {"itl_p99_ms": slo.itl_ms, "ttft_p99_ms": slo.ttft_ms},
+        "simulation_s": sim_s,
+        "windows": windows,
+        "pareto_budgets": front_budgets(windows),
+        "recommendation": rec.to_dict(),
+        "recommended_budget": rec.budget,
+        "recommendation_source": rec.source,
+        "reason": rec.reason,
+    }
+
+
+def _redact(url: str) -> str:
+    """A database URL without its password."""
+    if "://" in url and "@" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        user = creds.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}"
+    return url

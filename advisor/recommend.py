@@ -1,0 +1,149 @@
+"""Which token budget to run: the highest-throughput budget that meets the latency SLOs.
+
+Plain Python (no numpy, no engine): the load generator's sweep uses it on its measurements and
+the advisor on its predictions.
+
+Rule: a budget meets the SLOs when its p99 ITL is at most ``slo_itl_ms`` and (when given) its p99
+TTFT at most ``slo_ttft_ms``; a figure that was not observed does not meet an SLO. Among those,
+the one with the highest throughput; throughputs within ``tie_tolerance`` (relative) of the best
+are a tie - below saturation every budget serves the offered load, so throughput differs only by
+noise - broken in favour of the largest budget (the most prefill per step: the most headroom for
+a burst). Without any SLO every budget qualifies. When none meets them, there is no
+recommendation; the closest budget is named (least total relative excess over the SLOs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("measured", "predicted")
+TIE_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class Slo:
+    itl_ms: float | None = None  # on the p99 inter-token latency
+    ttft_ms: float | None = None  # on the p99 time to first token
+
+    @property
+    def empty(self) -> bool:
+        return self.itl_ms is None and self.ttft_ms is None
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    budget: int | None  # None when no budget meets the SLOs
+    source: str  # "measured" | "predicted"
+    meets_slo: bool
+    closest_budget: int | None  # the budget nearest to the SLOs when none meets them
+    reason: str
+
+    @property
+    def chosen(self) -> int | None:
+        """The budget to apply: the recommendation, else the closest."""
+        return self.budget if self.budget is not None else self.closest_budget
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _num(w: Mapping[str, Any], key: str) -> float | None:
+    v = w.get(key)
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def excess(w: Mapping[str, Any], slo: Slo) -> float:
+    """Sum over the SLOs of the relative amount by which the window misses it (0 = meets all;
+    an unobserved figure counts as missing by 1, i.e. twice the SLO)."""
+    total = 0.0
+    for key, limit in (("itl_p99_ms", slo.itl_ms), ("ttft_p99_ms", slo.ttft_ms)):
+        if limit is None:
+            continue
+        v = _num(w, key)
+        total += 1.0 if v is None else max(0.0, v / limit - 1.0)
+    return total
+
+
+def meets(w: Mapping[str, Any], slo: Slo) -> bool:
+    for key, limit in (("itl_p99_ms", slo.itl_ms), ("ttft_p99_ms", slo.ttft_ms)):
+        if limit is None:
+            continue
+        v = _num(w, key)
+        if v is None or v > limit:
+            return False
+    return True
+
+
+def _describe(w: Mapping[str, Any]) -> str:
+    parts = []
+    for key, label in (("itl_p99_ms", "ITL p99"), ("ttft_p99_ms", "TTFT p99")):
+        v = _num(w, key)
+        parts.append(f"{label} {'n/a' if v is None else f'{v:.0f} ms'}")
+    tps = _num(w, "tokens_per_s")
+    parts.append(f"{'n/a' if tps is None else f'{tps:.1f}'} tokens/s")
+    return ", ".join(parts)
+
+
+def _slo_text(slo: Slo) -> str:
+    parts = []
+    if slo.itl_ms is not None:
+        parts.append(f"ITL p99 <= {slo.itl_ms:g} ms")
+    if slo.ttft_ms is not None:
+        parts.append(f"TTFT p99 <= {slo.ttft_ms:g} ms")
+    return " and ".join(parts) if parts else "no SLO"
+
+
+def recommend(
+    windows: Sequence[Mapping[str, Any]],
+    slo: Slo,
+    source: str,
+    *,
+    tie_tolerance: float = TIE_TOLERANCE,
+) -> Recommendation:
+    """The recommendation among ``windows`` (dicts with ``budget``, ``itl_p99_ms``,
+    ``ttft_p99_ms``, ``tokens_per_s``) from ``source`` ("measured" or "predicted")."""
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    rows = [w for w in windows if isinstance(w.get("budget"), int)]
+    if not rows:
+        return Recommendation(None, source, False, None, f"no {source} budgets to choose from")
+    ok = [w for w in rows if meets(w, slo)]
+    if ok:
+        best = max(_num(w, "tokens_per_s") or 0.0 for w in ok)
+        tied = [w for w in ok if (_num(w, "tokens_per_s") or 0.0) >= best * (1 - tie_tolerance)]
+        pick = max(tied, key=lambda w: int(w["budget"]))
+        budgets = sorted(int(w["budget"]) for w in ok)
+        tie_note = (
+            f"; {len(tied)} budgets within {tie_tolerance:.0%} of the best throughput, the "
+            "largest taken"
+            if len(tied) > 1
+            else ""
+        )
+        reason = (
+            f"{source}: budget {pick['budget']} has the highest throughput among the budgets "
+            f"meeting {_slo_text(slo)} ({', '.join(map(str, budgets))}){tie_note}: "
+            f"{_describe(pick)}"
+        )
+        return Recommendation(int(pick["budget"]), source, True, None, reason)
+    closest = min(rows, key=lambda w: (excess(w, slo), -(_num(w, "tokens_per_s") or 0.0)))
+    reason = (
+        f"{source}: no budget meets {_slo_text(slo)}; closest is budget {closest['budget']} "
+        f"({_describe(closest)})"
+    )
+    return Recommendation(None, source, False, int(closest["budget"]), reason)
+
+
+def recommend_from(
+    measured: Sequence[Mapping[str, Any]] | None,
+    predicted: Sequence[Mapping[str, Any]] | None,
+    slo: Slo,
+) -> Recommendation:
+    """From the measurements when a sweep exists, otherwise from the prediction."""
+    if measured:
+        return recommend(measured, slo, "measured")
+    return recommend(predicted or [], slo, "predicted")
