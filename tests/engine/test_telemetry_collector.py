@@ -76,3 +76,25 @@ def test_lost_events_reach_the_store_as_one_gap(tmp_path: Path) -> None:
     assert (gap["first_seq_lost"], gap["num_events_lost"]) == (51, lost)
     assert gap["last_seq_lost"] == 50 + lost and gap["seq"] == 51 + lost
     assert queries.engines(db).iloc[0]["num_gap_events"] == 1
+
+
+class _Unencodable:
+    def to_dict(self) -> dict[str, Any]:
+        raise RuntimeError("broken")
+
+
+def test_unknown_types_and_fields_pass_the_real_collector(tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'u.db'}"
+    syn = SyntheticEngine(engine_id="eng-new", run_id="run-new-1", seed=5)
+    events = syn.steps(5)
+    with collector_in_thread(db_url) as collector:
+        pub = _publisher(collector.url, syn).start()
+        for i, ev in enumerate(events):
+            pub.publish({**{k: v for k, v in ev.items() if k != "seq"}, "from_a_newer_engine": i})
+            if i == 3:
+                pub.publish(_Unencodable())  # sent as type "unencodable": skipped, seq counted
+        assert pub.wait_acked(timeout=WAIT_S)
+        pub.close(timeout=WAIT_S)
+    db = connect(db_url, readonly=True)
+    assert list(queries.steps(db, engine_id="eng-new")["step"]) == list(range(5))
+    assert queries.gaps(db, engine_id="eng-new").empty
