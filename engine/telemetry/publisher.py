@@ -300,6 +300,11 @@ class Publisher:
 
     def _note_problem(self, exc: BaseException) -> None:
         problem = f"{type(exc).__name__}: {exc}"
+        rcvd = getattr(exc, "rcvd", None)
+        if rcvd is not None and rcvd.code == 4401:
+            problem = f"the collector refused the --collector-token (close 4401: {rcvd.reason})"
+        elif rcvd is not None and rcvd.code == 4400:
+            problem = f"the collector refused the hello (close 4400: {rcvd.reason})"
         if problem != self._last_problem:  # say it once, not at every retry
             self._last_problem = problem
             logger.warning(

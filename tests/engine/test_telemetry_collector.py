@@ -3,8 +3,11 @@ stream in, ``storage.queries`` out; a declared gap; goodbye marks the run ended.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from engine.telemetry import BufferLimits, Publisher
 from storage import queries
@@ -98,3 +101,28 @@ def test_unknown_types_and_fields_pass_the_real_collector(tmp_path: Path) -> Non
     db = connect(db_url, readonly=True)
     assert list(queries.steps(db, engine_id="eng-new")["step"]) == list(range(5))
     assert queries.gaps(db, engine_id="eng-new").empty
+
+
+def test_the_collector_auth_token_is_sent_in_the_hello(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    db_url = f"sqlite:///{tmp_path / 'a.db'}"
+    syn = SyntheticEngine(engine_id="eng-auth", run_id="run-auth-1", seed=6)
+    with collector_in_thread(db_url, auth_token="s3cret") as collector:
+        good = _publisher(collector.url, syn, token="s3cret").start()
+        bad = Publisher(
+            collector.url, engine_id="eng-bad", hello=_hello(syn), token="wrong",
+            backoff_initial_s=0.02, backoff_max_s=0.1,
+        ).start()  # fmt: skip
+        try:
+            with caplog.at_level(logging.WARNING, logger="engine.telemetry"):
+                for ev in syn.steps(3):
+                    good.publish({k: v for k, v in ev.items() if k != "seq"})
+                    bad.publish({k: v for k, v in ev.items() if k != "seq"})
+                assert good.wait_acked(timeout=WAIT_S)
+                wait_until(lambda: bad.stats().connect_failures >= 3, "refused connects")
+            assert not bad.connected and bad.stats().acked_seq == 0
+            assert "refused the --collector-token (close 4401" in caplog.text
+        finally:
+            good.close(timeout=WAIT_S)
+            bad.close(timeout=0.5)
