@@ -195,3 +195,28 @@ def test_control_relay_changes_the_real_engine(db_url: str, collector: Collector
     accepted = controls[controls["accepted"]]
     assert list(accepted["new_value"]) == [512]
     assert len(controls[~controls["accepted"]]) >= 3
+
+
+def test_an_engine_killed_mid_run_leaves_its_run_ended_without_goodbye(
+    db_url: str, collector: CollectorProcess
+) -> None:
+    engine = EngineServer("--engine-id", "e2e-kill", "--collector-url", collector.url)
+    try:
+        engine.run_batch([f"before the kill {i}" for i in range(2)])
+        engine.wait_acked()
+        steps_before = engine.scheduler()["step"]
+    finally:
+        engine.proc.kill()  # SIGKILL: no goodbye
+        engine.proc.wait(30)
+        engine.http.close()
+    db = connect(db_url, readonly=True)
+
+    def ended() -> bool:
+        runs = queries.engines(db)
+        return bool(runs[runs["engine_id"] == "e2e-kill"]["ended_without_goodbye"].any())
+
+    deadline = time.monotonic() + WAIT_S
+    while not ended():
+        assert time.monotonic() < deadline, "run not marked ended without goodbye"
+        time.sleep(0.1)
+    assert len(queries.steps(db, engine_id="e2e-kill")) == steps_before
