@@ -8,8 +8,9 @@ rate of step events per second for ``--seconds``, and records for every frame th
 send to the ack that covers it (the ack is sent after the commit, so this is the ingest lag
 including the database). A rate is *sustained* when the client kept the pace (>= 97% of the
 target), every frame was acked, and the p99 lag stayed under ``--max-lag`` seconds (1 s). Rates
-double from ``--start-rate`` until one is not sustained; the highest sustained rate is reported
-per chunk count, along with the collector's CPU use.
+double from ``--start-rate`` until one is not sustained in ``--tries`` tries (2: the machine is
+shared, and a busy neighbour can stall a try; every try is recorded with the load average); the
+highest sustained rate is reported per chunk count, along with the collector's CPU use.
 
 Run from the repo root:  .venv/bin/python benchmarks/bench_ingest.py [--quick]
 Writes benchmarks/results/ingest.json (configuration and git state included).
@@ -141,6 +142,55 @@ async def _run_level(
     }
 
 
+def _level(proc: Any, n_chunks: int, rate: float, args: argparse.Namespace, attempt: int) -> dict:
+    """One try of one rate level: a new run, its frames sent at the pace, acks timed."""
+    t = time.perf_counter()
+    frames, n_steps, n_events, eng, frame_s = _make_frames(
+        n_chunks, rate, args.seconds, args.frame_ms, args.seed * 100 + attempt
+    )
+    gen_s = time.perf_counter() - t
+    cpu0 = _cpu_seconds(proc.process.pid)
+    level = asyncio.run(_run_level(proc.url, frames, eng.hello(), frame_s, drain_timeout=30.0))
+    cpu = _cpu_seconds(proc.process.pid) - cpu0
+    lags = sorted(level.pop("lags"))
+    wall = level["send_seconds"] + level["drain_seconds"]
+    achieved = n_steps / level["send_seconds"]
+    p50 = lags[len(lags) // 2] if lags else None
+    p99 = lags[min(len(lags) - 1, int(len(lags) * 0.99))] if lags else None
+    row = {
+        "chunks_per_step": n_chunks,
+        "target_steps_per_s": rate,
+        "try": attempt + 1,
+        "achieved_steps_per_s": round(achieved, 1),
+        "chunk_records_per_s": round(achieved * n_chunks, 1),
+        "steps": n_steps,
+        "events": n_events,
+        "frame_bytes_mean": round(statistics.fmean(len(f[1]) for f in frames)),
+        **level,
+        "lag_p50_s": p50,
+        "lag_p99_s": p99,
+        "lag_max_s": lags[-1] if lags else None,
+        "collector_cpu_cores": round(cpu / wall, 3),
+        "generate_seconds": round(gen_s, 2),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+    row["sustained"] = bool(
+        level["frames_acked"] == level["frames"]
+        and achieved >= 0.97 * rate
+        and p99 is not None
+        and p99 < args.max_lag
+    )
+    print(
+        f"chunks={n_chunks:4d} rate={rate:7.0f}/s achieved={achieved:7.0f}/s "
+        f"lag p50={p50 or 0:.3f}s p99={p99 or 0:.3f}s max={row['lag_max_s'] or 0:.3f}s "
+        f"cpu={row['collector_cpu_cores']:.2f} acked={level['frames_acked']}/{level['frames']} "
+        f"{'OK' if row['sustained'] else 'NOT sustained'} (try {attempt + 1}, "
+        f"load {row['loadavg_1m']})",
+        flush=True,
+    )
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", type=int, nargs="+", default=[8, 64, 256])
@@ -156,6 +206,13 @@ def main() -> int:
     ap.add_argument("--frame-ms", type=float, default=20.0, help="publisher batching interval")
     ap.add_argument("--max-lag", type=float, default=1.0, help="p99 lag bound for 'sustained'")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--tries",
+        type=int,
+        default=2,
+        help="tries of a level before it counts as "
+        "not sustained (this machine is shared; every try is recorded)",
+    )
     ap.add_argument("--quick", action="store_true", help="1 s levels, 8 and 64 chunks only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -181,51 +238,11 @@ def main() -> int:
                 rate = start
                 best: dict[str, Any] | None = None
                 while rate <= args.max_rate:
-                    t = time.perf_counter()
-                    frames, n_steps, n_events, eng, frame_s = _make_frames(
-                        n_chunks, rate, args.seconds, args.frame_ms, args.seed
-                    )
-                    gen_s = time.perf_counter() - t
-                    cpu0 = _cpu_seconds(proc.process.pid)
-                    level = asyncio.run(
-                        _run_level(proc.url, frames, eng.hello(), frame_s, drain_timeout=30.0)
-                    )
-                    cpu = _cpu_seconds(proc.process.pid) - cpu0
-                    lags = sorted(level.pop("lags"))
-                    wall = level["send_seconds"] + level["drain_seconds"]
-                    achieved = n_steps / level["send_seconds"]
-                    row = {
-                        "chunks_per_step": n_chunks,
-                        "target_steps_per_s": rate,
-                        "achieved_steps_per_s": round(achieved, 1),
-                        "chunk_records_per_s": round(achieved * n_chunks, 1),
-                        "steps": n_steps,
-                        "events": n_events,
-                        "frame_bytes_mean": round(statistics.fmean(len(f[1]) for f in frames)),
-                        **level,
-                        "lag_p50_s": lags[len(lags) // 2] if lags else None,
-                        "lag_p99_s": lags[min(len(lags) - 1, int(len(lags) * 0.99))]
-                        if lags
-                        else None,
-                        "lag_max_s": lags[-1] if lags else None,
-                        "collector_cpu_cores": round(cpu / wall, 3),
-                        "generate_seconds": round(gen_s, 2),
-                    }
-                    row["sustained"] = bool(
-                        level["frames_acked"] == level["frames"]
-                        and achieved >= 0.97 * rate
-                        and row["lag_p99_s"] is not None
-                        and row["lag_p99_s"] < args.max_lag
-                    )
-                    print(
-                        f"chunks={n_chunks:4d} rate={rate:7.0f}/s achieved={achieved:7.0f}/s "
-                        f"lag p50={row['lag_p50_s'] or 0:.3f}s p99={row['lag_p99_s'] or 0:.3f}s "
-                        f"max={row['lag_max_s'] or 0:.3f}s cpu={row['collector_cpu_cores']:.2f} "
-                        f"acked={level['frames_acked']}/{level['frames']} "
-                        f"{'OK' if row['sustained'] else 'NOT sustained'}",
-                        flush=True,
-                    )
-                    results.append(row)
+                    for attempt in range(args.tries):
+                        row = _level(proc, n_chunks, rate, args, attempt)
+                        results.append(row)
+                        if row["sustained"]:
+                            break
                     if not row["sustained"]:
                         break
                     best = row
