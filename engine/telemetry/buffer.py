@@ -16,6 +16,7 @@ slow), never on the normal path.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -82,6 +83,16 @@ def _encode_step(seq: int, event: StepEvent) -> str:
             f'"produced_token":{"true" if produced else "false"}}}'
         )
     return f'{head[:-1]},"chunks":[{",".join(parts)}]}}'
+
+
+def encode_or_placeholder(seq: int, event: Any) -> str:
+    """``encode_event``; an event that cannot be encoded still takes its seq, as an
+    ``unencodable`` event (readers skip unknown types) rather than an undeclared gap."""
+    try:
+        return encode_event(seq, event)
+    except Exception as exc:  # noqa: BLE001 - one bad event must not stop the stream
+        logger.error("telemetry: event seq %d cannot be encoded (%s): %r", seq, exc, event)
+        return json.dumps({"type": "unencodable", "seq": seq, "reason": str(exc)[:500]})
 
 
 def encode_event(seq: int, event: Any) -> str:
@@ -241,6 +252,7 @@ class EventBuffer:
         self._dropped_total = 0
         self._gaps_total = 0
         self._spilling = False
+        self._spill_failed = False
         self._closed = False
         self._armed = False
         self.on_data: Callable[[], None] | None = None  # called when ``take`` armed and data came
@@ -282,19 +294,32 @@ class EventBuffer:
             return True
         if limits.max_spill_bytes == 0:
             return False
-        line = encode_event(seq, event)
+        line = encode_or_placeholder(seq, event)
         if self._spill_bytes + len(line) + 1 > limits.max_spill_bytes:
             return False
-        if (
-            not isinstance(tail, _DiskSegment)
-            or tail.sealed
-            or tail.nbytes >= limits.spill_segment_bytes
-        ):
-            if tail is not None:
-                self._seal(tail)
-            tail = _DiskSegment(path=self._spill_dir() / f"seg-{seq:012d}.jsonl", first_seq=seq)
-            self._segments.append(tail)
-        tail.append(line)
+        try:
+            if (
+                not isinstance(tail, _DiskSegment)
+                or tail.sealed
+                or tail.nbytes >= limits.spill_segment_bytes
+            ):
+                if tail is not None:
+                    self._seal(tail)
+                path = self._spill_dir() / f"seg-{seq:012d}.jsonl"
+                tail = _DiskSegment(path=path, first_seq=seq)
+                self._segments.append(tail)
+            tail.append(line)
+        except OSError as exc:  # a full or unwritable disk: no room, as when the limit is hit
+            if isinstance(tail, _DiskSegment):
+                with contextlib.suppress(OSError):
+                    tail.seal()  # a partly written line must not be followed by more
+                if tail.count == 0 and self._segments and self._segments[-1] is tail:
+                    self._segments.pop()
+            if not self._spill_failed:
+                self._spill_failed = True
+                logger.error("telemetry: cannot write spill files: %s", exc)
+            return False
+        self._spill_failed = False
         self._spill_events += 1
         self._spill_bytes += len(line) + 1
         self._spilled_total += 1

@@ -33,7 +33,12 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from engine.events import SCHEMA_VERSION
-from engine.telemetry.buffer import BufferLimits, BufferStats, EventBuffer, encode_event
+from engine.telemetry.buffer import (
+    BufferLimits,
+    BufferStats,
+    EventBuffer,
+    encode_or_placeholder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -452,7 +457,10 @@ class Publisher:
             return list(session.carry)
         session.carry.clear()
         taken = self.buffer.take(session.cursor, self.max_batch_events, arm=arm)
-        return [(seq, item if isinstance(item, str) else _encode(seq, item)) for seq, item in taken]
+        return [
+            (seq, item if isinstance(item, str) else encode_or_placeholder(seq, item))
+            for seq, item in taken
+        ]
 
     def _frame(self, entries: list[tuple[int, str]], session: _Session) -> tuple[str, int, int]:
         """A frame of the first entries that fit ``max_frame_bytes`` (at least one); the rest
@@ -536,16 +544,6 @@ class _Session:
     def __post_init__(self) -> None:
         self.carry = deque()
         self.acked = asyncio.Event()
-
-
-def _encode(seq: int, event: Any) -> str:
-    """``encode_event``; an event that cannot be encoded still takes its seq, as an
-    ``unencodable`` event (readers skip unknown types) rather than an undeclared gap."""
-    try:
-        return encode_event(seq, event)
-    except Exception as exc:  # noqa: BLE001 - one bad event must not stop the stream
-        logger.error("telemetry: event seq %d cannot be encoded (%s): %r", seq, exc, event)
-        return json.dumps({"type": "unencodable", "seq": seq, "reason": str(exc)[:500]})
 
 
 def _parse(raw: str | bytes) -> dict[str, Any]:

@@ -198,3 +198,27 @@ def test_the_telemetry_package_never_imports_torch() -> None:
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_an_unwritable_spill_dir_drops_and_declares_instead_of_a_hole(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    buf = EventBuffer("run-w", BufferLimits(max_memory_events=2, spill_dir=not_a_dir))
+    assert [buf.publish(_ev(i)) for i in range(4)] == [1, 2, None, None]
+    assert buf.stats().dropped_total == 2 and buf.stats().spill_events == 0
+    buf.ack(2)
+    assert buf.publish(_ev(5)) == 6
+    gap = _drain(buf, after=2)[0][1]
+    assert (gap["type"], gap["first_seq_lost"], gap["last_seq_lost"]) == ("gap", 3, 4)
+
+
+class _Broken:
+    def to_dict(self) -> dict[str, object]:
+        raise RuntimeError("broken")
+
+
+def test_a_spilled_event_that_cannot_be_encoded_keeps_its_seq(tmp_path: Path) -> None:
+    buf = EventBuffer("run-b", BufferLimits(max_memory_events=1, spill_dir=tmp_path))
+    assert [buf.publish(_ev(0)), buf.publish(_Broken()), buf.publish(_ev(2))] == [1, 2, 3]
+    got = _drain(buf)
+    assert [d["type"] for _, d in got] == ["request", "unencodable", "request"]
