@@ -620,7 +620,7 @@ def latency_summary(
     span_hi: float | None = None
 
     def code_of(cls: Any) -> int:
-        name = "unknown" if cls is None else str(cls)
+        name = "unknown" if cls is None or (isinstance(cls, float) and np.isnan(cls)) else str(cls)
         return names.setdefault(name, len(names))
 
     with db.connect() as conn:

@@ -149,3 +149,20 @@ def test_controls_from_collector_and_engine(store: Store, reader: Any) -> None:
     assert ref.source == "collector" and ref.request_id == "c9" and pd.isna(ref.time_ns)
     assert (ref.old_value, ref.new_value) == (128, 0)
     assert queries.engines(reader).iloc[0].token_budget == 128
+
+
+def test_requests_without_a_class_are_unknown_in_the_summary(store: Store, reader: Any) -> None:
+    eng = SyntheticEngine(engine_id="engine-u", run_id="run-u", seed=4, classes=("chat",))
+    [info] = store.apply([Hello(eng.hello())])
+    events = eng.steps(60)
+    for ev in events:
+        if ev["type"] == "request" and ev["request_id"].endswith(("1", "3")):
+            ev["traffic_class"] = None
+    store.apply([Events(info.run_key, events)])
+    summary = queries.latency_summary(reader)
+    assert list(summary.traffic_class) == ["chat", "unknown", "all"]
+    by = summary.set_index("traffic_class")
+    assert (
+        by.loc["all", "num_requests"]
+        == by.loc["chat", "num_requests"] + by.loc["unknown", "num_requests"]
+    )
