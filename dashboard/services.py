@@ -203,9 +203,9 @@ PROFILES: dict[str, TrafficProfile] = {
             *_CHAT,
             *_RAG,
             *_VLM,
-            "mixed.chat_share=0.85",
+            "mixed.chat_share=0.9",
             "mixed.rag_share=0.1",
-            "mixed.vlm_share=0.05",
+            "mixed.vlm_share=0",  # an image encodes in one step at any budget: its own profile
         ),
     ),
     "chat": TrafficProfile("chat", 1.0, _CHAT),

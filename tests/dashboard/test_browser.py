@@ -86,7 +86,7 @@ def test_browser_live_charts_budget_change_and_screenshot(tmp_path: Path) -> Non
             expect(
                 page.get_by_text(re.compile(r"Inter-token latency — \d+ stalls"))
             ).to_be_visible()
-            expect(page.locator(".js-plotly-plot .scatterlayer .point").first).to_be_attached()
+            expect(page.locator(".js-plotly-plot .scatterlayer .js-fill").first).to_be_attached()
             time.sleep(float(os.environ.get("CHUNKSCOPE_SCREENSHOT_BEFORE_S", "0")))
 
             # the budget, changed through the UI
