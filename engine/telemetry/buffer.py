@@ -212,9 +212,10 @@ class _DiskSegment:
             self._writer = None
 
     def delete(self) -> None:
-        self.seal()
-        self.drop_cache()
-        self.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # already gone or unwritable: nothing more to do
+            self.seal()
+            self.drop_cache()
+            self.path.unlink(missing_ok=True)
 
 
 @dataclass

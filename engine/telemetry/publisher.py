@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -278,6 +278,7 @@ class Publisher:
         backoff = self.backoff_initial_s
         while not self._done():
             acked_before = self._num_connects
+            last_try = self._stopping  # at shutdown, one attempt to reach a collector that is away
             try:
                 await self._connect_once()
             except (OSError, TimeoutError, WebSocketException, _SessionError) as exc:
@@ -292,6 +293,8 @@ class Publisher:
                 backoff = self.backoff_initial_s  # a session got going: start over
             else:
                 self._connect_failures += 1
+                if last_try:
+                    break
             delay = min(backoff, self.backoff_max_s) * random.uniform(0.5, 1.0)
             backoff = min(backoff * 2, self.backoff_max_s)
             if self._stopping:
@@ -536,14 +539,12 @@ class _SessionError(Exception):
 
 @dataclass
 class _Session:
+    """One connection's sending state (created inside the publisher's event loop)."""
+
     cursor: int  # highest seq sent on this connection (or acknowledged at its start)
     resend_from: int | None = None
-    carry: deque[tuple[int, str]] = None  # type: ignore[assignment]
-    acked: asyncio.Event = None  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        self.carry = deque()
-        self.acked = asyncio.Event()
+    carry: deque[tuple[int, str]] = field(default_factory=deque)  # encoded, not yet sent
+    acked: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def _parse(raw: str | bytes) -> dict[str, Any]:
