@@ -4,6 +4,8 @@ collector, the empty-store and collector-down paths, and the control path."""
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,3 +137,108 @@ def test_bad_settings_are_explained(monkeypatch: pytest.MonkeyPatch) -> None:
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     assert not at.exception
     assert "needs the store too" in " ".join(_texts(at, "error"))
+
+
+@pytest.fixture(scope="module")
+def live_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+    """A real collector and a real ``tiny`` engine server publishing to it (free ports);
+    yields (collector URL, database URL, engine HTTP URL) once the collector lists it."""
+    from dashboard import control
+    from dashboard.processes import ENGINE_READY, ManagedProcess, python_argv
+    from storage.testing import start_collector
+
+    tmp = tmp_path_factory.mktemp("live")
+    db_url = f"sqlite:///{tmp / 'chunkscope.db'}"
+    collector = start_collector(db_url)
+    engine = ManagedProcess(
+        "engine",
+        python_argv(
+            "engine",
+            "--model",
+            "tiny",
+            "--port",
+            "0",
+            "--token-budget",
+            "512",
+            "--max-token-budget",
+            "4096",
+            "--collector-url",
+            collector.url,
+        ),  # fmt: skip
+        tmp / "engine.log",
+    ).start()
+    try:
+        url = engine.wait_ready(ENGINE_READY, timeout=120)
+        deadline = time.monotonic() + 60
+        while not any(e.get("connected") for e in control.list_engines(collector.url)):
+            assert time.monotonic() < deadline, engine.log_tail()
+            time.sleep(0.2)
+        yield collector.url, db_url, url
+    finally:
+        engine.stop()
+        collector.stop()
+
+
+def _engine_budget(engine_url: str) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{engine_url}/v1/scheduler", timeout=10) as r:
+        return int(json.loads(r.read())["token_budget"])
+
+
+def test_control_page_changes_a_real_engine_through_the_collector(
+    live_engine: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    collector_url, db_url, engine_url = live_engine
+    at = _app(monkeypatch, collector_url, db_url).run()
+    at.switch_page("views/control.py").run()
+    assert not at.exception
+    budget = at.number_input(key="budget_input")
+    assert budget.label == "Token budget" and budget.value == 512
+    apply = next(b for b in at.button if b.label == "Apply budget")
+
+    budget.set_value(256)
+    apply.click().run()
+    ok = " ".join(_texts(at, "success"))
+    assert re.search(r"applied at step \d+ \(token_budget 512 → 256\)", ok), ok
+    assert _engine_budget(engine_url) == 256
+
+    # refused in the UI, never sent: the engine keeps 256
+    for bad, reason in ((0, "from 1 to 4096, got 0"), (10**6, "from 1 to 4096, got 1000000")):
+        at.number_input(key="budget_input").set_value(bad)
+        next(b for b in at.button if b.label == "Apply budget").click().run()
+        assert f"Not sent: token budget must be {reason}" in " ".join(_texts(at, "error"))
+        assert _engine_budget(engine_url) == 256
+
+    # the policy through the same path, and the history shows the accepted change
+    at.radio[0].set_value("unchunked")
+    next(b for b in at.button if b.label == "Apply policy").click().run()
+    assert "policy chunked → unchunked" in " ".join(_texts(at, "success"))
+    # the history comes from the store: the engine's control events arrive a moment later
+    deadline = time.monotonic() + 30
+    while True:
+        history = at.dataframe[-1].value if at.dataframe else None
+        if (
+            history is not None
+            and "key" in history
+            and {"token_budget", "policy"} <= set(history["key"])
+        ):
+            break
+        assert time.monotonic() < deadline, history
+        time.sleep(0.5)
+        at.run()
+    assert history[history["key"] == "token_budget"]["accepted"].astype(bool).all()
+
+
+def test_control_page_with_the_collector_down_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from storage import db
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    db.migrate(db.connect(url))
+    at = _app(monkeypatch, "ws://127.0.0.1:9", url).run()
+    at.switch_page("views/control.py").run()
+    assert not at.exception
+    assert any("control needs it" in w for w in _texts(at, "warning"))
+    assert not [b for b in at.button if b.label == "Apply budget"]
