@@ -19,8 +19,9 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import select
 
-from storage import queries
+from storage import queries, schema
 from storage.db import connect
 from storage.testing import CollectorProcess, start_collector
 
@@ -139,6 +140,7 @@ def test_round_trip_survives_a_collector_sigkill(
         results += engine.run_batch([f"collector back {i}" for i in range(4)])
         after = engine.wait_acked()
         assert after["chunkscope_telemetry_reconnects_total"] >= 1
+        last_seq = int(after["chunkscope_telemetry_last_seq"])
         engine_steps = engine.scheduler()["step"]
         assert engine.stop() in (0, -signal.SIGINT)  # the goodbye is published before exit
     finally:
@@ -147,6 +149,13 @@ def test_round_trip_survives_a_collector_sigkill(
             restarted.stop()
 
     db = connect(db_url, readonly=True)
+    with db.connect() as conn:  # every seq, the goodbye's included, stored exactly once
+        row = conn.execute(
+            select(schema.runs.c.last_seq, schema.runs.c.num_events).where(
+                schema.runs.c.engine_id == "e2e"
+            )
+        ).one()
+    assert tuple(row) == (last_seq + 1, last_seq + 1)
     steps = queries.steps(db, engine_id="e2e")
     assert sorted(steps["step"]) == list(range(engine_steps))  # every step, each once
     runs = queries.engines(db)
