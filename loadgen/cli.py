@@ -28,6 +28,7 @@ profile parameters (defaults cited in loadgen/profiles.py) are overridden with
   vlm.resolution_weights=1,1); --show-profiles prints every field and exits.
 camera mode: --set vlm.camera_streams=N [--set vlm.camera_fps=2 --set vlm.camera_jitter_ms=20]
 exit status: 0 run done, 1 no request succeeded, 2 usage error, 130 interrupted.
+budget sweep (chunkscope): python -m loadgen sweep --url ... --budgets 128,512,2048 (see --help).
 """
 
 
@@ -205,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["sweep"]:
+        from loadgen.sweep import main as sweep_main
+
+        return sweep_main(args_in[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:

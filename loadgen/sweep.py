@@ -1,0 +1,585 @@
+"""`python -m loadgen sweep`: one continuous run of traffic, the engine's token budget changed
+live at each window, the figures of each budget measured on the client.
+
+The traffic (a profile or a trace) is planned for ``len(budgets) * window_s`` seconds and sent
+without a break; at the start of each window the budget is set through the engine's control API
+(``PUT {url}/v1/scheduler`` with ``{"token_budget": N}``, ``Authorization: Bearer`` the control
+token when given), so nothing restarts. A window runs from the moment its change was
+acknowledged to the next change; its first ``warmup_s`` seconds are discarded (the requests
+started under the previous budget are still draining). Over the rest, with loadgen's own
+definitions (loadgen/README.md) and percentiles (``loadgen.metrics.stats_ms``):
+
+- ITL: every gap between consecutive output chunks of a request, counted in the window its
+  later chunk arrived in, pooled over the ``chat`` class (over every class when there is no
+  chat); p50, p99, max;
+- TTFT: the requests whose first output chunk arrived in the window; p50 and p99 overall and by
+  class;
+- tokens/s: output chunks (one per token from chunkscope) that arrived in the window, divided by
+  its measured length.
+
+Predictions come side by side when given: ``--predictions FILE`` (the document ``python -m
+advisor predict --out FILE`` writes) or ``--predict-db URL``, which runs the advisor in this
+process on the traffic the store holds from before the sweep (imported only then: the advisor
+drives the engine's scheduler, and the load generator otherwise never imports the engine).
+The recommendation (``advisor.recommend``, plain Python) is made from the measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from advisor.pareto import front_budgets
+from advisor.recommend import Slo as BudgetSlo
+from advisor.recommend import recommend
+from loadgen import __version__
+from loadgen.arrivals import ARRIVALS
+from loadgen.cli import _id_range, _positive
+from loadgen.client import ClientConfig
+from loadgen.metrics import stats_ms
+from loadgen.orchestrate import PlanError, _plan
+from loadgen.profiles import Profiles, apply_override, validate
+from loadgen.record import RequestRecord
+from loadgen.report import write_json
+from loadgen.runner import execute, prefetch_images, probe_prompt_format, probe_server
+from loadgen.tokens import TokenSource
+from loadgen.traces import FORMATS
+from loadgen.workload import PROFILES
+
+logger = logging.getLogger(__name__)
+
+ITL_CLASS = "chat"
+DEFAULT_BUDGETS = "128,256,512,1024,2048,8192"
+PREDICTED_KEYS = (
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "itl_max_ms",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tokens_per_s",
+)
+
+
+class SweepError(RuntimeError):
+    """The sweep cannot run (no control API, a budget refused, an unreadable prediction)."""
+
+
+@dataclass
+class Window:
+    """One budget's stretch of the run (wall seconds)."""
+
+    budget: int
+    start: float  # when the engine acknowledged the change
+    end: float  # the next change (or the end of the traffic)
+    applied_at_step: int | None = None
+    changes: list[dict[str, Any]] = field(default_factory=list)
+
+
+# ---- figures ----------------------------------------------------------------------------------
+
+
+def window_figures(
+    records: Sequence[RequestRecord], lo: float, hi: float, itl_class: str = ITL_CLASS
+) -> dict[str, Any]:
+    """The figures of the chunks that arrived in [lo, hi) (wall seconds); keys as
+    ``advisor.simulate.latency_figures``. A request's chunks count whatever its final status
+    (a request cut at the end of the run still delivered them)."""
+    ttft: dict[str, list[float]] = {}
+    itl: dict[str, list[float]] = {}
+    tokens = 0
+    sent = errors = 0
+    for r in records:
+        if r.send_wall is not None and lo <= r.send_wall < hi:
+            sent += 1
+            errors += r.status == "error" and not r.chunk_wall
+        cw = r.chunk_wall
+        if not cw:
+            continue
+        if r.ttft_s is not None and lo <= cw[0] < hi:
+            ttft.setdefault(r.traffic_class, []).append(r.ttft_s)
+        gaps = itl.setdefault(r.traffic_class, [])
+        for j, t in enumerate(cw):
+            if lo <= t < hi:
+                tokens += 1
+                if j > 0 and j - 1 < len(r.itl_s):
+                    gaps.append(r.itl_s[j - 1])
+    pooled = itl.get(itl_class) or [g for v in itl.values() for g in v]
+    itl_stats = stats_ms(pooled)
+    ttft_stats = stats_ms([t for v in ttft.values() for t in v])
+    length = hi - lo
+    return {
+        "itl_class": itl_class if itl.get(itl_class) else "all",
+        "itl_p50_ms": itl_stats["p50"],
+        "itl_p99_ms": itl_stats["p99"],
+        "itl_max_ms": itl_stats["max"],
+        "ttft_p50_ms": ttft_stats["p50"],
+        "ttft_p99_ms": ttft_stats["p99"],
+        "ttft_by_class": {
+            cls: {"ttft_p50_ms": s["p50"], "ttft_p99_ms": s["p99"]}
+            for cls, s in ((c, stats_ms(v)) for c, v in sorted(ttft.items()))
+            if s["count"]
+        },
+        "num_ttft": ttft_stats["count"],
+        "num_itl": itl_stats["count"],
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / length if length > 0 else None,
+        "requests_sent": sent,
+        "requests_failed": errors,
+    }
+
+
+def measured_windows(
+    records: Sequence[RequestRecord], windows: Sequence[Window], warmup_s: float
+) -> list[dict[str, Any]]:
+    """One figures dict per window, over [start + warmup_s, end)."""
+    out = []
+    for w in windows:
+        lo = min(w.start + warmup_s, w.end)
+        out.append(
+            {
+                "budget": w.budget,
+                "start": w.start,
+                "end": w.end,
+                "measured_from": lo,
+                "measured_s": w.end - lo,
+                "applied_at_step": w.applied_at_step,
+                **window_figures(records, lo, w.end),
+            }
+        )
+    return out
+
+
+def attach_predictions(
+    windows: list[dict[str, Any]], predicted: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Add ``predicted_<figure>`` (and the relative error ``error_<figure>``) to each window
+    whose budget was predicted."""
+    by_budget = {int(p["budget"]): p for p in predicted if "budget" in p}
+    for w in windows:
+        p = by_budget.get(int(w["budget"]))
+        if p is None:
+            continue
+        for key in PREDICTED_KEYS:
+            w[f"predicted_{key}"] = p.get(key)
+            m, q = w.get(key), p.get(key)
+            w[f"error_{key}"] = (
+                (q - m) / m if isinstance(m, int | float) and m and q is not None else None
+            )
+        w["predicted_ttft_by_class"] = p.get("ttft_by_class")
+    return windows
+
+
+def predicted_windows(windows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The predicted figures of ``windows`` as windows of their own (for a recommendation)."""
+    return [
+        {"budget": w["budget"], **{k: w.get(f"predicted_{k}") for k in PREDICTED_KEYS}}
+        for w in windows
+        if f"predicted_{PREDICTED_KEYS[0]}" in w
+    ]
+
+
+# ---- control ----------------------------------------------------------------------------------
+
+
+def _control_headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+async def get_scheduler(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
+    async with session.get(base + "/v1/scheduler") as r:
+        if r.status != 200:
+            raise SweepError(
+                f"GET {base}/v1/scheduler answered http {r.status}: the sweep needs a server "
+                "whose token budget can be changed live (chunkscope's control API)"
+            )
+        body = await r.json(content_type=None)
+    if not isinstance(body, dict) or "token_budget" not in body:
+        raise SweepError(f"GET {base}/v1/scheduler: unexpected answer {str(body)[:200]}")
+    return body
+
+
+async def set_budget(
+    session: aiohttp.ClientSession, base: str, budget: int, token: str | None
+) -> dict[str, Any]:
+    """``PUT /v1/scheduler {"token_budget": budget}``; the engine's answer, or SweepError."""
+    async with session.put(
+        base + "/v1/scheduler",
+        json={"token_budget": int(budget)},
+        headers=_control_headers(token),
+    ) as r:
+        text = await r.text()
+        if r.status != 200:
+            raise SweepError(f"PUT /v1/scheduler token_budget={budget}: http {r.status}: {text}")
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise SweepError(f"PUT /v1/scheduler: not JSON: {text[:200]}") from exc
+    logger.info("token budget %d from step %s", budget, body.get("applied_at_step"))
+    return body if isinstance(body, dict) else {}
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+
+def _plan_args(args: argparse.Namespace, total_s: float) -> argparse.Namespace:
+    """The options ``orchestrate._plan`` reads, for ``total_s`` seconds of traffic."""
+    return argparse.Namespace(
+        trace=args.trace,
+        trace_format=args.trace_format,
+        time_scale=args.time_scale,
+        trace_block_size=args.trace_block_size,
+        num_requests=None,
+        duration=total_s,
+        profile=args.profile,
+        rate=args.rate,
+        arrival=args.arrival,
+        burstiness=args.burstiness,
+        ramp=0.0,
+        ramp_from=0.0,
+        seed=args.seed,
+    )
+
+
+async def run_sweep(
+    args: argparse.Namespace, profiles: Profiles, predicted: Sequence[Mapping[str, Any]] | None
+) -> dict[str, Any]:
+    """Drive the traffic, change the budget at each window, measure; the result document."""
+    base = args.url.rstrip("/")
+    budgets: list[int] = args.budgets
+    info = await probe_server(base, args.api_key)
+    if not info.reachable:
+        raise SweepError(f"server not reachable: {info.error}")
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as control:
+        before = await get_scheduler(control, base)
+        top = before.get("max_token_budget")
+        if isinstance(top, int) and max(budgets) > top:
+            raise SweepError(f"budget {max(budgets)} is above the server's maximum {top}")
+        ctx = args.max_model_len or info.max_model_len or 8192
+        model = args.model or info.model or "default"
+        total_s = len(budgets) * args.window_s
+        try:
+            specs, trace_info = _plan(_plan_args(args, total_s), profiles, ctx)
+        except (ValueError, OSError) as exc:
+            raise PlanError(str(exc)) from exc
+        cfg = ClientConfig(
+            base_url=base,
+            model=model,
+            ignore_eos=args.ignore_eos,
+            request_timeout_s=args.request_timeout,
+            api_key=args.api_key,
+        )
+        if args.prompt_format != "auto":
+            cfg.prompt_format = args.prompt_format
+        elif any(not s.is_chat for s in specs):
+            cfg.prompt_format = await probe_prompt_format(cfg, token=args.token_id_range[0])
+        await asyncio.to_thread(prefetch_images, specs)
+        salt = args.prompt_salt if args.prompt_salt is not None else secrets.randbits(31)
+        lo, hi = args.token_id_range
+        tokens = TokenSource((args.seed * 1_000_003 + salt) & 0x7FFFFFFF, lo, hi)
+
+        windows: list[Window] = []
+        first = await set_budget(control, base, budgets[0], args.control_token)
+        t_start = time.time()
+        windows.append(Window(budgets[0], t_start, t_start, first.get("applied_at_step"), [first]))
+        logger.info(
+            "sweep: %d requests over %.0f s, budgets %s, %.0f s windows (%.0f s warm-up)",
+            len(specs),
+            total_s,
+            budgets,
+            args.window_s,
+            args.warmup_s,
+        )
+        traffic = asyncio.create_task(
+            execute(
+                specs,
+                cfg,
+                tokens,
+                max_concurrency=args.max_concurrency,
+                drain_timeout_s=args.drain_s,
+            )
+        )
+        try:
+            for k, budget in enumerate(budgets[1:], start=1):
+                await _sleep_until(t_start + k * args.window_s, traffic)
+                ack = await set_budget(control, base, budget, args.control_token)
+                now = time.time()
+                windows[-1].end = now
+                windows.append(Window(budget, now, now, ack.get("applied_at_step"), [ack]))
+            await _sleep_until(t_start + total_s, traffic)
+            windows[-1].end = time.time()
+            outcome = await traffic
+        except BaseException:
+            traffic.cancel()
+            raise
+        finally:
+            final = args.apply_budget if args.apply_budget is not None else before["token_budget"]
+            if final is not None:
+                try:
+                    await set_budget(control, base, int(final), args.control_token)
+                except (SweepError, aiohttp.ClientError, TimeoutError) as exc:
+                    logger.warning("could not set the budget back to %s: %s", final, exc)
+
+    measured = measured_windows(outcome.records, windows, args.warmup_s)
+    if predicted:
+        attach_predictions(measured, predicted)
+    slo = BudgetSlo(args.slo_itl_ms, args.slo_ttft_ms)
+    rec = recommend(measured, slo, "measured")
+    doc: dict[str, Any] = {
+        "tool": "chunkscope-loadgen-sweep",
+        "version": __version__,
+        "created": time.time(),
+        "config": {
+            **{k: v for k, v in vars(args).items() if k not in ("api_key", "control_token")},
+            "prompt_salt": salt,
+            "max_model_len_used": ctx,
+            "model_used": model,
+            "prompt_format_used": cfg.prompt_format,
+            "profiles": profiles.as_dict(),
+        },
+        "server": {"url": base, "models": info.models, "scheduler_before": before},
+        "trace": trace_info or None,
+        "run": {"wall_start": t_start, "wall_end": windows[-1].end, "requests": len(specs)},
+        "slo": {"itl_p99_ms": slo.itl_ms, "ttft_p99_ms": slo.ttft_ms},
+        "windows": measured,
+        "pareto_budgets": front_budgets(measured),
+        "recommended_budget": rec.budget,
+        "recommendation_source": rec.source,
+        "reason": rec.reason,
+        "recommendation": rec.to_dict(),
+    }
+    if predicted:
+        prec = recommend(predicted_windows(measured), slo, "predicted")
+        doc["predicted_recommendation"] = prec.to_dict()
+        doc["predicted_pareto_budgets"] = front_budgets(predicted_windows(measured))
+        doc["prediction_agrees"] = prec.chosen == rec.chosen
+    doc["requests"] = [r.as_dict() for r in outcome.records]
+    return doc
+
+
+async def _sleep_until(wall: float, traffic: asyncio.Task[Any]) -> None:
+    """Sleep until ``wall`` (time.time()); raise at once if the traffic task failed."""
+    while True:
+        left = wall - time.time()
+        if left <= 0:
+            return
+        done, _ = await asyncio.wait({traffic}, timeout=min(left, 1.0))
+        if done and traffic.exception() is not None:
+            raise SweepError(f"the traffic stopped: {traffic.exception()!r}")
+
+
+# ---- predictions ------------------------------------------------------------------------------
+
+
+def load_predictions(path: str) -> list[dict[str, Any]]:
+    """The ``windows`` of a prediction document (``python -m advisor predict --out``)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SweepError(f"--predictions {path}: {exc}") from exc
+    windows = doc.get("windows") if isinstance(doc, dict) else None
+    if not isinstance(windows, list) or not all(isinstance(w, dict) for w in windows):
+        raise SweepError(f"--predictions {path}: no 'windows' list of objects")
+    return windows
+
+
+def predict_now(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run the advisor on the store's traffic from before the sweep (lazy import)."""
+    from advisor.predict import predict_from_store  # imports engine.scheduler: only when asked
+
+    now = time.time()
+    since = args.predict_since if args.predict_since is not None else now - args.predict_lookback_s
+    until = args.predict_until if args.predict_until is not None else now
+    doc = predict_from_store(
+        args.predict_db,
+        args.budgets,
+        engine_id=args.predict_engine,
+        since=since,
+        until=until,
+        slo=BudgetSlo(args.slo_itl_ms, args.slo_ttft_ms),
+    )
+    return list(doc["windows"])
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+
+def _budgets(text: str) -> list[int]:
+    try:
+        budgets = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"budgets must be integers, got {text!r}") from exc
+    if not budgets or any(b < 1 for b in budgets):
+        raise argparse.ArgumentTypeError(f"budgets must be >= 1, got {text!r}")
+    return budgets
+
+
+def _non_negative(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loadgen sweep",
+        description="Drive traffic without a break and change the engine's token budget live at "
+        "each window (PUT /v1/scheduler); measure ITL, TTFT and throughput per budget on the "
+        "client, discard each window's warm-up, recommend a budget.",
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--profile", choices=PROFILES, default="mixed")
+    p.add_argument("--rate", type=_positive(float), help="total req/s (default: the profile's)")
+    p.add_argument("--arrival", choices=ARRIVALS, help="arrival process for every class")
+    p.add_argument("--burstiness", type=_positive(float), help="gamma shape")
+    p.add_argument("--trace", metavar="FILE", help="replay an Azure CSV or Mooncake JSONL trace")
+    p.add_argument("--trace-format", choices=FORMATS, default="auto")
+    p.add_argument("--time-scale", type=_positive(float), default=1.0)
+    p.add_argument("--trace-block-size", type=_positive(int), default=512)
+    p.add_argument("--budgets", type=_budgets, default=_budgets(DEFAULT_BUDGETS))
+    p.add_argument("--window-s", type=_positive(float), default=60.0, help="seconds per budget")
+    p.add_argument(
+        "--warmup-s",
+        type=_non_negative,
+        default=15.0,
+        help="seconds discarded at the start of each window",
+    )
+    p.add_argument("--slo-itl-ms", type=_positive(float), help="SLO on the p99 ITL")
+    p.add_argument("--slo-ttft-ms", type=_positive(float), help="SLO on the p99 TTFT")
+    p.add_argument("--out", metavar="FILE.json", help="write the sweep document here")
+    p.add_argument("--control-token", default=os.environ.get("CHUNKSCOPE_CONTROL_TOKEN"))
+    p.add_argument(
+        "--apply-budget",
+        type=_positive(int),
+        help="budget to leave the engine at (default: the one it had before the sweep)",
+    )
+    p.add_argument(
+        "--apply",
+        action="store_true",
+        help="leave the engine at the recommended budget (when one meets the SLOs)",
+    )
+    pred = p.add_mutually_exclusive_group()
+    pred.add_argument("--predictions", metavar="FILE", help="`python -m advisor predict --out`")
+    pred.add_argument("--predict-db", metavar="URL", help="predict now from this store")
+    p.add_argument("--predict-engine", help="with --predict-db: the engine id")
+    p.add_argument("--predict-since", type=float, help="with --predict-db: window start (wall s)")
+    p.add_argument("--predict-until", type=float, help="with --predict-db: window end (wall s)")
+    p.add_argument(
+        "--predict-lookback-s",
+        type=_positive(float),
+        default=600.0,
+        help="with --predict-db and no --predict-since: the traffic of the last S seconds",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-salt", type=int)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="C.F=V")
+    p.add_argument("--model")
+    p.add_argument("--max-model-len", type=_positive(int))
+    p.add_argument("--max-concurrency", type=_positive(int))
+    p.add_argument("--token-id-range", type=_id_range, default=(32, 126), metavar="LO,HI")
+    p.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    p.add_argument("--request-timeout", type=_positive(float), default=600.0, metavar="S")
+    p.add_argument(
+        "--drain-s",
+        type=_positive(float),
+        default=2.0,
+        help="after the last window, wait at most S for in-flight requests, then cancel them",
+    )
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
+def table(doc: Mapping[str, Any]) -> str:
+    cols = ["budget", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "ttft_p50_ms", "ttft_p99_ms"]
+    cols.append("tokens_per_s")
+    has_pred = any("predicted_itl_p99_ms" in w for w in doc["windows"])
+    if has_pred:
+        cols += ["predicted_itl_p99_ms", "predicted_ttft_p50_ms", "predicted_ttft_p99_ms"]
+    rows = [[_fmt(w.get(c)) for c in cols] for w in doc["windows"]]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(wd) for c, wd in zip(cols, widths, strict=True))]
+    lines += ["  ".join(v.rjust(wd) for v, wd in zip(r, widths, strict=True)) for r in rows]
+    lines.append(f"Pareto front (TTFT p99 vs ITL p99): {doc['pareto_budgets']}")
+    lines.append(str(doc["reason"]))
+    if "predicted_recommendation" in doc:
+        lines.append(str(doc["predicted_recommendation"]["reason"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=args.log_level,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+    profiles = Profiles()
+    try:
+        for item in args.overrides:
+            apply_override(profiles, item)
+        validate(profiles)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not args.url.startswith(("http://", "https://")):
+        parser.error(f"--url must start with http:// or https://, got {args.url!r}")
+    if args.trace and not os.path.isfile(args.trace):
+        parser.error(f"--trace: no such file: {args.trace}")
+    if args.warmup_s >= args.window_s:
+        parser.error("--warmup-s must be shorter than --window-s")
+    if len(set(args.budgets)) != len(args.budgets):
+        parser.error("--budgets must not repeat a budget")
+    if args.apply and args.apply_budget is not None:
+        parser.error("give --apply or --apply-budget, not both")
+    try:
+        predicted: list[dict[str, Any]] | None = None
+        if args.predictions:
+            predicted = load_predictions(args.predictions)
+        elif args.predict_db:
+            predicted = predict_now(args)
+        doc = asyncio.run(run_sweep(args, profiles, predicted))
+        if args.apply and doc["recommended_budget"] is not None:
+            asyncio.run(_apply(args, int(doc["recommended_budget"])))
+            doc["applied_budget"] = doc["recommended_budget"]
+    except PlanError as exc:
+        parser.error(str(exc))
+    except SweepError as exc:
+        print(f"loadgen sweep: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        return 130
+    if args.out:
+        write_json(args.out, doc)
+    print(table(doc))
+    return 0
+
+
+async def _apply(args: argparse.Namespace, budget: int) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        await set_budget(s, args.url.rstrip("/"), budget, args.control_token)

@@ -1,0 +1,247 @@
+"""`python -m loadgen sweep`: window figures on fixed records, and a short sweep against a real
+`tiny` engine server (2 budgets, short windows) whose budget is changed live."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.events import ControlEvent, StepEvent
+from engine.serving import ServerHandle, serve_in_thread
+from loadgen.cli import main
+from loadgen.record import RequestRecord
+from loadgen.sweep import (
+    Window,
+    attach_predictions,
+    measured_windows,
+    predicted_windows,
+    window_figures,
+)
+
+TOKEN = "sweep-token"
+
+
+def rec(cls: str, send: float, chunks: list[float], status: str = "ok") -> RequestRecord:
+    r = RequestRecord(index=0, traffic_class=cls, scheduled_s=0.0, max_tokens=len(chunks) or 1,
+                      planned_prompt_tokens=8)  # fmt: skip
+    r.status = status
+    r.send_wall = send
+    if chunks:
+        r.ttft_s = chunks[0] - send
+        r.itl_s = [b - a for a, b in zip(chunks, chunks[1:], strict=False)]
+        r.chunk_wall = list(chunks)
+    return r
+
+
+RECORDS = [
+    rec("chat", 100.0, [100.5, 100.6, 101.0, 101.1, 103.2]),
+    rec("rag", 100.2, [102.0, 102.1]),
+    rec("chat", 102.5, [102.9, 103.0], status="error"),  # cut, but its chunks arrived
+    rec("chat", 104.0, [], status="error"),  # failed before any chunk
+]
+
+
+def test_window_figures_count_chunks_where_they_arrive() -> None:
+    f = window_figures(RECORDS, 100.8, 103.0)
+    # chat gaps whose later chunk is in [100.8, 103.0): 0.4 and 0.1 of req 0 (req 2's first
+    # chunk is at 102.9: no gap; its second at 103.0 is outside)
+    assert f["itl_class"] == "chat" and f["num_itl"] == 2
+    assert f["itl_max_ms"] == pytest.approx(400.0)
+    # TTFT: first chunks in the window: rag (1.8 s) and chat req 2 (0.4 s)
+    assert f["num_ttft"] == 2 and f["ttft_by_class"]["rag"]["ttft_p50_ms"] == pytest.approx(1800)
+    # tokens in the window: 101.0, 101.1, 102.0, 102.1, 102.9
+    assert f["output_tokens"] == 5 and f["tokens_per_s"] == pytest.approx(5 / 2.2)
+    assert f["requests_sent"] == 1 and f["requests_failed"] == 0
+    late = window_figures(RECORDS, 103.0, 105.0)
+    assert late["requests_sent"] == 1 and late["requests_failed"] == 1
+    rag_only = window_figures([RECORDS[1]], 100.0, 105.0)
+    assert rag_only["itl_class"] == "all" and rag_only["num_itl"] == 1
+
+
+def test_measured_windows_discard_the_warmup() -> None:
+    windows = [Window(128, 100.0, 102.0, 5), Window(512, 102.0, 104.0, 40)]
+    out = measured_windows(RECORDS, windows, warmup_s=0.5)
+    assert [w["budget"] for w in out] == [128, 512]
+    assert out[0]["measured_from"] == 100.5 and out[0]["measured_s"] == pytest.approx(1.5)
+    # window 1 is [100.5, 102): chunks 100.5 (first of req 0), 100.6, 101.0, 101.1
+    assert out[0]["output_tokens"] == 4 and out[0]["applied_at_step"] == 5
+    # window 2 is [102.5, 104): 102.9, 103.0, 103.2
+    assert out[1]["output_tokens"] == 3
+
+
+def test_predictions_side_by_side() -> None:
+    windows = [{"budget": 128, "itl_p99_ms": 50.0, "ttft_p99_ms": 900.0, "tokens_per_s": 10.0}]
+    windows.append({"budget": 512, "itl_p99_ms": 80.0, "ttft_p99_ms": None, "tokens_per_s": 10.0})
+    predicted = [
+        {"budget": 128, "itl_p99_ms": 55.0, "ttft_p99_ms": 800.0, "tokens_per_s": 10.0},
+        {"budget": 4096, "itl_p99_ms": 500.0},
+    ]
+    attach_predictions(windows, predicted)
+    assert windows[0]["predicted_itl_p99_ms"] == 55.0
+    assert windows[0]["error_itl_p99_ms"] == pytest.approx(0.1)
+    assert "predicted_itl_p99_ms" not in windows[1]
+    assert predicted_windows(windows) == [
+        {
+            "budget": 128,
+            "itl_p50_ms": None,
+            "itl_p99_ms": 55.0,
+            "itl_max_ms": None,
+            "ttft_p50_ms": None,
+            "ttft_p99_ms": 800.0,
+            "tokens_per_s": 10.0,
+        }
+    ]
+
+
+def test_sweep_never_imports_torch_or_engine() -> None:
+    code = (
+        "import sys, loadgen.sweep; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'engine')]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--budgets", "128,x"],
+        ["--budgets", "0"],
+        ["--budgets", "128,128"],
+        ["--window-s", "2", "--warmup-s", "2"],
+        ["--url", "localhost:1"],
+        ["--apply", "--apply-budget", "64"],
+    ],
+)
+def test_sweep_usage_errors_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["sweep", *argv])
+    assert exc.value.code == 2
+
+
+# ---- against a real tiny engine ---------------------------------------------------------------
+
+
+class Log:
+    def __init__(self) -> None:
+        self.budgets: list[int] = []
+        self.controls: list[ControlEvent] = []
+
+    def __call__(self, event: object) -> None:
+        if isinstance(event, StepEvent):
+            self.budgets.append(event.token_budget)
+        elif isinstance(event, ControlEvent):
+            self.controls.append(event)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerHandle]:
+    config = EngineConfig(model="tiny", device="cpu", max_model_len=2048, token_budget=300)
+    handle = serve_in_thread(config, control_token=TOKEN)
+    log = Log()
+    handle.state.client.add_listener(log)
+    handle.log = log  # type: ignore[attr-defined]
+    yield handle
+    handle.stop()
+
+
+SMALL_CHAT = [
+    "--set",
+    "chat.system_prompt_tokens=16",
+    "--set",
+    "chat.input_median=64",
+    "--set",
+    "chat.input_p90=200",
+    "--set",
+    "chat.input_max=400",
+    "--set",
+    "chat.output_median=16",
+    "--set",
+    "chat.output_p90=32",
+    "--set",
+    "chat.output_max=48",
+]
+
+
+def test_short_sweep_against_the_tiny_engine(server: ServerHandle, tmp_path: Path, capsys) -> None:
+    predictions = tmp_path / "pred.json"
+    predictions.write_text(
+        json.dumps(
+            {
+                "windows": [
+                    {"budget": 32, "itl_p99_ms": 5.0, "ttft_p99_ms": 50.0, "tokens_per_s": 100.0},
+                    {"budget": 512, "itl_p99_ms": 8.0, "ttft_p99_ms": 20.0, "tokens_per_s": 100.0},
+                ]
+            }
+        )
+    )
+    out = tmp_path / "sweep.json"
+    rc = main(
+        [
+            "sweep",
+            "--url",
+            server.base_url,
+            "--profile",
+            "chat",
+            "--rate",
+            "6",
+            "--seed",
+            "3",
+            "--budgets",
+            "32,512",
+            "--window-s",
+            "4",
+            "--warmup-s",
+            "1",
+            "--slo-itl-ms",
+            "10000",
+            "--control-token",
+            TOKEN,
+            "--predictions",
+            str(predictions),
+            "--out",
+            str(out),
+            *SMALL_CHAT,
+        ]
+    )
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    windows = doc["windows"]
+    assert [w["budget"] for w in windows] == [32, 512]
+    for w in windows:
+        for key in ("itl_p50_ms", "itl_p99_ms", "itl_max_ms", "ttft_p50_ms", "ttft_p99_ms"):
+            assert isinstance(w[key], float) and w[key] >= 0, (key, w)
+        assert w["tokens_per_s"] > 0 and w["output_tokens"] > 0
+        assert w["measured_s"] == pytest.approx(w["end"] - w["start"] - 1.0)
+        assert "predicted_itl_p99_ms" in w and "error_itl_p99_ms" in w
+    assert windows[0]["end"] == windows[1]["start"]
+    assert doc["recommendation_source"] == "measured"
+    assert doc["recommended_budget"] in (32, 512) and doc["reason"]
+    assert doc["predicted_recommendation"]["source"] == "predicted"
+    assert isinstance(doc["prediction_agrees"], bool)
+    assert doc["requests"] and "control_token" not in doc["config"]
+    # the engine ran both budgets, changed live, and was set back to its own afterwards
+    log = server.log  # type: ignore[attr-defined]
+    assert {32, 512} <= set(log.budgets)
+    accepted = [c.new_value for c in log.controls if c.accepted and c.key == "token_budget"]
+    assert accepted[-3:] == [32, 512, 300]
+    assert server.state.client.token_budget == 300
+    text = capsys.readouterr().out
+    assert "Pareto front" in text and "measured" in text
+
+
+def test_sweep_refused_without_the_control_token(server: ServerHandle, capsys) -> None:
+    rc = main(
+        ["sweep", "--url", server.base_url, "--profile", "chat", "--budgets", "64,128",
+         "--window-s", "1", "--warmup-s", "0", "--control-token", "wrong", *SMALL_CHAT]
+    )  # fmt: skip
+    assert rc == 1
+    assert "401" in capsys.readouterr().err
+    assert server.state.client.token_budget == 300
