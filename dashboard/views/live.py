@@ -96,6 +96,12 @@ def _status(ctx: ui.Context, lw: LiveWindow, problem: str | None) -> None:
     if horizon is not None:
         parts.append(f"newest step {time.time() - horizon:.1f} s ago")
     st.caption(" · ".join(parts))
+    lost = ctx.selected_rows()["num_gap_events"].fillna(0).sum() if not ctx.empty else 0
+    if lost:
+        st.warning(
+            f"The engine declared {int(lost)} telemetry gap(s): it could not keep some events, "
+            "so steps or tokens are missing from these charts."
+        )
     if problem:
         st.warning(f"{problem} — showing the data already read; retrying every second.")
     live, err = ui.collector_engines(ctx.collector_url)
