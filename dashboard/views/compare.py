@@ -12,7 +12,11 @@ ctx = ui.context()
 if ctx.empty:
     ui.empty_store_help(ctx)
     st.stop()
-mode = st.radio("Compare", ["Before / after a budget change", "Two runs"], horizontal=True)
+mode = st.radio(
+    "Compare",
+    ["Before / after a budget change", "Two windows", "Two runs"],
+    horizontal=True,
+)
 cls = st.selectbox("Traffic class", ["all", "chat", "rag", "vlm"])
 
 if mode == "Two runs":
@@ -27,6 +31,24 @@ if mode == "Two runs":
         (rb["engine_id"], rb["run_id"], None, None),
     ]
     names = ("A: " + a_label, "B: " + b_label)
+elif mode == "Two windows":
+    latest = ctx.latest
+    if latest is None:
+        st.info("No steps yet.")
+        st.stop()
+    c1, c2 = st.columns(2)
+    width = c1.select_slider("Window (s)", options=[10, 30, 60, 120, 300, 600], value=30)
+    ago = c2.number_input(
+        "A ends this many seconds before B (B = the newest window)",
+        min_value=float(width),
+        value=float(2 * width),
+        step=10.0,
+    )
+    specs = [
+        (ctx.engine_id, ctx.run_id, latest - ago - width, latest - ago),
+        (ctx.engine_id, ctx.run_id, latest - width, latest),
+    ]
+    names = (f"A: {width} s ending {ago:g} s earlier", f"B: the last {width} s")
 else:
     if ctx.run is None:
         st.info("Pick one engine in the sidebar to compare before and after its changes.")

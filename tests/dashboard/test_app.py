@@ -105,6 +105,10 @@ def test_every_page_renders_the_seeded_store(
     table = at.dataframe[0].value.set_index("metric")
     # 30 s either side of the change: the ITL tail shrinks after the budget drops
     assert table.loc["ITL max (ms)", "B / A"] < 0.5
+    for mode in ("Two windows", "Two runs"):
+        at.radio[0].set_value(mode).run()
+        assert not at.exception, mode
+        assert list(at.dataframe[0].value.columns) == ["metric", "A", "B", "B / A"]
 
 
 def test_empty_store_and_collector_down_show_what_to_run(
