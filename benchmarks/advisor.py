@@ -1,0 +1,417 @@
+"""Budget advisor: prediction against a live sweep on the ``demo`` preset (issue 11 targets).
+
+For each profile (``mixed``, ``rag``; the traffic presets the dashboard launcher sizes for the
+demo engine, copied below), on a fresh ``python -m engine --model demo`` streaming telemetry to a
+fresh collector (SQLite):
+
+1. baseline: ``python -m loadgen`` at ``--baseline-budget`` for ``--baseline-s`` seconds;
+2. predict: ``advisor.predict.predict_from_store`` on the baseline window only (cost model
+   fitted on its steps, its traffic simulated at every budget) -> ``predictions.json``;
+3. sweep: ``python -m loadgen sweep --predictions predictions.json`` with another seed (new
+   arrivals and lengths from the same profile), the budget changed live every ``--window-s``,
+   the first ``--warmup-s`` of each window discarded;
+4. compare, per budget: relative error |predicted - measured| / measured of the p99 ITL and of
+   the p50 TTFT; their medians across the budgets (target < 15%); and whether the recommendation
+   from the prediction alone equals the sweep's.
+
+A replay diagnostic separates the model's error from the sampling of the traffic: the sweep's
+own requests (from the store) are simulated with the sweep's budget schedule and the baseline's
+fit, and the same windows are measured on the simulated clock (``replay_*`` keys).
+
+Run from the repo root:  .venv/bin/python benchmarks/advisor.py [--quick]
+Writes benchmarks/results/advisor.json (provenance and full configuration included; --quick:
+two budgets, short windows, results to a temporary folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+_BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(_BENCH.parent))
+sys.path.insert(0, str(_BENCH))
+
+from _common import REPO_ROOT, add_common_args, config_of, setup, write_json  # noqa: E402
+
+# This file is benchmarks/advisor.py: with its folder on the path, `import advisor` would find it
+# instead of the advisor package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
+
+logger = logging.getLogger("bench_advisor")
+
+SCRIPT = "advisor.py"
+CONTROL_TOKEN = "bench-advisor"
+
+# The dashboard launcher's presets for the demo engine (dashboard/services.py, PROFILES).
+_CHAT = (
+    "chat.system_prompt_tokens=32",
+    "chat.input_median=48",
+    "chat.input_p90=160",
+    "chat.input_max=512",
+    "chat.output_median=150",
+    "chat.output_p90=300",
+    "chat.output_max=400",
+)
+_RAG = (
+    "rag.num_documents=256",
+    "rag.doc_median=2500",
+    "rag.doc_p90=3500",
+    "rag.doc_min=1500",
+    "rag.doc_max=4000",
+    "rag.output_median=32",
+    "rag.output_p90=64",
+    "rag.output_max=128",
+)
+_VLM = (
+    "vlm.resolutions=640x480",
+    "vlm.resolution_weights=1",
+    "vlm.single_image_fraction=1.0",
+    "vlm.output_median=64",
+    "vlm.output_p90=128",
+    "vlm.output_max=256",
+)
+PROFILES: dict[str, tuple[float, tuple[str, ...]]] = {
+    "mixed": (
+        1.2,
+        (
+            *_CHAT,
+            *_RAG,
+            *_VLM,
+            "mixed.chat_share=0.85",
+            "mixed.rag_share=0.1",
+            "mixed.vlm_share=0.05",
+        ),
+    ),
+    "rag": (0.12, _RAG),
+}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def start_engine(a: argparse.Namespace, collector_url: str, engine_id: str) -> tuple[Any, str]:
+    cmd = [
+        sys.executable, "-m", "engine", "--model", a.model, "--port", "0",
+        "--token-budget", str(a.baseline_budget),
+        "--max-token-budget", str(max([*a.budgets, a.baseline_budget])),
+        "--max-model-len", str(a.max_model_len), "--device", "cpu", "--dtype", "float32",
+        "--attention-backend", "sdpa", "--seed", "0", "--engine-id", engine_id,
+        "--collector-url", collector_url, "--control-token", CONTROL_TOKEN,
+        "--log-level", "warning",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(), stderr=subprocess.PIPE, text=True)
+    ready = threading.Event()
+    found: list[str] = []
+    tail: list[str] = []
+
+    def pump() -> None:  # keep draining stderr so the server never blocks on a full pipe
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            tail.append(line)
+            del tail[:-50]
+            if not found and line.startswith("chunkscope engine listening on "):
+                found.append(line.strip().rsplit(" ", 1)[-1])
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(180) or not found:
+        proc.kill()
+        raise RuntimeError("the demo engine did not start:\n" + "".join(tail))
+    return proc, found[0]
+
+
+def stop(proc: Any) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def loadgen(args: list[str], timeout: float) -> None:
+    cmd = [sys.executable, "-m", "loadgen", *args]
+    res = subprocess.run(
+        cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+    if res.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(cmd[2:5])}... exited {res.returncode}:\n{res.stderr[-3000:]}"
+        )
+    logger.info("%s", res.stdout)
+
+
+def wait_for_store(db_url: str, engine_id: str, until: float, timeout: float = 30.0) -> None:
+    """Until the collector has stored steps up to ``until`` (wall seconds)."""
+    from storage import db as dbm
+    from storage import queries
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        db = dbm.connect(db_url, readonly=True)
+        try:
+            runs = queries.engines(db)
+        finally:
+            db.dispose()
+        runs = runs[runs["engine_id"] == engine_id]
+        if not runs.empty and (runs["last_time"].iloc[0] or 0) >= until - 0.5:
+            return
+        time.sleep(0.5)
+    logger.warning("store not caught up with %s after %.0f s", engine_id, timeout)
+
+
+def rel_err(pred: Any, meas: Any) -> float | None:
+    if not isinstance(pred, int | float) or not isinstance(meas, int | float) or not meas:
+        return None
+    return abs(pred - meas) / meas
+
+
+def _median(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def replay(
+    db_url: str, engine_id: str, fit_doc: dict[str, Any], sweep: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The sweep's own traffic simulated with its budget schedule; figures per window."""
+    from advisor.fit import FitReport
+    from advisor.simulate import cost_model_step_ns, figures, simulate
+    from advisor.traffic import engine_shape, observed_traffic, to_sim_requests
+    from storage import db as dbm
+
+    windows = sweep["windows"]
+    t0, t1 = windows[0]["start"], windows[-1]["end"]
+    db = dbm.connect(db_url, readonly=True)
+    try:
+        traffic = observed_traffic(db, engine_id=engine_id, since=t0 - 1.0, until=t1)
+        shape = engine_shape(db, engine_id=engine_id)
+    finally:
+        db.dispose()
+    report = FitReport.from_dict(fit_doc)
+    reqs, warm = to_sim_requests(traffic, shape.block_size)
+
+    def ns(wall: float) -> int:
+        return round((wall - traffic.since) * 1e9)
+
+    res = simulate(
+        reqs,
+        shape,
+        token_budget=windows[0]["budget"],
+        step_ns=cost_model_step_ns(report.step_seconds),
+        gap_ns=round(report.step_gap_s * 1e9),
+        budget_changes=[(ns(w["start"]), w["budget"]) for w in windows[1:]],
+        warm_prefixes=warm,
+    )
+    return [
+        {
+            "budget": w["budget"],
+            **figures(res, since_ns=ns(w["measured_from"]), until_ns=ns(w["end"])),
+        }
+        for w in windows
+    ]
+
+
+def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, Any]:
+    from advisor.predict import predict_from_store
+    from advisor.recommend import Slo
+    from storage.testing import start_collector
+
+    rate, overrides = PROFILES[profile]
+    rate = a.rate_scale * rate
+    sets = [x for o in overrides for x in ("--set", o)]
+    db_url = f"sqlite:///{work / f'{profile}.db'}"
+    collector = start_collector(db_url)
+    engine_id = f"bench-advisor-{profile}"
+    proc, url = start_engine(a, collector.url, engine_id)
+    slo = Slo(a.slo_itl_ms, a.slo_ttft_ms)
+    try:
+        base_out = work / f"{profile}-baseline.json"
+        loadgen(
+            ["--url", url, "--profile", profile, "--rate", f"{rate:g}", "--duration",
+             f"{a.baseline_s:g}", "--seed", str(a.seed), "--out", str(base_out), "--no-progress",
+             "--drain-timeout", "60", *sets],
+            timeout=a.baseline_s + 300,
+        )  # fmt: skip
+        base = json.loads(base_out.read_text())
+        since, until = base["run"]["wall_start"], base["run"]["wall_end"]
+        wait_for_store(db_url, engine_id, until)
+        t_pred = time.perf_counter()
+        pred = predict_from_store(
+            db_url, a.budgets, engine_id=engine_id, since=since, until=until, slo=slo
+        )
+        predict_s = time.perf_counter() - t_pred
+        pred_path = work / f"{profile}-predictions.json"
+        pred_path.write_text(json.dumps(pred, default=str))
+        sweep_out = work / f"{profile}-sweep.json"
+        slo_args = []
+        if a.slo_itl_ms is not None:
+            slo_args += ["--slo-itl-ms", f"{a.slo_itl_ms:g}"]
+        if a.slo_ttft_ms is not None:
+            slo_args += ["--slo-ttft-ms", f"{a.slo_ttft_ms:g}"]
+        loadgen(
+            ["sweep", "--url", url, "--profile", profile, "--rate", f"{rate:g}", "--budgets",
+             ",".join(map(str, a.budgets)), "--window-s", f"{a.window_s:g}", "--warmup-s",
+             f"{a.warmup_s:g}", "--seed", str(a.seed + 1), "--control-token", CONTROL_TOKEN,
+             "--predictions", str(pred_path), "--out", str(sweep_out), *slo_args, *sets],
+            timeout=len(a.budgets) * a.window_s + 300,
+        )  # fmt: skip
+        sweep = json.loads(sweep_out.read_text())
+        wait_for_store(db_url, engine_id, sweep["windows"][-1]["end"])
+        replayed = replay(db_url, engine_id, pred["fit"], sweep)
+    finally:
+        stop(proc)
+        collector.stop()
+    rows = []
+    for w, r in zip(sweep["windows"], replayed, strict=True):
+        row = {
+            "budget": w["budget"],
+            "measured_s": w["measured_s"],
+            "requests_sent": w["requests_sent"],
+            "num_itl": w["num_itl"],
+            "num_ttft": w["num_ttft"],
+        }
+        for key in ("itl_p50_ms", "itl_p99_ms", "itl_max_ms", "ttft_p50_ms", "ttft_p99_ms"):
+            row[f"measured_{key}"] = w[key]
+            row[f"predicted_{key}"] = w.get(f"predicted_{key}")
+            row[f"replay_{key}"] = r[key]
+        row["measured_tokens_per_s"] = w["tokens_per_s"]
+        row["predicted_tokens_per_s"] = w.get("predicted_tokens_per_s")
+        for key in ("itl_p99_ms", "ttft_p50_ms"):
+            row[f"error_{key}"] = rel_err(row[f"predicted_{key}"], row[f"measured_{key}"])
+            row[f"replay_error_{key}"] = rel_err(row[f"replay_{key}"], row[f"measured_{key}"])
+        rows.append(row)
+    med_itl = _median([r["error_itl_p99_ms"] for r in rows])
+    med_ttft = _median([r["error_ttft_p50_ms"] for r in rows])
+    pred_rec = pred["recommendation"]
+    meas_rec = sweep["recommendation"]
+    pred_choice = (
+        pred_rec["budget"] if pred_rec["budget"] is not None else pred_rec["closest_budget"]
+    )
+    meas_choice = (
+        meas_rec["budget"] if meas_rec["budget"] is not None else meas_rec["closest_budget"]
+    )
+    return {
+        "profile": profile,
+        "rate": rate,
+        "overrides": list(overrides),
+        "baseline": {
+            "budget": a.baseline_budget,
+            "since": since,
+            "until": until,
+            "summary": base["summary"]["overall"],
+        },
+        "fit": pred["fit"],
+        "traffic": pred["traffic"],
+        "predict_s": predict_s,
+        "predicted_windows": pred["windows"],
+        "budgets": rows,
+        "median_rel_error_itl_p99": med_itl,
+        "median_rel_error_ttft_p50": med_ttft,
+        "replay_median_rel_error_itl_p99": _median([r["replay_error_itl_p99_ms"] for r in rows]),
+        "replay_median_rel_error_ttft_p50": _median([r["replay_error_ttft_p50_ms"] for r in rows]),
+        "meets_15pct_target": (med_itl is not None and med_itl < 0.15)
+        and (med_ttft is not None and med_ttft < 0.15),
+        "recommendation_predicted": pred_rec,
+        "recommendation_measured": meas_rec,
+        "recommendations_equal": pred_choice == meas_choice,
+        "sweep_pareto_budgets": sweep["pareto_budgets"],
+        "predicted_pareto_budgets": pred["pareto_budgets"],
+        "loadavg_after": list(os.getloadavg()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(ap)
+    ap.add_argument("--profiles", default="mixed,rag")
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--budgets", default="128,256,512,1024,2048,8192")
+    ap.add_argument("--baseline-budget", type=int, default=1024)
+    ap.add_argument("--baseline-s", type=float, default=120.0)
+    ap.add_argument("--window-s", type=float, default=60.0)
+    ap.add_argument("--warmup-s", type=float, default=15.0)
+    ap.add_argument("--rate-scale", type=float, default=1.0, help="multiplies each preset's rate")
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--slo-itl-ms", type=float, default=150.0)
+    ap.add_argument("--slo-ttft-ms", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.budgets = "256,2048"
+        a.baseline_s = min(a.baseline_s, 20.0)
+        a.window_s = min(a.window_s, 15.0)
+        a.warmup_s = min(a.warmup_s, 4.0)
+    out_dir = setup(a)
+    a.budgets = [int(b) for b in str(a.budgets).split(",")]
+    profiles = [p for p in a.profiles.split(",") if p]
+    load_before = list(os.getloadavg())
+    results = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-advisor-") as tmp:
+        for profile in profiles:
+            results.append(run_profile(a, profile, Path(tmp)))
+    config = config_of(a)
+    payload = {
+        "loadavg_before": load_before,
+        "loadavg_after": list(os.getloadavg()),
+        "wall_s": time.perf_counter() - t0,
+        "profiles": results,
+        "summary": {
+            r["profile"]: {
+                "median_rel_error_itl_p99": r["median_rel_error_itl_p99"],
+                "median_rel_error_ttft_p50": r["median_rel_error_ttft_p50"],
+                "meets_15pct_target": r["meets_15pct_target"],
+                "recommendation_predicted": r["recommendation_predicted"]["budget"],
+                "recommendation_measured": r["recommendation_measured"]["budget"],
+                "recommendations_equal": r["recommendations_equal"],
+            }
+            for r in results
+        },
+    }
+    write_json(out_dir / "advisor.json", payload, script=SCRIPT, config=config)
+    for r in results:
+        print(
+            f"{r['profile']}: median rel. error ITL p99 {_pct(r['median_rel_error_itl_p99'])}, "
+            f"TTFT p50 {_pct(r['median_rel_error_ttft_p50'])} (replay: "
+            f"{_pct(r['replay_median_rel_error_itl_p99'])}, "
+            f"{_pct(r['replay_median_rel_error_ttft_p50'])}); recommendation predicted "
+            f"{r['recommendation_predicted']['budget']} / measured "
+            f"{r['recommendation_measured']['budget']}"
+        )
+        for row in r["budgets"]:
+            print(
+                f"  budget {row['budget']:>5}: ITL p99 {_ms(row['measured_itl_p99_ms'])} "
+                f"(pred {_ms(row['predicted_itl_p99_ms'])}, replay {_ms(row['replay_itl_p99_ms'])})"
+                f"  TTFT p50 {_ms(row['measured_ttft_p50_ms'])} "
+                f"(pred {_ms(row['predicted_ttft_p50_ms'])}, "
+                f"replay {_ms(row['replay_ttft_p50_ms'])})"
+            )
+    return 0
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f} ms"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
