@@ -229,3 +229,24 @@ def test_an_engine_killed_mid_run_leaves_its_run_ended_without_goodbye(
         assert time.monotonic() < deadline, "run not marked ended without goodbye"
         time.sleep(0.1)
     assert len(queries.steps(db, engine_id="e2e-kill")) == steps_before
+
+
+def test_a_collector_that_never_answers_does_not_slow_serving() -> None:
+    import socket
+
+    with socket.socket() as hole:  # accepts TCP connections (backlog) but never speaks
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)
+        port = hole.getsockname()[1]
+        engine = EngineServer("--engine-id", "e2e-hole", "--collector-url",
+                              f"ws://127.0.0.1:{port}")  # fmt: skip
+        try:
+            results = engine.run_batch([f"nobody listens {i}" for i in range(4)])
+            assert [len(r["token_times"]) for r in results] == [MAX_TOKENS] * 4
+            m = engine.metrics()
+            assert m["chunkscope_telemetry_connected"] == 0
+            assert m["chunkscope_telemetry_acked_seq"] == 0
+            assert m["chunkscope_telemetry_events_queued"] == m["chunkscope_telemetry_last_seq"] > 0
+            assert m["chunkscope_telemetry_events_dropped_total"] == 0
+        finally:
+            engine.stop()
