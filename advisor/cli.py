@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="do not add the measured pause between steps to each simulated step",
     )
+    pr.add_argument(
+        "--no-noise",
+        dest="noise",
+        action="store_false",
+        help="bare predicted step times (no measured scatter; the median pause between steps)",
+    )
+    pr.add_argument("--seed", type=int, default=0, help="seeds the drawn scatter")
     pr.add_argument("--out", metavar="FILE.json", help="write the prediction document here")
     pr.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
@@ -123,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             fit_until=args.fit_until,
             slo=Slo(args.slo_itl_ms, args.slo_ttft_ms),
             step_gap=args.step_gap,
+            noise=args.noise,
+            seed=args.seed,
         )
     except (FitError, ValueError) as exc:
         print(f"advisor: {exc}", file=sys.stderr)

@@ -29,6 +29,49 @@ class FitError(ValueError):
     """Too few usable steps in the selection to fit the model."""
 
 
+NOISE_BINS = 8
+NOISE_MIN_STEPS = 40  # per bin
+NOISE_QUANTILES = 200  # each bin keeps its ratio distribution as this many quantiles
+GAP_QUANTILES = 200
+
+
+@dataclass(frozen=True)
+class NoiseModel:
+    """How measured step times scatter around the model's prediction, and how long the pauses
+    between steps are: what makes the tail of the inter-token latency (a p99 ITL is a slow step,
+    not an average one).
+
+    Steps are binned by predicted duration (``edges_s``: each bin's largest prediction); each bin
+    keeps the distribution of measured/predicted as evenly spaced quantiles, so drawing one of
+    them uniformly draws from that distribution. ``gaps_s`` keeps the busy pauses the same way.
+    """
+
+    edges_s: list[float]
+    ratios: list[list[float]]
+    gaps_s: list[float]
+
+
+def noise_model(predicted_s: np.ndarray, measured_s: np.ndarray, gaps_s: np.ndarray) -> NoiseModel:
+    ok = predicted_s > 0
+    pred, meas = predicted_s[ok], measured_s[ok]
+    order = np.argsort(pred, kind="stable")
+    pred, ratio = pred[order], (meas / pred)[order]
+    n_bins = max(1, min(NOISE_BINS, len(pred) // NOISE_MIN_STEPS))
+    edges: list[float] = []
+    ratios: list[list[float]] = []
+    qs = np.linspace(0, 1, NOISE_QUANTILES)
+    for chunk_pred, chunk_ratio in zip(
+        np.array_split(pred, n_bins), np.array_split(ratio, n_bins), strict=True
+    ):
+        if chunk_pred.size == 0:
+            continue
+        edges.append(float(chunk_pred[-1]))
+        ratios.append([float(v) for v in np.quantile(chunk_ratio, qs, method="inverted_cdf")])
+    gq = np.linspace(0, 1, GAP_QUANTILES)
+    gaps = [float(v) for v in np.quantile(gaps_s, gq, method="inverted_cdf")] if gaps_s.size else []
+    return NoiseModel(edges, ratios, gaps)
+
+
 @dataclass(frozen=True)
 class FitReport:
     """A fitted cost model and how well it fits."""
@@ -38,6 +81,7 @@ class FitReport:
     step_gap_s: float  # median pause between consecutive steps while the engine is busy
     step_gap_p90_s: float
     selection: dict[str, Any] = field(default_factory=dict)
+    noise: NoiseModel | None = None
 
     def step_seconds(self, work: StepWork) -> float:
         """Predicted seconds of a step doing ``work`` (never below zero)."""
@@ -50,12 +94,14 @@ class FitReport:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FitReport:
+        noise = d.get("noise")
         return cls(
             model=CostModel.from_dict(d["model"]),
             num_steps=int(d["num_steps"]),
             step_gap_s=float(d["step_gap_s"]),
             step_gap_p90_s=float(d.get("step_gap_p90_s", d["step_gap_s"])),
             selection=dict(d.get("selection") or {}),
+            noise=NoiseModel(**noise) if isinstance(noise, dict) else None,
         )
 
 
@@ -141,15 +187,17 @@ def fit_steps(steps: pd.DataFrame, selection: dict[str, Any] | None = None) -> F
             strict=True,
         )
     ]
-    seconds = ((usable["end_ns"] - usable["start_ns"]).to_numpy(dtype=np.int64) / 1e9).tolist()
-    model = fit(works, seconds)
+    measured = (usable["end_ns"] - usable["start_ns"]).to_numpy(dtype=np.int64) / 1e9
+    model = fit(works, measured.tolist())
     gaps = busy_gaps_s(steps)
+    predicted = model.predict_many(works)
     report = FitReport(
         model=model,
         num_steps=len(works),
         step_gap_s=float(np.median(gaps)) if gaps.size else 0.0,
         step_gap_p90_s=float(np.percentile(gaps, 90)) if gaps.size else 0.0,
         selection=dict(selection or {}),
+        noise=noise_model(predicted, measured, gaps),
     )
     logger.info(
         "cost model from %d steps: const %.3g s, prefill %.3g s/token, decode %.3g s/token, "

@@ -5,6 +5,7 @@ predict --out FILE`` writes and what ``python -m loadgen sweep --predictions FIL
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -12,7 +13,14 @@ from typing import Any
 from advisor.fit import FitReport, fit_from_store
 from advisor.pareto import front_budgets
 from advisor.recommend import Slo, recommend
-from advisor.simulate import cost_model_step_ns, predict_budgets
+from advisor.simulate import (
+    GapTime,
+    StepTime,
+    cost_model_step_ns,
+    drawn_gap_ns,
+    noisy_step_ns,
+    predict_budgets,
+)
 from advisor.traffic import engine_shape, observed_traffic, shape_dict, to_sim_requests
 
 logger = logging.getLogger(__name__)
@@ -32,6 +40,8 @@ def predict_from_store(
     fit_until: float | None = None,
     slo: Slo | None = None,
     step_gap: bool = True,
+    noise: bool = True,
+    seed: int = 0,
     max_steps: int | None = 2_000_000,
 ) -> dict[str, Any]:
     """Predicted figures per budget for the traffic of [since, until], step times from a fit
@@ -55,6 +65,8 @@ def predict_from_store(
         budgets,
         slo=slo,
         step_gap=step_gap,
+        noise=noise,
+        seed=seed,
         max_steps=max_steps,
         selection={
             "db": _redact(db_url),
@@ -76,20 +88,23 @@ def predict_traffic(
     *,
     slo: Slo,
     step_gap: bool = True,
+    noise: bool = True,
+    seed: int = 0,
     max_steps: int | None = 2_000_000,
     selection: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Simulate ``traffic`` at each budget with step times from ``report``: its prediction
+    times the measured scatter (``noise``, seeded draws) and the measured pauses between steps
+    (``step_gap``), or the bare prediction and the median pause."""
     if not traffic.requests:
         raise ValueError("no request arrived in the selected window: nothing to simulate")
     reqs, warm = to_sim_requests(traffic, shape.block_size)
-    gap_ns = round(report.step_gap_s * 1e9) if step_gap else 0
     t0 = time.perf_counter()
     windows = predict_budgets(
         reqs,
         shape,
         sorted({int(b) for b in budgets}),
-        step_ns=cost_model_step_ns(report.step_seconds),
-        gap_ns=gap_ns,
+        timing=lambda: step_timing(report, step_gap=step_gap, noise=noise, seed=seed),
         warm_prefixes=warm,
         max_steps=max_steps,
     )
@@ -111,6 +126,23 @@ def predict_traffic(
         "recommendation_source": rec.source,
         "reason": rec.reason,
     }
+
+
+def step_timing(
+    report: FitReport, *, step_gap: bool = True, noise: bool = True, seed: int = 0
+) -> tuple[StepTime, int | GapTime]:
+    """The (step time, pause) functions of one simulation."""
+    rng = random.Random(seed)
+    n = report.noise
+    if noise and n is not None and n.ratios:
+        step = noisy_step_ns(report.step_seconds, n.edges_s, n.ratios, rng)
+    else:
+        step = cost_model_step_ns(report.step_seconds)
+    if not step_gap:
+        return step, 0
+    if noise and n is not None and n.gaps_s:
+        return step, drawn_gap_ns(n.gaps_s, rng)
+    return step, round(report.step_gap_s * 1e9)
 
 
 def _redact(url: str) -> str:

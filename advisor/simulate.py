@@ -17,7 +17,9 @@ p50/p99 overall and by class, and output tokens per second over the arrival span
 
 from __future__ import annotations
 
+import bisect
 import logging
+import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +102,7 @@ class SimResult:
 
 
 StepTime = Callable[[StepPlan], int]
+GapTime = Callable[[], int]
 
 
 def cost_model_step_ns(predict_s: Callable[[StepWork], float]) -> StepTime:
@@ -111,13 +114,35 @@ def cost_model_step_ns(predict_s: Callable[[StepWork], float]) -> StepTime:
     return step_ns
 
 
+def noisy_step_ns(
+    predict_s: Callable[[StepWork], float],
+    edges_s: Sequence[float],
+    ratios: Sequence[Sequence[float]],
+    rng: random.Random,
+) -> StepTime:
+    """The prediction times a measured/predicted ratio drawn from the steps of similar
+    predicted duration (``advisor.fit.NoiseModel``): measured scatter, replayed."""
+
+    def step_ns(plan: StepPlan) -> int:
+        pred = max(0.0, predict_s(StepWork.from_chunks(plan.chunks)))
+        k = min(bisect.bisect_left(edges_s, pred), len(ratios) - 1)
+        return max(0, round(pred * rng.choice(ratios[k]) * 1e9))
+
+    return step_ns
+
+
+def drawn_gap_ns(gaps_s: Sequence[float], rng: random.Random) -> GapTime:
+    """A pause between steps drawn from the measured ones."""
+    return lambda: max(0, round(rng.choice(gaps_s) * 1e9))
+
+
 def simulate(
     requests: Sequence[SimRequest],
     shape: EngineShape,
     *,
     token_budget: int,
     step_ns: StepTime,
-    gap_ns: int = 0,
+    gap_ns: int | GapTime = 0,
     budget_changes: Iterable[tuple[int, int]] = (),
     warm_prefixes: Iterable[Sequence[int]] = (),
     record_steps: bool = False,
@@ -126,7 +151,8 @@ def simulate(
     """Run ``requests`` through a fresh scheduler at ``token_budget``.
 
     ``budget_changes`` are ``(time_ns, budget)``: applied before the first step starting at or
-    after ``time_ns`` (as a live change is). ``warm_prefixes`` are token sequences whose full
+    after ``time_ns`` (as a live change is). ``gap_ns`` is the pause after each step (a constant
+    or a function drawing one). ``warm_prefixes`` are token sequences whose full
     blocks are in the prefix cache at the start. ``max_steps`` cuts a runaway simulation.
     """
     changes = sorted((int(t), int(b)) for t, b in budget_changes)
@@ -203,7 +229,7 @@ def simulate(
         for req in sched.update(plan, sampled, end):
             outcomes[req.request_id].token_times_ns.append(end)
         num_steps += 1
-        now = end + gap_ns
+        now = end + (gap_ns if isinstance(gap_ns, int) else gap_ns())
     unfinished = len(pending) - i + len(sched.waiting) + len(sched.running)
     if unfinished:
         logger.warning(
@@ -320,15 +346,17 @@ def predict_budgets(
     shape: EngineShape,
     budgets: Sequence[int],
     *,
-    step_ns: StepTime,
-    gap_ns: int = 0,
+    timing: Callable[[], tuple[StepTime, int | GapTime]],
     warm_prefixes: Sequence[Sequence[int]] = (),
     itl_class: str = ITL_CLASS,
     max_steps: int | None = None,
 ) -> list[dict[str, Any]]:
-    """One figures dict per budget (``budget`` first), each from its own simulation."""
+    """One figures dict per budget (``budget`` first), each from its own simulation;
+    ``timing()`` gives each simulation its (step time, pause) functions afresh (so that seeded
+    draws are the same at every budget)."""
     out = []
     for b in budgets:
+        step_ns, gap_ns = timing()
         res = simulate(
             requests,
             shape,

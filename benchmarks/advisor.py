@@ -191,7 +191,8 @@ def replay(
 ) -> list[dict[str, Any]]:
     """The sweep's own traffic simulated with its budget schedule; figures per window."""
     from advisor.fit import FitReport
-    from advisor.simulate import cost_model_step_ns, figures, simulate
+    from advisor.predict import step_timing
+    from advisor.simulate import figures, simulate
     from advisor.traffic import engine_shape, observed_traffic, to_sim_requests
     from storage import db as dbm
 
@@ -209,12 +210,13 @@ def replay(
     def ns(wall: float) -> int:
         return round((wall - traffic.since) * 1e9)
 
+    step_ns, gap_ns = step_timing(report)
     res = simulate(
         reqs,
         shape,
         token_budget=windows[0]["budget"],
-        step_ns=cost_model_step_ns(report.step_seconds),
-        gap_ns=round(report.step_gap_s * 1e9),
+        step_ns=step_ns,
+        gap_ns=gap_ns,
         budget_changes=[(ns(w["start"]), w["budget"]) for w in windows[1:]],
         warm_prefixes=warm,
     )

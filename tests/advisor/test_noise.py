@@ -1,0 +1,70 @@
+"""The measured scatter of step times, kept by the fit and replayed by the simulator."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from advisor.fit import FitReport, noise_model
+from advisor.predict import step_timing
+from advisor.simulate import drawn_gap_ns, noisy_step_ns
+from engine.cost_model import CostModel, StepWork
+from engine.scheduler import StepPlan
+
+
+def test_scatter_is_kept_per_predicted_duration() -> None:
+    # small steps (1-10 ms) took 1x or 3x their prediction; large ones (100-200 ms) exactly it
+    small = np.linspace(1e-3, 10e-3, 200)
+    large = np.linspace(100e-3, 200e-3, 200)
+    pred = np.concatenate([small, large])
+    ratio = np.concatenate([np.where(np.arange(200) % 2 == 0, 1.0, 3.0), np.ones(200)])
+    noise = noise_model(pred, pred * ratio, np.full(50, 2e-4))
+    assert len(noise.edges_s) == 8 and noise.edges_s == sorted(noise.edges_s)
+    small_bins = [r for e, r in zip(noise.edges_s, noise.ratios, strict=True) if e <= 10e-3]
+    large_bins = [r for e, r in zip(noise.edges_s, noise.ratios, strict=True) if e >= 100e-3]
+    assert small_bins and large_bins
+    assert all(set(np.round(r, 6)) <= {1.0, 3.0} and round(max(r), 6) == 3.0 for r in small_bins)
+    assert all(set(np.round(r, 6)) == {1.0} for r in large_bins)
+    assert set(noise.gaps_s) == {2e-4}
+
+    model = CostModel(const=0.0, prefill=1e-3, decode=1e-3, attn=0.0)
+    step = noisy_step_ns(model.predict, noise.edges_s, noise.ratios, random.Random(0))
+
+    def plan(n: int) -> StepPlan:
+        p = StepPlan(0, 4096, "chunked")
+
+        class C:  # a chunk as StepWork.from_chunks reads it
+            kind, start, num_tokens = "prefill", 0, n
+
+        p.chunks = [C()]  # type: ignore[list-item]
+        return p
+
+    small_draws = {step(plan(5)) for _ in range(200)}  # 5 ms predicted
+    assert small_draws == {5_000_000, 15_000_000}
+    assert {step(plan(150)) for _ in range(50)} == {150_000_000}
+    # beyond the largest bin: that bin's scatter
+    assert {step(plan(900)) for _ in range(20)} == {900_000_000}
+    gap = drawn_gap_ns(noise.gaps_s, random.Random(0))
+    assert gap() == 200_000
+
+
+def test_report_round_trips_with_its_noise() -> None:
+    pred = np.linspace(1e-3, 5e-3, 100)
+    report = FitReport(
+        model=CostModel(1e-3, 2e-6, 3e-6, 4e-10, num_steps=100),
+        num_steps=100,
+        step_gap_s=1e-4,
+        step_gap_p90_s=2e-4,
+        noise=noise_model(pred, pred * 1.5, np.array([1e-4, 2e-4])),
+    )
+    back = FitReport.from_dict(report.to_dict())
+    assert back == report
+    assert back.step_seconds(StepWork(10, 0, 0)) == report.model.predict(StepWork(10, 0, 0))
+    # the timing functions: scatter and drawn pauses, or the bare prediction and the median
+    step, gap = step_timing(back, seed=1)
+    assert callable(gap)
+    step, gap = step_timing(back, noise=False)
+    assert gap == 100_000
+    step, gap = step_timing(back, step_gap=False)
+    assert gap == 0
