@@ -448,13 +448,14 @@ def waterfall_figure(token_times: pd.DataFrame, request: pd.Series | None = None
         )
     )
     if request is not None:
-        for name, color in (("first_scheduled", "#7f7f7f"), ("first_token", PREFILL_COLOR)):
+        marks = (("first_scheduled", "#7f7f7f", 1.0), ("first_token", PREFILL_COLOR, 0.93))
+        for name, color, y in marks:
             v = request.get(name)
             if _is_number(v):
                 fig.add_vline(x=(float(v) - t0) * 1000.0, line={"color": color, "dash": "dot"})
                 fig.add_annotation(
                     x=(float(v) - t0) * 1000.0,
-                    y=1,
+                    y=y,
                     yref="paper",
                     text=name.replace("_", " "),
                     showarrow=False,

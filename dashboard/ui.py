@@ -215,7 +215,9 @@ def _status_panel() -> None:
     if live is not None:
         n = sum(1 for e in live if e.get("connected"))
         st.success(f"Collector up: {n} engine(s) connected")
-    elif ctx.collector_url or stk.starting:
+    elif stk.starting and not ctx.collector_url:
+        st.info("Collector starting…")
+    elif ctx.collector_url:
         st.warning(f"Collector unreachable ({err}). Showing stored data.")
     if ctx.store_error:
         st.warning(f"Store: {ctx.store_error}")

@@ -87,6 +87,10 @@ st.caption(f"{names[0]}  vs  {names[1]}")
 st.dataframe(
     table,
     hide_index=True,
-    column_config={"B / A": st.column_config.NumberColumn(format="%.2fx")},
+    column_config={
+        "A": st.column_config.NumberColumn(format="%.1f"),
+        "B": st.column_config.NumberColumn(format="%.1f"),
+        "B / A": st.column_config.NumberColumn(format="%.2fx"),
+    },
 )
 st.plotly_chart(charts.compare_figure(table, names=names), key="compare_fig")

@@ -32,7 +32,7 @@ except data.StoreUnavailable as exc:
     st.stop()
 
 fig = charts.step_tokens_figure(recent, ctrl)
-fig.update_layout(height=300, title="Last 30 s — click a bar to pick its step")
+fig.update_layout(height=300, title="Last 30 s — click the chart to pick a step")
 event = st.plotly_chart(fig, key="step_pick", on_select="rerun", selection_mode="points")
 picked = None
 try:
