@@ -169,6 +169,7 @@ class _DiskSegment:
     count: int = 0
     nbytes: int = 0
     sealed: bool = False
+    broken: bool = False  # could not be read back; declared lost
     _writer: IO[str] | None = None
     _reader: IO[str] | None = None
     _lines: list[str] = field(default_factory=list)  # read back so far, from first_seq
@@ -425,11 +426,44 @@ class EventBuffer:
                         items, start = items[skip:], start + skip
                     out.extend(zip(range(start, start + len(items)), items, strict=True))
                 else:
-                    lines = segment.read(index, n)
+                    try:
+                        lines = segment.read(index, n)
+                    except OSError as exc:  # the file is gone or damaged: declare its events
+                        out.append(self._lost_segment_locked(segment, start, exc))
+                        break
                     out.extend(zip(range(start, start + len(lines)), lines, strict=True))
             if not out and arm:
                 self._armed = True
         return out
+
+    def _lost_segment_locked(
+        self, segment: _DiskSegment, start: int, exc: OSError
+    ) -> tuple[int, str]:
+        """A spill segment that cannot be read back: a ``gap`` event at its last seq declares
+        ``start`` .. that seq lost (the collector accepts a gap that covers the seqs up to its
+        own), so the stream goes on after it."""
+        last = segment.end_seq - 1
+        if not segment.broken:
+            segment.broken = True
+            self._dropped_total += segment.count
+            self._gaps_total += 1
+            logger.error(
+                "telemetry: spill file %s cannot be read back (%s); declaring seq %d to %d lost",
+                segment.path,
+                exc,
+                start,
+                last,
+            )
+        gap = {
+            "type": "gap",
+            "seq": last,
+            "first_seq_lost": start,
+            "last_seq_lost": last,
+            "num_events_lost": last - start + 1,
+            "reason": f"spill file {segment.path.name} could not be read back: {exc}",
+            "time_ns": time.monotonic_ns(),
+        }
+        return last, json.dumps(gap, separators=(",", ":"))
 
     def ack(self, seq: int) -> None:
         """The collector holds every seq up to ``seq``: release them."""

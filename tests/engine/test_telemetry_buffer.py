@@ -222,3 +222,21 @@ def test_a_spilled_event_that_cannot_be_encoded_keeps_its_seq(tmp_path: Path) ->
     assert [buf.publish(_ev(0)), buf.publish(_Broken()), buf.publish(_ev(2))] == [1, 2, 3]
     got = _drain(buf)
     assert [d["type"] for _, d in got] == ["request", "unencodable", "request"]
+
+
+def test_a_spill_file_that_vanished_is_declared_lost_and_the_stream_goes_on(
+    tmp_path: Path,
+) -> None:
+    buf = EventBuffer("run-v", BufferLimits(max_memory_events=2, spill_dir=tmp_path))
+    for i in range(6):
+        buf.publish(_ev(i))  # 1-2 in memory, 3-6 in a spill file
+    for f in (tmp_path / "run-v").glob("*.jsonl"):
+        f.unlink()
+    got = _drain(buf)
+    assert [s for s, _ in got] == [1, 2, 6]
+    gap = got[2][1]
+    assert gap["type"] == "gap" and (gap["first_seq_lost"], gap["last_seq_lost"]) == (3, 6)
+    assert buf.stats().dropped_total == 4 and buf.stats().gaps_total == 1
+    buf.ack(6)
+    assert buf.publish(_ev(7)) == 7 and [s for s, _ in _drain(buf, after=6)] == [7]
+    assert buf.stats().spill_events == 0

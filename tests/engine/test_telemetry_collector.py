@@ -126,3 +126,34 @@ def test_the_collector_auth_token_is_sent_in_the_hello(
         finally:
             good.close(timeout=WAIT_S)
             bad.close(timeout=0.5)
+
+
+def test_a_vanished_spill_file_reaches_the_store_as_a_gap(tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'v.db'}"
+    port = free_port()
+    syn = SyntheticEngine(engine_id="eng-vanish", run_id="run-vanish-1", seed=7)
+    limits = BufferLimits(max_memory_events=10, spill_dir=tmp_path / "spill")
+    pub = _publisher(f"ws://127.0.0.1:{port}", syn, limits=limits).start()
+    collector = None
+    try:
+        events = syn.steps(10)
+        for ev in events:
+            pub.publish({k: v for k, v in ev.items() if k != "seq"})
+        for f in (tmp_path / "spill" / syn.run_id).glob("*.jsonl"):
+            f.unlink()  # e.g. a temp cleaner
+        collector = start_collector(db_url, args=["--port", str(port)])
+        assert pub.wait_acked(timeout=WAIT_S)
+        pub.publish({"type": "request", "kind": "arrived", "request_id": "after", "time_ns": 1})
+        assert pub.wait_acked(timeout=WAIT_S)
+        pub.close(timeout=WAIT_S)
+    finally:
+        pub.close(timeout=1)
+        if collector is not None:
+            collector.stop()
+    db = connect(db_url, readonly=True)
+    gaps = queries.gaps(db, engine_id="eng-vanish")
+    assert len(gaps) == 1
+    gap = gaps.iloc[0]
+    assert (gap["first_seq_lost"], gap["last_seq_lost"]) == (11, len(events))
+    run = queries.engines(db).iloc[0]
+    assert not run["ended_without_goodbye"]

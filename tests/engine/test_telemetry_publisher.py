@@ -131,8 +131,12 @@ class FakeCollector:
                 if seq <= self.durable:
                     continue  # a resend
                 expected = self.durable + 1
-                declared = e["type"] == "gap" and e["first_seq_lost"] == expected
-                if seq != expected and not (declared and seq == e["last_seq_lost"] + 1):
+                declared = (  # a gap may jump over the seqs it declares lost
+                    e["type"] == "gap"
+                    and e["first_seq_lost"] <= expected
+                    and e["last_seq_lost"] >= seq - 1
+                )
+                if seq != expected and not declared:
                     return {"type": "error", "code": "seq_gap", "expected": expected}
                 self.stored[seq] = e
                 self.durable = seq
