@@ -1,0 +1,160 @@
+"""The Sweep page's chart and table: pure functions from sweep / prediction documents to a Plotly
+figure and a DataFrame (no Streamlit, no store), tested on fixed data.
+
+A *document* is what ``python -m loadgen sweep --out`` writes (measured windows, with the
+predicted figures side by side as ``predicted_*`` when the sweep had a prediction) or what
+``python -m advisor predict --out`` writes (predicted windows only). Both have a ``windows`` list
+of objects with ``budget``, ``itl_p99_ms``, ``ttft_p99_ms``, ``tokens_per_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from advisor.pareto import front_budgets
+from dashboard.charts import LAYOUT
+
+MEASURED_COLOR = "#1f77b4"
+PREDICTED_COLOR = "#ff7f0e"
+SLO_COLOR = "#d62728"
+RECOMMENDED_COLOR = "#2ca02c"
+FIGURES = ("itl_p50_ms", "itl_p99_ms", "itl_max_ms", "ttft_p50_ms", "ttft_p99_ms", "tokens_per_s")
+
+
+def _num(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or v != v:
+        return None
+    return float(v)
+
+
+def split_windows(
+    doc: Mapping[str, Any] | None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(measured, predicted) windows of a document: a sweep's windows are measured and carry
+    their predictions as ``predicted_*``; a prediction document's windows are predicted."""
+    if not doc:
+        return [], []
+    windows = [w for w in doc.get("windows") or [] if isinstance(w, Mapping) and "budget" in w]
+    if str(doc.get("tool", "")).startswith("chunkscope-advisor"):
+        return [], [dict(w) for w in windows]
+    measured = [dict(w) for w in windows]
+    predicted = [
+        {"budget": w["budget"], **{k: w.get(f"predicted_{k}") for k in FIGURES}}
+        for w in windows
+        if any(f"predicted_{k}" in w for k in FIGURES)
+    ]
+    return measured, predicted
+
+
+def _trace(windows: Sequence[Mapping[str, Any]], name: str, color: str, symbol: str) -> go.Scatter:
+    pts = [w for w in windows if _num(w.get("ttft_p99_ms")) is not None]
+    pts = [w for w in pts if _num(w.get("itl_p99_ms")) is not None]
+    front = set(front_budgets(pts))
+    pts = sorted(pts, key=lambda w: int(w["budget"]))
+    return go.Scatter(
+        x=[_num(w["ttft_p99_ms"]) for w in pts],
+        y=[_num(w["itl_p99_ms"]) for w in pts],
+        mode="markers+text+lines",
+        line={"color": color, "width": 1, "dash": "dot"},
+        marker={
+            "color": color,
+            "size": [14 if int(w["budget"]) in front else 9 for w in pts],
+            "symbol": symbol,
+            "line": {"width": 1, "color": "white"},
+        },
+        text=[str(int(w["budget"])) for w in pts],
+        textposition="top center",
+        name=name,
+        customdata=[
+            [int(w["budget"]), _num(w.get("tokens_per_s")), int(w["budget"]) in front] for w in pts
+        ],
+        hovertemplate=(
+            f"{name}<br>budget %{{customdata[0]}}<br>TTFT p99 %{{x:.0f}} ms<br>"
+            "ITL p99 %{y:.1f} ms<br>%{customdata[1]:.1f} tokens/s<br>"
+            "on the Pareto front: %{customdata[2]}<extra></extra>"
+        ),
+    )
+
+
+def pareto_figure(
+    measured: Sequence[Mapping[str, Any]],
+    predicted: Sequence[Mapping[str, Any]],
+    *,
+    slo_itl_ms: float | None = None,
+    slo_ttft_ms: float | None = None,
+    recommended_budget: int | None = None,
+    recommendation_source: str | None = None,
+) -> go.Figure:
+    """TTFT p99 (x) against ITL p99 (y), one point per budget, measured and predicted (points on
+    each one's Pareto front drawn larger), the SLOs as lines, the recommendation ringed."""
+    fig = go.Figure()
+    fig.update_layout(
+        **LAYOUT,
+        title="Budgets: TTFT p99 against ITL p99 (lower left is better)",
+        xaxis_title="TTFT p99 (ms)",
+        yaxis_title="ITL p99 (ms)",
+    )
+    if not measured and not predicted:
+        fig.add_annotation(
+            text="No sweep or prediction yet", showarrow=False, x=0.5, y=0.5, xref="paper",
+            yref="paper",
+        )  # fmt: skip
+        return fig
+    if measured:
+        fig.add_trace(_trace(measured, "measured", MEASURED_COLOR, "circle"))
+    if predicted:
+        fig.add_trace(_trace(predicted, "predicted", PREDICTED_COLOR, "diamond"))
+    if slo_itl_ms is not None:
+        fig.add_hline(
+            y=slo_itl_ms, line={"color": SLO_COLOR, "dash": "dash"},
+            annotation_text=f"ITL SLO {slo_itl_ms:g} ms", annotation_position="top right",
+        )  # fmt: skip
+    if slo_ttft_ms is not None:
+        fig.add_vline(
+            x=slo_ttft_ms, line={"color": SLO_COLOR, "dash": "dash"},
+            annotation_text=f"TTFT SLO {slo_ttft_ms:g} ms", annotation_position="top right",
+        )  # fmt: skip
+    if recommended_budget is not None:
+        source = measured if recommendation_source != "predicted" and measured else predicted
+        point = next((w for w in source if w.get("budget") == recommended_budget), None)
+        x = _num(point.get("ttft_p99_ms")) if point else None
+        y = _num(point.get("itl_p99_ms")) if point else None
+        if x is not None and y is not None:
+            fig.add_trace(
+                go.Scatter(
+                    x=[x],
+                    y=[y],
+                    mode="markers",
+                    marker={
+                        "size": 26,
+                        "color": "rgba(0,0,0,0)",
+                        "line": {"width": 3, "color": RECOMMENDED_COLOR},
+                    },
+                    name=f"recommended: {recommended_budget}",
+                    hoverinfo="skip",
+                )
+            )
+    return fig
+
+
+def sweep_table(
+    measured: Sequence[Mapping[str, Any]], predicted: Sequence[Mapping[str, Any]]
+) -> pd.DataFrame:
+    """One row per budget: measured and predicted figures side by side."""
+    budgets = sorted({int(w["budget"]) for w in [*measured, *predicted]})
+    m = {int(w["budget"]): w for w in measured}
+    p = {int(w["budget"]): w for w in predicted}
+    rows = []
+    for b in budgets:
+        row: dict[str, Any] = {"budget": b}
+        for key in FIGURES:
+            if measured:
+                row[key] = _num(m.get(b, {}).get(key))
+            if predicted:
+                row[f"predicted {key}"] = _num(p.get(b, {}).get(key))
+        rows.append(row)
+    return pd.DataFrame(rows)
