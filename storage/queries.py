@@ -201,6 +201,24 @@ def _runs(conn: Any, engine_id: str | None, run_id: str | None) -> list[_Run]:
     return [_Run(row._mapping) for row in conn.execute(q.order_by(r.c.started, r.c.id))]
 
 
+def _fetch(conn: Any, stmt: Any) -> list[tuple[Any, ...]]:
+    """All rows of ``stmt`` as plain tuples, through the driver's cursor: for the wide reads
+    (thousands of rows with packed columns) SQLAlchemy's result rows cost more than the SQL."""
+    compiled = stmt.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
+    params = compiled.construct_params()
+    args: Any = (
+        tuple(params[name] for name in compiled.positiontup)
+        if compiled.positional and compiled.positiontup is not None
+        else params
+    )
+    cursor = conn.connection.cursor()
+    try:
+        cursor.execute(str(compiled), args)
+        return cursor.fetchall()
+    finally:
+        cursor.close()
+
+
 def _window(col: Any, lo: int | None, hi: int | None) -> list[Any]:
     conds = []
     if lo is not None:
@@ -333,7 +351,7 @@ def steps(
                 q = select(*cols).where(*conds).order_by(s.c.step.desc()).limit(int(limit))
             else:
                 q = q.order_by(s.c.step)
-            rows = conn.execute(q).all()
+            rows = _fetch(conn, q)
             if not rows:
                 continue
             df = pd.DataFrame(rows, columns=[c.name for c in cols])
@@ -363,11 +381,12 @@ def step_chunks(
     frames = []
     with db.connect() as conn:
         for run in _runs(conn, engine_id, run_id):
-            rows = conn.execute(
+            rows = _fetch(
+                conn,
                 select(s.c.step, s.c.num_chunks, s.c.chunks)
                 .where(s.c.run_key == run.key, s.c.step >= step_from, s.c.step <= step_to)
-                .order_by(s.c.step)
-            ).all()
+                .order_by(s.c.step),
+            )
             if not rows:
                 continue
             counts = np.fromiter((r[1] for r in rows), dtype=np.int64, count=len(rows))
@@ -476,11 +495,12 @@ def _token_records(
     conds += _window(s.c.start_ns, lo, hi)
     if after_ns is not None:
         conds += [s.c.start_ns >= after_ns - _MAX_STEP_NS, s.c.end_ns > after_ns]
-    rows = conn.execute(
+    rows = _fetch(
+        conn,
         select(s.c.step, s.c.end_ns, s.c.num_tokens_out, s.c.tokens)
         .where(*conds)
-        .order_by(s.c.start_ns)
-    ).all()
+        .order_by(s.c.start_ns),
+    )
     if not rows:
         empty = np.empty(0, dtype=np.int64)
         return unpack_tokens([]), empty, empty
