@@ -119,6 +119,16 @@ def run_collector(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"python -m storage: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the port is taken, the data folder cannot be written, ...
+        print(f"python -m storage: cannot listen or open the store: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        from sqlalchemy.exc import SQLAlchemyError
+
+        if not isinstance(exc, SQLAlchemyError):
+            raise
+        print(f"python -m storage: cannot open the store {config.db_url!r}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -167,28 +167,32 @@ class Collector:
     # -- life cycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Migrate the store, start the writer, listen. Raises (having cleaned up) when the
+        store cannot be opened or the port cannot be bound."""
         self._loop = asyncio.get_running_loop()
         self._drained = asyncio.Event()
         db = dbm.connect(self.config.db_url)
         await asyncio.to_thread(dbm.migrate, db)
         self._writer = Writer(db, self._on_commit_threadsafe)
         await asyncio.to_thread(self._writer.start)
-        self._server = await serve(
-            self._handle,
-            self.config.host,
-            self.config.port,
-            process_request=self._process_request,
-            max_size=self.config.max_frame_bytes,
-            max_queue=64,
-            compression=None,
-            ping_interval=20,
-            ping_timeout=60,
-        )
-        logger.info(
-            "collector listening on %s, store %s",
-            self.url,
-            db.url.render_as_string(hide_password=True),
-        )
+        try:
+            self._server = await serve(
+                self._handle,
+                self.config.host,
+                self.config.port,
+                process_request=self._process_request,
+                max_size=self.config.max_frame_bytes,
+                max_queue=64,
+                compression=None,
+                ping_interval=20,
+                ping_timeout=60,
+            )
+        except BaseException:
+            await asyncio.to_thread(self._writer.stop)
+            self._writer = None
+            raise
+        store = db.url.render_as_string(hide_password=True)
+        logger.info("serving on %s, store %s", self.url, store)
 
     @property
     def port(self) -> int:

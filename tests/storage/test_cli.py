@@ -75,3 +75,18 @@ def test_control_cli_without_collector(capsys: Any) -> None:
 def test_chunkscope_usage_lists_collector(capsys: Any) -> None:
     assert chunkscope_main(["--help"]) == 0
     assert "collector" in capsys.readouterr().out
+
+
+def test_unreachable_store_and_taken_port(tmp_path: Any, capsys: Any) -> None:
+    import socket
+
+    url = "postgresql+psycopg://nobody@127.0.0.1:9/none?connect_timeout=2"
+    assert main(["--db", url, "--port", "0"]) == 1
+    assert "cannot open the store" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        db = f"sqlite:///{tmp_path / 'x.db'}"
+        assert main(["--db", db, "--port", str(port)]) == 1
+    assert "cannot listen" in capsys.readouterr().err
