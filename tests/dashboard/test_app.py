@@ -29,7 +29,10 @@ def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
     db_url = f"sqlite:///{tmp_path_factory.mktemp('store') / 'chunkscope.db'}"
     collector = start_collector(db_url)
     try:
-        run = SynthRun()
+        other = SynthRun(engine_id="engine-other", run_id="run-other", change_at_step=None)
+        other.num_steps = 60
+        send_run(collector.url, other)
+        run = SynthRun()  # sent last: the newest run, selected by default
         assert send_run(collector.url, run) == len(run.events()) + 1  # + goodbye
         yield collector.url, db_url
     finally:
@@ -74,6 +77,23 @@ def test_live_page_draws_every_chart_with_the_budget_change(
     assert any("disconnected" in c for c in _texts(at, "caption"))
     summary = at.dataframe[0].value
     assert set(summary["traffic_class"]) == {"chat", "rag", "all"}
+
+
+def test_all_engines_shows_every_run(
+    seeded: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    at = _app(monkeypatch, *seeded).run()
+    picker = at.sidebar.selectbox(key="engine_choice")
+    assert picker.options[-1] == "All engines" and len(picker.options) == 3
+    assert picker.value.startswith("engine-test · run-test-1")
+    picker.set_value("All engines").run()
+    assert not at.exception
+    assert any(c.startswith("**All engines**") for c in _texts(at, "caption"))
+    window = at.session_state["live_window"]
+    assert set(window.steps["run_id"]) == {"run-test-1", "run-other"}
+    for page in PAGES[1:]:
+        at.switch_page(page).run()
+        assert not at.exception, (page, at.exception)
 
 
 def test_every_page_renders_the_seeded_store(

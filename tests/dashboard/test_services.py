@@ -1,0 +1,87 @@
+"""The traffic launcher's command line and lifecycle (against loadgen's mock server), and the
+attach-mode stack."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dashboard.processes import ManagedProcess, python_argv
+from dashboard.services import PROFILES, Stack, TrafficLauncher, loadgen_argv
+from dashboard.settings import parse_settings
+
+
+def test_loadgen_argv_carries_the_preset() -> None:
+    argv = loadgen_argv(
+        "http://127.0.0.1:8000", "mixed", rate=1.5, duration=60, seed=7, out=Path("/tmp/x.json")
+    )
+    assert argv[:3] == [sys.executable, "-m", "loadgen"]
+    flags = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert flags["--url"] == "http://127.0.0.1:8000" and flags["--profile"] == "mixed"
+    assert (flags["--rate"], flags["--duration"], flags["--seed"]) == ("1.5", "60", "7")
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    assert sets == list(PROFILES["mixed"].overrides)
+    assert "mixed.vlm_share=0" in sets
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"profile": "bulk"}, "profile must be one of"),
+        ({"rate": 0}, "rate must be > 0"),
+        ({"duration": -1}, "duration must be > 0"),
+        ({"url": "127.0.0.1:8000"}, "http://HOST:PORT"),
+    ],
+)
+def test_loadgen_argv_refuses_bad_values(kwargs: dict, reason: str) -> None:
+    args = {"url": "http://h:1", "profile": "chat", "rate": 1.0, "duration": 1.0}
+    args.update(kwargs)
+    url, profile = args.pop("url"), args.pop("profile")
+    with pytest.raises(ValueError, match=reason):
+        loadgen_argv(url, profile, seed=0, out=Path("x.json"), **args)
+
+
+@pytest.fixture
+def mock_server(tmp_path: Path):
+    p = ManagedProcess(
+        "mock", python_argv("loadgen.mockserver", "--port", "0"), tmp_path / "mock.log"
+    ).start()
+    try:
+        yield p.wait_ready(re.compile(r"mock listening on (http://\S+)"), timeout=60)
+    finally:
+        p.stop()
+
+
+def test_launcher_runs_to_the_end_and_writes_its_result(tmp_path: Path, mock_server: str) -> None:
+    lch = TrafficLauncher(tmp_path)
+    assert lch.state() == "idle"
+    lch.start(mock_server, "chat", rate=5.0, duration=1.0)
+    assert lch.running and lch.state().startswith("running: chat at 5 req/s for 1 s")
+    with pytest.raises(RuntimeError, match="already going"):
+        lch.start(mock_server, "chat", rate=5.0, duration=1.0)
+    assert lch.run is not None and lch.run.proc is not None
+    lch.run.proc.wait(timeout=120)
+    assert lch.state().startswith("done: chat")
+    results = list((tmp_path / "loadgen").glob("*.json"))
+    assert len(results) == 1 and json.loads(results[0].read_text())
+
+
+def test_launcher_stop_interrupts_a_run(tmp_path: Path, mock_server: str) -> None:
+    lch = TrafficLauncher(tmp_path)
+    lch.start(mock_server, "chat", rate=2.0, duration=600.0)
+    time.sleep(1.0)
+    lch.stop()
+    assert not lch.running
+    assert lch.state().startswith("stopped: chat")
+
+
+def test_attach_mode_starts_nothing(tmp_path: Path) -> None:
+    s = parse_settings(["--collector", "ws://127.0.0.1:9", "--db", "sqlite:////tmp/none.db"])
+    stack = Stack(s).start()
+    assert not stack.embedded and not stack.starting and stack.children() == []
+    assert (stack.collector_url, stack.db_url) == ("ws://127.0.0.1:9", "sqlite:////tmp/none.db")
