@@ -27,6 +27,8 @@ class EngineConfig:
     ``max_token_budget`` is the ceiling a live change may reach (buffers are never resized).
     ``num_kv_blocks`` fixes the KV cache size; otherwise ``kv_memory_fraction`` of the device's
     memory (GPU) or a default of 64 MiB-per-layer-scale heuristics (CPU) is used.
+    ``cpu_threads`` is torch's intra-op thread count for the process that steps (None: torch's
+    own choice, one per core); the server's engine core leaves one core to the HTTP side.
     """
 
     model: str = "tiny"
@@ -46,6 +48,7 @@ class EngineConfig:
     seed: int = 0
     engine_id: str | None = None
     image_token_cap: int = 1280
+    cpu_threads: int | None = None
 
     def validate(self) -> EngineConfig:
         if not isinstance(self.model, str) or not self.model:
@@ -74,6 +77,8 @@ class EngineConfig:
                 f"attention_backend must be auto, sdpa or flash, got {self.attention_backend!r}"
             )
         _check_int("image_token_cap", self.image_token_cap, 4)
+        if self.cpu_threads is not None:
+            _check_int("cpu_threads", self.cpu_threads, 1, 1024)
         return self
 
     def to_dict(self) -> dict[str, Any]:

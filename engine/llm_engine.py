@@ -15,6 +15,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from engine.admission import QueueFullError, check_queue, check_request
 from engine.config import EngineConfig
 from engine.engine_setup import build_parts, resolve_device, resolve_dtype  # resolve_*: re-export
@@ -44,6 +46,8 @@ class StepResult:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config.validate()
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self.clock_anchor = ClockAnchor.now()
         self.engine_id = config.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         parts = build_parts(config, self.engine_id)

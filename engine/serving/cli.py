@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -13,8 +14,10 @@ from typing import Any
 from engine.multimodal import DEFAULT_MAX_IMAGE_BYTES
 from engine.serving.app import build_app
 from engine.serving.client import EngineClient, EngineStartError
+from engine.serving.core import freeze_startup_objects
 from engine.serving.serve import bind_socket, uvicorn_server
 from engine.serving.state import DEFAULT_MAX_BODY_BYTES
+from engine.serving.transport import default_core_threads
 
 READY_LINE = "chunkscope engine listening on http://{host}:{port}"
 
@@ -66,6 +69,10 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
                           "help": "largest request body accepted; larger gets 413"}),
     ("--max-image-bytes", {"type": int, "default": DEFAULT_MAX_IMAGE_BYTES,
                            "help": "largest encoded image accepted; larger gets 400"}),
+    ("--cpu-threads", {"type": int, "default": None,
+                       "help": "torch threads the engine core steps with (default: one per "
+                       "usable CPU but one, which is left to the HTTP side: a step split over "
+                       "every CPU waits for whichever thread the server preempts)"}),
     ("--engine-in-thread", {"action": "store_true",
                             "help": "run the engine core on a thread of the HTTP server process "
                             "instead of in its own process (by default the engine core runs "
@@ -119,6 +126,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         seed=args.seed,
         engine_id=args.engine_id,
         image_token_cap=args.image_token_cap,
+        cpu_threads=args.cpu_threads,
     ).validate()
 
 
@@ -148,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _start_engine(config: Any, *, in_thread: bool) -> EngineClient:
+    if config.cpu_threads is None:  # either way the HTTP side needs a CPU of its own
+        config = dataclasses.replace(config, cpu_threads=default_core_threads())
     return EngineClient.in_thread(config) if in_thread else EngineClient.spawn(config)
 
 
@@ -172,6 +182,7 @@ def _serve(engine: EngineClient, args: argparse.Namespace) -> int:
     port = int(sock.getsockname()[1])
     server = uvicorn_server(app, "warning" if args.log_level != "debug" else "debug")
     _announce_when_started(server, READY_LINE.format(host=args.host, port=port))
+    freeze_startup_objects()  # this process only serves from here on: no full-GC pauses
     server.run(sockets=[sock])
     return 0
 

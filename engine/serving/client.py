@@ -57,6 +57,7 @@ class EngineClient:
         self.max_token_budget = info.max_token_budget
         self.limits = info.limits
         self.clock_anchor = info.clock_anchor  # the core's: maps its event times to wall time
+        self.cpu_threads = info.cpu_threads  # torch threads the core steps with
         self.tokenizer = transport.tokenizer or make_tokenizer(
             info.tokenizer_folder, info.limits.vocab_size, info.eos_token_id
         )
@@ -80,7 +81,13 @@ class EngineClient:
         self._writer.start()
         self._reader.start()
         atexit.register(self.shutdown)  # before multiprocessing's own exit hook kills the child
-        logger.info("engine core running (%s, pid %d, %s)", self.mode, self.pid, self.engine_id)
+        logger.info(
+            "engine core running (%s, pid %d, %s, %s torch threads)",
+            self.mode,
+            self.pid,
+            self.engine_id,
+            self.cpu_threads,
+        )
 
     @classmethod
     def spawn(cls, config: EngineConfig, **kw: Any) -> EngineClient:

@@ -10,8 +10,10 @@ the same core loop on a thread behind two in-process queues: for tests that insp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -23,6 +25,28 @@ from engine.serving.core import Channel, core_info, run_core_process, serve_engi
 logger = logging.getLogger(__name__)
 
 _EOF = object()
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask; the CPU count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_core_threads(cpus: int | None = None) -> int:
+    """torch intra-op threads for an engine core behind a server: every usable CPU but one.
+
+    The core's parallel regions (matmuls, attention) split work evenly over their threads and
+    end when the slowest thread does. The HTTP process (streams, detokenizing, telemetry) and
+    the clients on the same host need CPU after every step; with a thread per CPU they preempt
+    one of the core's threads mid-region and the whole step waits for it (and a spinning
+    sibling takes CPU from the server in turn). One CPU left to them keeps a step's time its
+    work's (vLLM's CPU backend reserves a CPU for its API server for the same reason).
+    """
+    n = usable_cpus() if cpus is None else cpus
+    return max(1, n - 1)
 
 
 class QueueChannel:
@@ -77,7 +101,10 @@ class ProcessTransport:
     kind = "process"
 
     def __init__(self, config: EngineConfig, *, log_level: int | None = None) -> None:
-        self.config = config.validate()
+        config = config.validate()
+        if config.cpu_threads is None:  # leave a CPU to the server process
+            config = dataclasses.replace(config, cpu_threads=default_core_threads())
+        self.config = config
         self.engine: Any = None  # lives in the child
         self.tokenizer: Any = None  # the client builds its own from CoreInfo
         ctx = multiprocessing.get_context("spawn")
