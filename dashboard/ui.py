@@ -199,9 +199,10 @@ def _status_panel() -> None:
         )
         if stk.starting:
             st.info("Starting the collector and the engine…")
-        rows = stk.describe()
-        if rows:
-            st.dataframe(pd.DataFrame(rows), hide_index=True)
+        for row in stk.describe():
+            st.markdown(
+                f"**{row['process']}** · {row['state']} · pid {row['pid']}  \n`{row['address']}`"
+            )
         if stk.error:
             st.error(f"Embedded stack: {stk.error.splitlines()[0]}")
             with st.expander("log"):

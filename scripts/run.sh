@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 exec .venv/bin/python -m streamlit run dashboard --server.address 127.0.0.1 \
-  --server.headless true --browser.gatherUsageStats false "$@"
+  --server.headless true --browser.gatherUsageStats false --client.toolbarMode viewer "$@"

@@ -57,13 +57,16 @@ step = int(
 lo, hi = max(0, step - NEIGHBOURS), min(last, step + NEIGHBOURS)
 try:
     chunks = data.step_chunks(ctx.db_url, ctx.engine_id, ctx.run_id, lo, hi)
-    around = data.steps(ctx.db_url, ctx.engine_id, ctx.run_id)
 except data.StoreUnavailable as exc:
     st.warning(str(exc))
     st.stop()
 st.plotly_chart(charts.chunk_layout_figure(chunks, selected_step=step), key="step_layout")
-this = around[around["step"] == step] if not around.empty else around
-if not this.empty:
+# the step's own numbers come from the timeline already read (the last 30 s): the store's step
+# query selects by time, and reading a whole run to find one old step would be slow
+this = recent[recent["step"] == step] if not recent.empty else recent
+if this.empty:
+    st.caption("Budget, duration and queue numbers are shown for steps of the last 30 s.")
+else:
     r = this.iloc[0]
     cols = st.columns(5)
     cols[0].metric("budget", int(r["token_budget"]))

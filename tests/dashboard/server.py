@@ -82,7 +82,7 @@ class StreamlitServer:
             sys.executable, "-m", "streamlit", "run", "dashboard",
             "--server.address", "127.0.0.1", "--server.port", str(self.port),
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
-            "--server.fileWatcherType", "none",
+            "--server.fileWatcherType", "none", "--client.toolbarMode", "viewer",
         ]  # fmt: skip
         if self.args:
             argv += ["--", *self.args]
