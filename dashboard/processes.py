@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import ctypes
+import functools
 import logging
 import os
 import queue
@@ -42,12 +43,14 @@ ENGINE_READY = re.compile(r"chunkscope engine listening on (https?://[^\s,]+)")
 STOP_GRACE_S = 5.0
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except OSError:
         pass
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
     os.setsid()
 
 
@@ -131,6 +134,8 @@ class ManagedProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it after the fork
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
 
+        parent = os.getpid()
+
         def spawn() -> subprocess.Popen[bytes]:
             return subprocess.Popen(
                 self.argv,
@@ -138,7 +143,7 @@ class ManagedProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=full_env,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - from the spawner thread only
+                preexec_fn=functools.partial(_die_with_parent, parent),  # spawner thread only
                 close_fds=True,
             )
 
