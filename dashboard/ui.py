@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -35,8 +36,7 @@ def _settings(argv: tuple[str, ...], env_key: tuple[tuple[str, str], ...]) -> Se
 
 
 def settings() -> Settings:
-    import os
-
+    """This server's settings (keyed on the flags and ``CHUNKSCOPE_*`` variables)."""
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("CHUNKSCOPE_")))
     return _settings(tuple(script_args()), env)
 
