@@ -87,10 +87,13 @@ def table(doc: dict[str, Any]) -> str:
     fit = doc["fit"]
     m = fit["model"]
     lines = [
-        f"cost model ({fit['num_steps']} steps): step = {m['const'] * 1e3:.3g} ms "
+        f"cost model ({fit['num_steps']} steps, {fit.get('num_outliers', 0)} outliers left out): "
+        f"step = {m['const'] * 1e3:.3g} ms "
         f"+ {m['prefill'] * 1e6:.3g} us/prefill token + {m['decode'] * 1e6:.3g} us/decode token "
         f"+ {m['attn'] * 1e9:.3g} ns/attention pair; relative error p50 "
-        f"{100 * m['rel_err_p50']:.1f}% p95 {100 * m['rel_err_p95']:.1f}%, R^2 {m['r2']:.3f}; "
+        f"{100 * m['rel_err_p50']:.1f}% p95 {100 * m['rel_err_p95']:.1f}%, R^2 {m['r2']:.3f} "
+        f"(all steps: p50 {100 * fit.get('rel_err_p50_all', 0):.1f}% "
+        f"p95 {100 * fit.get('rel_err_p95_all', 0):.1f}%); "
         f"pause between steps {fit['step_gap_s'] * 1e3:.2f} ms",
         f"traffic: {doc['traffic']['classes'].get('all', {}).get('num_requests', 0)} requests "
         f"over {doc['traffic']['duration_s']:.0f} s",

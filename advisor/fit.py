@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
-from engine.cost_model import CostModel, StepWork, fit
+from engine.cost_model import FEATURES, CostModel, StepWork, fit
 from storage import queries
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,9 @@ class FitReport:
     step_gap_p90_s: float
     selection: dict[str, Any] = field(default_factory=dict)
     noise: NoiseModel | None = None
+    num_outliers: int = 0  # steps left out of the least squares (see ``robust_fit``)
+    rel_err_p50_all: float = 0.0  # relative error over every step, outliers included
+    rel_err_p95_all: float = 0.0
 
     def step_seconds(self, work: StepWork) -> float:
         """Predicted seconds of a step doing ``work`` (never below zero)."""
@@ -102,6 +105,9 @@ class FitReport:
             step_gap_p90_s=float(d.get("step_gap_p90_s", d["step_gap_s"])),
             selection=dict(d.get("selection") or {}),
             noise=NoiseModel(**noise) if isinstance(noise, dict) else None,
+            num_outliers=int(d.get("num_outliers", 0)),
+            rel_err_p50_all=float(d.get("rel_err_p50_all", 0.0)),
+            rel_err_p95_all=float(d.get("rel_err_p95_all", 0.0)),
         )
 
 
@@ -173,6 +179,38 @@ def load_steps(
     return merged
 
 
+TRIM_K = 3.0  # robust standard deviations of log(measured / predicted) kept
+TRIM_ROUNDS = 4
+
+
+def robust_fit(works: list[StepWork], measured: np.ndarray) -> tuple[CostModel, np.ndarray]:
+    """Least squares on the steps that behave like the model: fit, drop the steps whose
+    log(measured / predicted) is more than ``TRIM_K`` robust standard deviations (1.4826 MAD)
+    from the median, refit, a few rounds. A step that another process or a pause stretched tenfold
+    says nothing about what the work costs, and least squares would let it pull every
+    coefficient (the scatter it stands for is kept by the noise model instead). Returns the model
+    and the mask of the steps it was fitted on."""
+    n = len(works)
+    keep = np.ones(n, dtype=bool)
+    model = fit(works, measured.tolist())
+    for _ in range(TRIM_ROUNDS):
+        pred = model.predict_many(works)
+        ok = (pred > 0) & (measured > 0)
+        lr = np.full(n, np.inf)
+        lr[ok] = np.log(measured[ok] / pred[ok])
+        ref = lr[keep & np.isfinite(lr)]
+        if ref.size < len(FEATURES):
+            break
+        med = float(np.median(ref))
+        sigma = max(1.4826 * float(np.median(np.abs(ref - med))), 0.01)
+        new = np.isfinite(lr) & (np.abs(lr - med) <= TRIM_K * sigma)
+        if new.sum() < len(FEATURES) or np.array_equal(new, keep):
+            break
+        keep = new
+        model = fit([w for w, k in zip(works, keep, strict=True) if k], measured[keep].tolist())
+    return model, keep
+
+
 def fit_steps(steps: pd.DataFrame, selection: dict[str, Any] | None = None) -> FitReport:
     """Fit the cost model to steps as returned by :func:`load_steps`."""
     usable = steps[(steps["end_ns"] >= steps["start_ns"]) & (steps["num_scheduled_tokens"] > 0)]
@@ -188,21 +226,27 @@ def fit_steps(steps: pd.DataFrame, selection: dict[str, Any] | None = None) -> F
         )
     ]
     measured = (usable["end_ns"] - usable["start_ns"]).to_numpy(dtype=np.int64) / 1e9
-    model = fit(works, measured.tolist())
+    model, inliers = robust_fit(works, measured)
     gaps = busy_gaps_s(steps)
     predicted = model.predict_many(works)
+    rel_all = np.abs(predicted - measured) / np.maximum(measured, 1e-9)
     report = FitReport(
         model=model,
         num_steps=len(works),
+        num_outliers=int((~inliers).sum()),
+        rel_err_p50_all=float(np.percentile(rel_all, 50)),
+        rel_err_p95_all=float(np.percentile(rel_all, 95)),
         step_gap_s=float(np.median(gaps)) if gaps.size else 0.0,
         step_gap_p90_s=float(np.percentile(gaps, 90)) if gaps.size else 0.0,
         selection=dict(selection or {}),
         noise=noise_model(predicted, measured, gaps),
     )
     logger.info(
-        "cost model from %d steps: const %.3g s, prefill %.3g s/token, decode %.3g s/token, "
-        "attention %.3g s/pair; relative error p50 %.1f%% p95 %.1f%%, R^2 %.3f; gap %.3g s",
+        "cost model from %d steps (%d outliers left out): const %.3g s, prefill %.3g s/token, "
+        "decode %.3g s/token, attention %.3g s/pair; relative error p50 %.1f%% p95 %.1f%%, "
+        "R^2 %.3f; gap %.3g s",
         report.num_steps,
+        report.num_outliers,
         model.const,
         model.prefill,
         model.decode,

@@ -68,3 +68,33 @@ def test_report_round_trips_with_its_noise() -> None:
     assert gap == 100_000
     step, gap = step_timing(back, step_gap=False)
     assert gap == 0
+
+
+def test_robust_fit_leaves_out_stretched_steps() -> None:
+    from advisor.fit import robust_fit
+
+    true = CostModel(const=2e-3, prefill=50e-6, decode=300e-6, attn=2e-9)
+    rng = random.Random(5)
+    works = []
+    for _ in range(2000):
+        n = rng.randint(0, 512)
+        d = rng.randint(0, 32)
+        s = rng.randint(0, 3000)
+        works.append(StepWork(n, d, n * s + n * (n + 1) // 2 + d * s))
+    measured = np.array([true.predict(w) * rng.uniform(0.95, 1.05) for w in works])
+    stretched = np.array([rng.random() < 0.05 for _ in works])
+    measured[stretched] *= 10.0  # another process took the cores for these steps
+    model, inliers = robust_fit(works, measured)
+    assert not inliers[stretched].any() and inliers[~stretched].mean() > 0.99
+    for got, want in ((model.const, true.const), (model.prefill, true.prefill)):
+        assert abs(got - want) / want < 0.05
+    assert abs(model.decode - true.decode) / true.decode < 0.05
+    assert abs(model.attn - true.attn) / true.attn < 0.05
+    plain = fit_plain(works, measured)
+    assert abs(plain.const - true.const) / true.const > 0.2  # what least squares alone does
+
+
+def fit_plain(works: list[StepWork], measured: np.ndarray) -> CostModel:
+    from engine.cost_model import fit
+
+    return fit(works, measured.tolist())
