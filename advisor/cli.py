@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="bare predicted step times (no measured scatter; the median pause between steps)",
     )
     pr.add_argument("--seed", type=int, default=0, help="seeds the drawn scatter")
+    pr.add_argument(
+        "--warmup-s",
+        type=float,
+        default=0.0,
+        help="measure from --since plus this many seconds (like a sweep window's warm-up)",
+    )
     pr.add_argument("--out", metavar="FILE.json", help="write the prediction document here")
     pr.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
@@ -135,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             step_gap=args.step_gap,
             noise=args.noise,
             seed=args.seed,
+            warmup_s=args.warmup_s,
         )
     except (FitError, ValueError) as exc:
         print(f"advisor: {exc}", file=sys.stderr)

@@ -42,10 +42,12 @@ def predict_from_store(
     step_gap: bool = True,
     noise: bool = True,
     seed: int = 0,
+    warmup_s: float = 0.0,
     max_steps: int | None = 2_000_000,
 ) -> dict[str, Any]:
-    """Predicted figures per budget for the traffic of [since, until], step times from a fit
-    on the steps of [fit_since, fit_until] (default: the same window)."""
+    """Predicted figures per budget for the traffic of [since, until], measured from
+    ``since + warmup_s`` (as a sweep window discards its warm-up), step times from a fit on the
+    steps of [fit_since, fit_until] (default: the same window)."""
     from storage import db as dbm
 
     slo = slo or Slo()
@@ -67,6 +69,7 @@ def predict_from_store(
         step_gap=step_gap,
         noise=noise,
         seed=seed,
+        warmup_s=warmup_s,
         max_steps=max_steps,
         selection={
             "db": _redact(db_url),
@@ -90,6 +93,7 @@ def predict_traffic(
     step_gap: bool = True,
     noise: bool = True,
     seed: int = 0,
+    warmup_s: float = 0.0,
     max_steps: int | None = 2_000_000,
     selection: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -107,6 +111,7 @@ def predict_traffic(
         timing=lambda: step_timing(report, step_gap=step_gap, noise=noise, seed=seed),
         warm_prefixes=warm,
         max_steps=max_steps,
+        window_ns=(round(warmup_s * 1e9), max(round(traffic.duration_s * 1e9), 1)),
     )
     sim_s = time.perf_counter() - t0
     rec = recommend(windows, slo, "predicted")
@@ -118,6 +123,7 @@ def predict_traffic(
         "engine_shape": shape_dict(shape),
         "traffic": traffic.summary(),
         "slo": {"itl_p99_ms": slo.itl_ms, "ttft_p99_ms": slo.ttft_ms},
+        "measured_from_s": warmup_s,
         "simulation_s": sim_s,
         "windows": windows,
         "pareto_budgets": front_budgets(windows),

@@ -350,10 +350,11 @@ def predict_budgets(
     warm_prefixes: Sequence[Sequence[int]] = (),
     itl_class: str = ITL_CLASS,
     max_steps: int | None = None,
+    window_ns: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
-    """One figures dict per budget (``budget`` first), each from its own simulation;
-    ``timing()`` gives each simulation its (step time, pause) functions afresh (so that seeded
-    draws are the same at every budget)."""
+    """One figures dict per budget (``budget`` first), each from its own simulation over
+    ``window_ns`` (default: first to last arrival); ``timing()`` gives each simulation its
+    (step time, pause) functions afresh (so that seeded draws are the same at every budget)."""
     out = []
     for b in budgets:
         step_ns, gap_ns = timing()
@@ -366,5 +367,8 @@ def predict_budgets(
             warm_prefixes=warm_prefixes,
             max_steps=max_steps,
         )
-        out.append({"budget": int(b), **figures(res, itl_class=itl_class)})
+        lo, hi = window_ns if window_ns is not None else (None, None)
+        out.append(
+            {"budget": int(b), **figures(res, since_ns=lo, until_ns=hi, itl_class=itl_class)}
+        )
     return out

@@ -35,7 +35,7 @@ import secrets
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,8 @@ from loadgen.profiles import Profiles, apply_override, validate
 from loadgen.record import RequestRecord
 from loadgen.report import write_json
 from loadgen.runner import execute, prefetch_images, probe_prompt_format, probe_server
-from loadgen.tokens import TokenSource
+from loadgen.spec import RequestSpec, reindex
+from loadgen.tokens import Segment, TokenSource
 from loadgen.traces import FORMATS
 from loadgen.workload import PROFILES
 
@@ -190,6 +191,27 @@ def predicted_windows(windows: Sequence[Mapping[str, Any]]) -> list[dict[str, An
     ]
 
 
+def repeat_plan(specs: Sequence[RequestSpec], n: int, window_s: float) -> list[RequestSpec]:
+    """The plan of one window replayed in ``n`` windows: the same offsets (shifted), classes and
+    lengths, with fresh token content and images in each window (segment keys and image
+    variants renamed per window), so no window finds the previous one's prefixes cached."""
+    out = []
+    for k in range(n):
+        for s in specs:
+            out.append(
+                replace(
+                    s,
+                    offset_s=s.offset_s + k * window_s,
+                    segments=tuple(
+                        Segment(f"{g.key}/w{k}", g.length, g.shared) for g in s.segments
+                    ),
+                    images=tuple(im._replace(variant=im.variant + 1000 * k) for im in s.images),
+                    meta={**s.meta, "window": k},
+                )
+            )
+    return reindex(out)
+
+
 # ---- control ----------------------------------------------------------------------------------
 
 
@@ -271,7 +293,11 @@ async def run_sweep(
         model = args.model or info.model or "default"
         total_s = len(budgets) * args.window_s
         try:
-            specs, trace_info = _plan(_plan_args(args, total_s), profiles, ctx)
+            if args.same_traffic:
+                one, trace_info = _plan(_plan_args(args, args.window_s), profiles, ctx)
+                specs = repeat_plan(one, len(budgets), args.window_s)
+            else:
+                specs, trace_info = _plan(_plan_args(args, total_s), profiles, ctx)
         except (ValueError, OSError) as exc:
             raise PlanError(str(exc)) from exc
         cfg = ClientConfig(
@@ -459,6 +485,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative,
         default=15.0,
         help="seconds discarded at the start of each window",
+    )
+    p.add_argument(
+        "--same-traffic",
+        action="store_true",
+        help="every window replays the traffic planned for the first (same arrivals and "
+        "lengths, fresh prompt tokens): budgets compared on the same requests",
     )
     p.add_argument("--slo-itl-ms", type=_positive(float), help="SLO on the p99 ITL")
     p.add_argument("--slo-ttft-ms", type=_positive(float), help="SLO on the p99 TTFT")

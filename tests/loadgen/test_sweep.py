@@ -16,13 +16,16 @@ from engine.events import ControlEvent, StepEvent
 from engine.serving import ServerHandle, serve_in_thread
 from loadgen.cli import main
 from loadgen.record import RequestRecord
+from loadgen.spec import ImageRef, RequestSpec
 from loadgen.sweep import (
     Window,
     attach_predictions,
     measured_windows,
     predicted_windows,
+    repeat_plan,
     window_figures,
 )
+from loadgen.tokens import Segment
 
 TOKEN = "sweep-token"
 
@@ -97,6 +100,23 @@ def test_predictions_side_by_side() -> None:
             "tokens_per_s": 10.0,
         }
     ]
+
+
+def test_repeat_plan_replays_one_window_with_fresh_content() -> None:
+    one = [
+        RequestSpec(0, "chat", 0.5, 10, (Segment("chat/system", 16, True), Segment("chat/u0", 5))),
+        RequestSpec(1, "vlm", 1.5, 7, images=(ImageRef(64, 48, "png", 3),), text="look"),
+    ]
+    plan = repeat_plan(one, 3, 10.0)
+    assert [(s.index, s.traffic_class, s.offset_s) for s in plan] == [
+        (0, "chat", 0.5), (1, "vlm", 1.5), (2, "chat", 10.5), (3, "vlm", 11.5),
+        (4, "chat", 20.5), (5, "vlm", 21.5),
+    ]  # fmt: skip
+    assert [g.key for g in plan[2].segments] == ["chat/system/w1", "chat/u0/w1"]
+    assert plan[2].segments[0].shared and plan[2].prompt_len == one[0].prompt_len
+    assert [im.variant for im in (plan[1].images[0], plan[3].images[0])] == [3, 1003]
+    assert plan[4].meta == {"window": 2} and plan[4].max_tokens == 10
+    assert one[0].offset_s == 0.5 and one[0].segments[0].key == "chat/system"  # untouched
 
 
 def test_sweep_never_imports_torch_or_engine() -> None:
@@ -196,6 +216,7 @@ def test_short_sweep_against_the_tiny_engine(server: ServerHandle, tmp_path: Pat
             "3",
             "--budgets",
             "32,512",
+            "--same-traffic",
             "--window-s",
             "4",
             "--warmup-s",
