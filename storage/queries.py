@@ -602,6 +602,12 @@ def token_times(
 # ---- summaries --------------------------------------------------------------------------------
 
 
+def _codes(classes: list[Any], code_of: Any) -> np.ndarray:
+    """Class codes of a list of class names (None included), one dict lookup each."""
+    mapping = {c: code_of(c) for c in set(classes)}
+    return np.fromiter((mapping[c] for c in classes), dtype=np.int64, count=len(classes))
+
+
 def _pcts(values: np.ndarray, qs: list[float]) -> list[float | None]:
     values = values[~np.isnan(values)]
     if not values.size:
@@ -653,12 +659,15 @@ def latency_summary(
                 r_lo, r_hi = int(req.min()), int(req.max())
                 codes = np.zeros(r_hi - r_lo + 1, dtype=np.int64)
                 codes[:] = code_of(None)
-                for req_no, cls in conn.execute(
+                found = _fetch(
+                    conn,
                     select(q.c.req_no, q.c.traffic_class).where(
                         q.c.run_key == run.key, q.c.req_no >= r_lo, q.c.req_no <= r_hi
-                    )
-                ):
-                    codes[req_no - r_lo] = code_of(cls)
+                    ),
+                )
+                if found:
+                    nos = np.fromiter((r[0] for r in found), dtype=np.int64, count=len(found))
+                    codes[nos - r_lo] = _codes([r[1] for r in found], code_of)
                 token_codes = codes[req - r_lo]
                 tok_codes.append(token_codes)
                 later = tokens["k"] >= 2
@@ -684,7 +693,8 @@ def latency_summary(
                 conds = [q.c.run_key == run.key, q.c.req_no >= req_lo]
                 if req_hi is not None:
                     conds.append(q.c.req_no <= req_hi)
-                rows = conn.execute(
+                rows = _fetch(
+                    conn,
                     select(
                         q.c.traffic_class,
                         q.c.arrival_ns,
@@ -692,8 +702,8 @@ def latency_summary(
                         q.c.last_token_ns,
                         q.c.finished_ns,
                         q.c.num_tokens,
-                    ).where(*conds)
-                ).all()
+                    ).where(*conds),
+                )
                 df = pd.DataFrame(
                     rows,
                     columns=[
@@ -715,7 +725,7 @@ def latency_summary(
                 req_frames.append(
                     pd.DataFrame(
                         {
-                            "code": [code_of(c) for c in df["traffic_class"]],
+                            "code": _codes([r[0] for r in rows], code_of),
                             "ttft_ms": ttft.where(in_first),
                             "tpot_ms": tpot.where(in_fin & (n >= 2)),
                             "finished": in_fin,
