@@ -4,12 +4,16 @@ For each profile (``mixed``, ``rag``; the traffic presets the dashboard launcher
 demo engine, copied below), on a fresh ``python -m engine --model demo`` streaming telemetry to a
 fresh collector (SQLite):
 
-1. baseline: ``python -m loadgen`` at ``--baseline-budget`` for ``--baseline-s`` seconds;
+1. baseline: ``python -m loadgen`` at ``--baseline-budget`` for one window (``--window-s``);
 2. predict: ``advisor.predict.predict_from_store`` on the baseline window only (cost model
-   fitted on its steps, its traffic simulated at every budget) -> ``predictions.json``;
-3. sweep: ``python -m loadgen sweep --predictions predictions.json`` with another seed (new
-   arrivals and lengths from the same profile), the budget changed live every ``--window-s``,
-   the first ``--warmup-s`` of each window discarded;
+   fitted on its steps, its traffic simulated at every budget, measured after ``--warmup-s``
+   like a sweep window) -> ``predictions.json``;
+3. sweep: ``python -m loadgen sweep --same-traffic --predictions predictions.json``: every window
+   replays the baseline's plan (same seed: the same arrivals and lengths, fresh prompt tokens
+   so nothing is found in the prefix cache) with the budget changed live every ``--window-s``,
+   the first ``--warmup-s`` of each window discarded. The budgets are compared on the same
+   requests, and the prediction is for exactly those requests: what is left is the model's error
+   and the machine's noise (``--fresh-traffic`` plans the sweep with another seed instead);
 4. compare, per budget: relative error |predicted - measured| / measured of the p99 ITL and of
    the p50 TTFT; their medians across the budgets (target < 15%); and whether the recommendation
    from the prediction alone equals the sweep's.
@@ -246,16 +250,24 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
         base_out = work / f"{profile}-baseline.json"
         loadgen(
             ["--url", url, "--profile", profile, "--rate", f"{rate:g}", "--duration",
-             f"{a.baseline_s:g}", "--seed", str(a.seed), "--out", str(base_out), "--no-progress",
+             f"{a.window_s:g}", "--seed", str(a.seed), "--out", str(base_out), "--no-progress",
              "--drain-timeout", "60", *sets],
-            timeout=a.baseline_s + 300,
+            timeout=a.window_s + 300,
         )  # fmt: skip
         base = json.loads(base_out.read_text())
-        since, until = base["run"]["wall_start"], base["run"]["wall_end"]
-        wait_for_store(db_url, engine_id, until)
+        since = base["run"]["wall_start"]
+        until = since + a.window_s
+        wait_for_store(db_url, engine_id, base["run"]["wall_end"])
         t_pred = time.perf_counter()
         pred = predict_from_store(
-            db_url, a.budgets, engine_id=engine_id, since=since, until=until, slo=slo
+            db_url,
+            a.budgets,
+            engine_id=engine_id,
+            since=since,
+            until=until,
+            fit_until=base["run"]["wall_end"],
+            slo=slo,
+            warmup_s=a.warmup_s,
         )
         predict_s = time.perf_counter() - t_pred
         pred_path = work / f"{profile}-predictions.json"
@@ -269,7 +281,8 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
         loadgen(
             ["sweep", "--url", url, "--profile", profile, "--rate", f"{rate:g}", "--budgets",
              ",".join(map(str, a.budgets)), "--window-s", f"{a.window_s:g}", "--warmup-s",
-             f"{a.warmup_s:g}", "--seed", str(a.seed + 1), "--control-token", CONTROL_TOKEN,
+             f"{a.warmup_s:g}", "--seed", str(a.seed + 1 if a.fresh_traffic else a.seed),
+             *([] if a.fresh_traffic else ["--same-traffic"]), "--control-token", CONTROL_TOKEN,
              "--predictions", str(pred_path), "--out", str(sweep_out), *slo_args, *sets],
             timeout=len(a.budgets) * a.window_s + 300,
         )  # fmt: skip
@@ -314,6 +327,7 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
         "overrides": list(overrides),
         "baseline": {
             "budget": a.baseline_budget,
+            "seconds": a.window_s,
             "since": since,
             "until": until,
             "summary": base["summary"]["overall"],
@@ -345,7 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--budgets", default="128,256,512,1024,2048,8192")
     ap.add_argument("--baseline-budget", type=int, default=1024)
-    ap.add_argument("--baseline-s", type=float, default=120.0)
+    ap.add_argument(
+        "--fresh-traffic",
+        action="store_true",
+        help="plan the sweep with another seed instead of replaying the baseline's plan",
+    )
     ap.add_argument("--window-s", type=float, default=60.0)
     ap.add_argument("--warmup-s", type=float, default=15.0)
     ap.add_argument("--rate-scale", type=float, default=1.0, help="multiplies each preset's rate")
@@ -356,7 +374,6 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.budgets = "256,2048"
-        a.baseline_s = min(a.baseline_s, 20.0)
         a.window_s = min(a.window_s, 15.0)
         a.warmup_s = min(a.warmup_s, 4.0)
     out_dir = setup(a)
