@@ -127,9 +127,17 @@ def main() -> int:
     path = Path(args.db) if args.db else Path(tmp.name) / "queries.db"
     db_url = f"sqlite:///{path}"
     built: dict[str, Any] = {"reused": path.exists()}
+    sidecar = path.with_name(path.name + ".build.json")  # how a reused store was built
     if not path.exists():
         print(f"building {args.steps} steps into {path}", flush=True)
         built.update(build(db_url, args.steps, args.concurrency, args.seed, args.batch))
+        built["built_by"] = {
+            **git_state(),
+            "config": {k: getattr(args, k) for k in ("steps", "concurrency", "seed", "batch")},
+        }
+        sidecar.write_text(json.dumps(built, indent=2))
+    elif sidecar.exists():
+        built.update({k: v for k, v in json.loads(sidecar.read_text()).items() if k != "reused"})
     built["db_bytes"] = path.stat().st_size + sum(
         p.stat().st_size for p in path.parent.glob(path.name + "-*")
     )
