@@ -266,3 +266,35 @@ def test_control_page_with_the_collector_down_says_so(
     assert not at.exception
     assert any("control needs it" in w for w in _texts(at, "warning"))
     assert not [b for b in at.button if b.label == "Apply budget"]
+
+
+def test_collector_down_then_back_keeps_stored_data_and_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from storage.testing import start_collector
+    from tests.dashboard.server import free_port
+
+    db_url = f"sqlite:///{tmp_path / 'store.db'}"
+    port = free_port()
+    collector = start_collector(db_url, args=["--port", str(port)])
+    try:
+        send_run(collector.url, SynthRun())
+        at = _app(monkeypatch, collector.url, db_url).run()
+        assert any("Collector up" in t for t in _texts(at, "success"))
+    finally:
+        collector.stop()
+    time.sleep(2.5)  # the collector's state is cached for 2 s
+    at.run()
+    assert not at.exception
+    assert any("unreachable" in w for w in _texts(at, "warning"))
+    assert _charts(at)[0]["layout"]["title"]["text"] == "Tokens per step"  # stored data still drawn
+    assert at.session_state["live_window"].steps["step"].max() == 239
+
+    collector = start_collector(db_url, args=["--port", str(port)])
+    try:
+        time.sleep(2.5)
+        at.run()
+        assert any("Collector up" in t for t in _texts(at, "success"))
+        assert not any("unreachable" in w for w in _texts(at, "warning"))
+    finally:
+        collector.stop()
