@@ -8,7 +8,9 @@ Streamlit, so tests drive it directly.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ class Stack:
         self._collector_url = settings.collector_url
         self._db_url = settings.db_url
         self._engine_url = settings.engine_url
+        self._lock_file: Any = None
         if settings.embedded:
             self._db_url = f"sqlite:///{settings.data_dir / 'chunkscope.db'}"
 
@@ -86,11 +89,35 @@ class Stack:
             self._thread.join(timeout)
         return not self.starting
 
+    def _lock_data_dir(self) -> None:
+        """One embedded dashboard per data folder (two would run two collectors on one store):
+        an exclusive ``flock`` held for the life of the process."""
+        if self._lock_file is not None:
+            return
+        path = self.settings.data_dir / ".dashboard.lock"
+        f = open(path, "a+")  # noqa: SIM115 - held open on purpose
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            raise RuntimeError(
+                f"another dashboard (pid {holder}) runs an embedded stack in {path.parent}; "
+                "stop it, attach to its collector (--collector, --db), or give --data-dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._lock_file = f
+
     def _bring_up(self) -> None:
         s = self.settings
         logs = s.data_dir / "logs"
         try:
             s.data_dir.mkdir(parents=True, exist_ok=True)
+            self._lock_data_dir()
             if self.collector is None or not self.collector.alive():
                 self.collector = ManagedProcess(
                     "collector",

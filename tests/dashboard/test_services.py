@@ -85,3 +85,30 @@ def test_attach_mode_starts_nothing(tmp_path: Path) -> None:
     stack = Stack(s).start()
     assert not stack.embedded and not stack.starting and stack.children() == []
     assert (stack.collector_url, stack.db_url) == ("ws://127.0.0.1:9", "sqlite:////tmp/none.db")
+
+
+def test_one_embedded_stack_per_data_folder(tmp_path: Path) -> None:
+    import subprocess
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; f = open(sys.argv[1], 'a+'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); f.write(str(os.getpid())); f.flush(); "
+            "print('locked', flush=True); time.sleep(60)",
+            str(tmp_path / ".dashboard.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        s = parse_settings(["--data-dir", str(tmp_path)])
+        stack = Stack(s).start()
+        assert stack.wait_started(30)
+        assert stack.error is not None and f"pid {holder.pid}" in stack.error
+        assert "--data-dir" in stack.error and stack.children() == []
+    finally:
+        holder.kill()
+        holder.wait(10)
