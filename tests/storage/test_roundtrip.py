@@ -260,3 +260,15 @@ def test_a_reader_never_blocks_the_writer(collector_factory: Any, sqlite_url: st
         reader.close()
         db.dispose()
         client.close()
+
+
+def test_backpressure_when_the_writer_falls_behind(collector_factory: Any, sqlite_url: str) -> None:
+    """Handlers stop reading while too many events wait for the writer; nothing is lost."""
+    collector = collector_factory(sqlite_url, max_pending_events=5)
+    eng = SyntheticEngine(engine_id="engine-bp", run_id="run-bp", seed=12)
+    client = FakeEngineClient(collector.url, eng)
+    client.connect()
+    client.send_events(eng.steps(60), per_frame=10)
+    assert client.wait_ack(eng.seq, timeout=30) == eng.seq
+    client.close()
+    assert stored_seqs(sqlite_url, "engine-bp", "run-bp") == list(range(1, eng.seq + 1))
