@@ -214,6 +214,13 @@ def main() -> int:
         "not sustained (this machine is shared; every try is recorded)",
     )
     ap.add_argument("--quick", action="store_true", help="1 s levels, 8 and 64 chunks only")
+    ap.add_argument(
+        "--backend",
+        choices=["sqlite", "postgresql"],
+        default="sqlite",
+        help="store: a SQLite file, or a private PostgreSQL server (initdb in a temporary "
+        "folder; fsync off, like a benchmark box, not a production one)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -224,12 +231,19 @@ def main() -> int:
         else (
             Path(tempfile.gettempdir()) / "chunkscope-bench-quick" / "ingest.json"
             if args.quick
-            else RESULTS / "ingest.json"
+            else RESULTS
+            / ("ingest.json" if args.backend == "sqlite" else f"ingest_{args.backend}.json")
         )
     )
     results: list[dict[str, Any]] = []
+    pg = None
     with tempfile.TemporaryDirectory() as tmp:
         db_url = f"sqlite:///{tmp}/ingest.db"
+        if args.backend == "postgresql":
+            from storage.testing import PostgresServer
+
+            pg = PostgresServer.start()
+            db_url = pg.create_database("ingest")
         proc = start_collector(db_url, args=["--log-level", "WARNING"])
         try:
             for n_chunks, start in zip(
@@ -254,6 +268,8 @@ def main() -> int:
                 )
         finally:
             proc.stop()
+            if pg is not None:
+                pg.stop()
     summary = {}
     for n_chunks in args.chunks:
         ok = [r for r in results if r["chunks_per_step"] == n_chunks and r["sustained"]]
@@ -277,7 +293,9 @@ def main() -> int:
         },
         "config": {
             **vars(args),
-            "store": "sqlite (WAL, synchronous=NORMAL)",
+            "store": "sqlite (WAL, synchronous=NORMAL)"
+            if args.backend == "sqlite"
+            else "postgresql (private server: fsync=off, synchronous_commit=off)",
             "collector": "python -m storage, separate process",
         },
         "target": "1000 step events/s of 64 chunks with ingest lag < 1 s",
