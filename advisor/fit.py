@@ -183,16 +183,64 @@ TRIM_K = 3.0  # robust standard deviations of log(measured / predicted) kept
 TRIM_ROUNDS = 4
 
 
-def robust_fit(works: list[StepWork], measured: np.ndarray) -> tuple[CostModel, np.ndarray]:
+def relative_fit(works: list[StepWork], measured: Any) -> CostModel:
+    """``engine.cost_model.fit``'s model, solved for the least squared *relative* error
+    (each step weighted by 1 / its duration): a 5 ms decode step then counts as much as a 500 ms
+    prefill step, instead of a 10,000th of it - and the inter-token latency is made of the
+    short steps. Coefficients kept non-negative the same way (a negative one fixed at zero and
+    the others refitted)."""
+    if len(works) < len(FEATURES):
+        raise ValueError(f"need at least {len(FEATURES)} steps to fit the cost model")
+    x = np.array([w.row() for w in works], dtype=np.float64)
+    y = np.asarray(measured, dtype=np.float64)
+    wts = 1.0 / np.maximum(y, 1e-6)
+    xw = x * wts[:, None]
+    yw = y * wts
+    active = [i for i in range(x.shape[1]) if i == 0 or x[:, i].any()]
+    coef = np.zeros(x.shape[1])
+    while True:
+        cols = xw[:, active]
+        scale = np.where(np.abs(cols).max(axis=0) > 0, np.abs(cols).max(axis=0), 1.0)
+        sol, *_ = np.linalg.lstsq(cols / scale, yw, rcond=None)
+        sol = sol / scale
+        negative = [a for a, v in zip(active, sol, strict=True) if v < 0 and a != 0]
+        if not negative:
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        active = [a for a in active if a not in negative]
+    pred = x @ coef
+    rel = np.abs(pred - y) / np.maximum(y, 1e-9)
+    ss_res = float(np.sum((y - pred) ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    return CostModel(
+        const=float(coef[0]),
+        prefill=float(coef[1]),
+        decode=float(coef[2]),
+        attn=float(coef[3]),
+        num_steps=len(y),
+        rel_err_p50=float(np.percentile(rel, 50)),
+        rel_err_p95=float(np.percentile(rel, 95)),
+        r2=1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+    )
+
+
+FITTERS = {"ols": lambda works, y: fit(works, list(y)), "relative": relative_fit}
+
+
+def robust_fit(
+    works: list[StepWork], measured: np.ndarray, method: str = "ols"
+) -> tuple[CostModel, np.ndarray]:
     """Least squares on the steps that behave like the model: fit, drop the steps whose
     log(measured / predicted) is more than ``TRIM_K`` robust standard deviations (1.4826 MAD)
     from the median, refit, a few rounds. A step that another process or a pause stretched tenfold
     says nothing about what the work costs, and least squares would let it pull every
     coefficient (the scatter it stands for is kept by the noise model instead). Returns the model
     and the mask of the steps it was fitted on."""
+    solve = FITTERS[method]
     n = len(works)
     keep = np.ones(n, dtype=bool)
-    model = fit(works, measured.tolist())
+    model = solve(works, measured)
     for _ in range(TRIM_ROUNDS):
         pred = model.predict_many(works)
         ok = (pred > 0) & (measured > 0)
@@ -207,11 +255,13 @@ def robust_fit(works: list[StepWork], measured: np.ndarray) -> tuple[CostModel, 
         if new.sum() < len(FEATURES) or np.array_equal(new, keep):
             break
         keep = new
-        model = fit([w for w, k in zip(works, keep, strict=True) if k], measured[keep].tolist())
+        model = solve([w for w, k in zip(works, keep, strict=True) if k], measured[keep])
     return model, keep
 
 
-def fit_steps(steps: pd.DataFrame, selection: dict[str, Any] | None = None) -> FitReport:
+def fit_steps(
+    steps: pd.DataFrame, selection: dict[str, Any] | None = None, method: str = "ols"
+) -> FitReport:
     """Fit the cost model to steps as returned by :func:`load_steps`."""
     usable = steps[(steps["end_ns"] >= steps["start_ns"]) & (steps["num_scheduled_tokens"] > 0)]
     if len(usable) < 4:
@@ -226,7 +276,7 @@ def fit_steps(steps: pd.DataFrame, selection: dict[str, Any] | None = None) -> F
         )
     ]
     measured = (usable["end_ns"] - usable["start_ns"]).to_numpy(dtype=np.int64) / 1e9
-    model, inliers = robust_fit(works, measured)
+    model, inliers = robust_fit(works, measured, method)
     gaps = busy_gaps_s(steps)
     predicted = model.predict_many(works)
     rel_all = np.abs(predicted - measured) / np.maximum(measured, 1e-9)
@@ -266,8 +316,10 @@ def fit_from_store(
     run_id: str | None = None,
     since: float | None = None,
     until: float | None = None,
+    method: str = "ols",
 ) -> FitReport:
-    """Fit the cost model to the steps of the selection (see ``storage.queries`` for filters)."""
+    """Fit the cost model to the steps of the selection (see ``storage.queries`` for filters);
+    ``method`` "ols" (``engine.cost_model.fit``) or "relative" (:func:`relative_fit`)."""
     steps = load_steps(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     selection = {"engine_id": engine_id, "run_id": run_id, "since": since, "until": until}
-    return fit_steps(steps, selection)
+    return fit_steps(steps, {**selection, "method": method}, method)

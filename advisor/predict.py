@@ -43,6 +43,7 @@ def predict_from_store(
     noise: bool = True,
     seed: int = 0,
     warmup_s: float = 0.0,
+    fit_method: str = "ols",
     max_steps: int | None = 2_000_000,
 ) -> dict[str, Any]:
     """Predicted figures per budget for the traffic of [since, until], measured from
@@ -55,7 +56,9 @@ def predict_from_store(
     try:
         fsince = since if fit_since is None else fit_since
         funtil = until if fit_until is None else fit_until
-        report = fit_from_store(db, engine_id=engine_id, run_id=run_id, since=fsince, until=funtil)
+        report = fit_from_store(
+            db, engine_id=engine_id, run_id=run_id, since=fsince, until=funtil, method=fit_method
+        )
         traffic = observed_traffic(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
         shape = engine_shape(db, engine_id=engine_id, run_id=run_id)
     finally:

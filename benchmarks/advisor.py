@@ -368,9 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-s", type=float, default=15.0)
     ap.add_argument("--rate-scale", type=float, default=1.0, help="multiplies each preset's rate")
     ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--slo-itl-ms", type=float, default=150.0)
+    ap.add_argument("--slo-itl-ms", type=float, default=50.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--work-dir",
+        help="keep the stores, loadgen results and predictions here (default: a temporary folder)",
+    )
     a = ap.parse_args(argv)
     if a.quick:
         a.budgets = "256,2048"
@@ -383,8 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-advisor-") as tmp:
+        work = Path(a.work_dir) if a.work_dir else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for profile in profiles:
-            results.append(run_profile(a, profile, Path(tmp)))
+            results.append(run_profile(a, profile, work))
     config = config_of(a)
     payload = {
         "loadavg_before": load_before,

@@ -98,3 +98,32 @@ def fit_plain(works: list[StepWork], measured: np.ndarray) -> CostModel:
     from engine.cost_model import fit
 
     return fit(works, measured.tolist())
+
+
+def test_relative_fit_recovers_coefficients() -> None:
+    from advisor.fit import relative_fit, robust_fit
+
+    true = CostModel(const=2e-3, prefill=50e-6, decode=300e-6, attn=2e-9)
+    rng = random.Random(9)
+    works = []
+    for _ in range(1500):
+        n = rng.choice([0, 0, 0, rng.randint(1, 2048)])
+        d = rng.randint(1, 16)
+        works.append(StepWork(n, d, n * (n + 1) // 2 + n * rng.randint(0, 2000)))
+    exact = np.array([true.predict(w) for w in works])
+    model = relative_fit(works, exact)
+    for got, want in zip(
+        (model.const, model.prefill, model.decode, model.attn),
+        (true.const, true.prefill, true.decode, true.attn),
+        strict=True,
+    ):
+        assert abs(got - want) / want < 1e-6
+    noisy = exact * np.array([rng.uniform(0.9, 1.1) for _ in works])
+    rel, _ = robust_fit(works, noisy, "relative")
+    ols, _ = robust_fit(works, noisy, "ols")
+    short = [i for i, w in enumerate(works) if w.prefill_tokens == 0]
+    err = {
+        name: float(np.median([abs(m.predict(works[i]) - exact[i]) / exact[i] for i in short]))
+        for name, m in (("relative", rel), ("ols", ols))
+    }
+    assert err["relative"] < 0.02 and err["ols"] < 0.02
