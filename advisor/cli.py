@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="measure from --since plus this many seconds (like a sweep window's warm-up)",
     )
+    pr.add_argument(
+        "--client-run",
+        metavar="FILE.json",
+        help="a `python -m loadgen --out` result against this engine: add the client's "
+        "delivery (its TTFT and gap differences from the engine's) to the predicted figures",
+    )
     pr.add_argument("--out", metavar="FILE.json", help="write the prediction document here")
     pr.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
@@ -142,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             noise=args.noise,
             seed=args.seed,
             warmup_s=args.warmup_s,
+            client=args.client_run,
         )
-    except (FitError, ValueError) as exc:
+    except (FitError, ValueError, OSError) as exc:
         print(f"advisor: {exc}", file=sys.stderr)
         return 1
     doc["config"] = {k: v for k, v in vars(args).items() if k != "db"}

@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from advisor.client import ClientDelay, ClientDraw, load_client_delay
 from advisor.fit import FitReport, fit_from_store
 from advisor.pareto import front_budgets
 from advisor.recommend import Slo, recommend
@@ -44,11 +45,16 @@ def predict_from_store(
     seed: int = 0,
     warmup_s: float = 0.0,
     fit_method: str = "ols",
+    client: ClientDelay | str | None = None,
     max_steps: int | None = 2_000_000,
 ) -> dict[str, Any]:
     """Predicted figures per budget for the traffic of [since, until], measured from
     ``since + warmup_s`` (as a sweep window discards its warm-up), step times from a fit on the
-    steps of [fit_since, fit_until] (default: the same window)."""
+    steps of [fit_since, fit_until] (default: the same window). ``client`` (a ``ClientDelay``
+    or the path of a ``python -m loadgen --out`` result against this engine) adds the
+    client's delivery, so the figures are what a load generator would measure."""
+    if isinstance(client, str):
+        client = load_client_delay(client)
     from storage import db as dbm
 
     slo = slo or Slo()
@@ -73,6 +79,7 @@ def predict_from_store(
         noise=noise,
         seed=seed,
         warmup_s=warmup_s,
+        client=client,
         max_steps=max_steps,
         selection={
             "db": _redact(db_url),
@@ -97,6 +104,7 @@ def predict_traffic(
     noise: bool = True,
     seed: int = 0,
     warmup_s: float = 0.0,
+    client: ClientDelay | None = None,
     max_steps: int | None = 2_000_000,
     selection: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -115,6 +123,7 @@ def predict_traffic(
         warm_prefixes=warm,
         max_steps=max_steps,
         window_ns=(round(warmup_s * 1e9), max(round(traffic.duration_s * 1e9), 1)),
+        client=None if client is None else (lambda: ClientDraw(client, seed + 1)),
     )
     sim_s = time.perf_counter() - t0
     rec = recommend(windows, slo, "predicted")
@@ -127,6 +136,8 @@ def predict_traffic(
         "traffic": traffic.summary(),
         "slo": {"itl_p99_ms": slo.itl_ms, "ttft_p99_ms": slo.ttft_ms},
         "measured_from_s": warmup_s,
+        "client": None if client is None else client.summary(),
+        "figures_seen_by": "engine" if client is None else "client",
         "simulation_s": sim_s,
         "windows": windows,
         "pareto_budgets": front_budgets(windows),

@@ -311,10 +311,13 @@ def figures(
     since_ns: int | None = None,
     until_ns: int | None = None,
     itl_class: str = ITL_CLASS,
+    client: Any = None,
 ) -> dict[str, Any]:
     """The sweep's figures over [since_ns, until_ns] of the simulation's clock (default: from
     the first to the last arrival): a gap counts where its later token falls, a TTFT where the
-    first token falls, throughput is the tokens produced inside divided by the window."""
+    first token falls, throughput is the tokens produced inside divided by the window.
+    ``client`` (an ``advisor.client.ClientDraw``) adds the client's delivery to each TTFT and
+    gap, as a load generator would see them."""
     arrivals = [o.arrival_ns for o in result.requests]
     lo = since_ns if since_ns is not None else (min(arrivals) if arrivals else 0)
     hi = until_ns if until_ns is not None else (max(arrivals) if arrivals else 0)
@@ -328,13 +331,17 @@ def figures(
         if not t:
             continue
         if lo <= t[0] <= hi:
-            ttft.setdefault(o.traffic_class, []).append((t[0] - o.arrival_ns) / 1e9)
+            first = (t[0] - o.arrival_ns) / 1e9
+            ttft.setdefault(o.traffic_class, []).append(
+                first if client is None else client.ttft(first)
+            )
         gaps = itl.setdefault(o.traffic_class, [])
         for k in range(len(t)):
             if lo <= t[k] <= hi:
                 tokens += 1
                 if k > 0:
-                    gaps.append((t[k] - t[k - 1]) / 1e9)
+                    gap = (t[k] - t[k - 1]) / 1e9
+                    gaps.append(gap if client is None else client.gap(gap))
     out = latency_figures(ttft, itl, tokens, (hi - lo) / 1e9, itl_class)
     out["unfinished"] = result.unfinished
     out["num_steps"] = result.num_steps
@@ -351,6 +358,7 @@ def predict_budgets(
     itl_class: str = ITL_CLASS,
     max_steps: int | None = None,
     window_ns: tuple[int, int] | None = None,
+    client: Callable[[], Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One figures dict per budget (``budget`` first), each from its own simulation over
     ``window_ns`` (default: first to last arrival); ``timing()`` gives each simulation its
@@ -368,7 +376,11 @@ def predict_budgets(
             max_steps=max_steps,
         )
         lo, hi = window_ns if window_ns is not None else (None, None)
+        draw = client() if client is not None else None
         out.append(
-            {"budget": int(b), **figures(res, since_ns=lo, until_ns=hi, itl_class=itl_class)}
+            {
+                "budget": int(b),
+                **figures(res, since_ns=lo, until_ns=hi, itl_class=itl_class, client=draw),
+            }
         )
     return out
