@@ -266,3 +266,32 @@ def test_sweep_refused_without_the_control_token(server: ServerHandle, capsys) -
     assert rc == 1
     assert "401" in capsys.readouterr().err
     assert server.state.client.token_budget == 300
+
+
+def test_predict_db_runs_the_advisor_on_the_store(tmp_path: Path) -> None:
+    """``--predict-db``: the advisor, imported only then, predicts from the store's recent
+    traffic (a simulated run written as telemetry)."""
+    import argparse
+
+    from advisor.simulate import EngineShape, simulate
+    from loadgen.sweep import predict_now
+    from tests.advisor.helpers import random_requests, store_run
+
+    shape = EngineShape(num_kv_blocks=400, block_size=16)
+    reqs = random_requests(1, 30)
+    result = simulate(
+        reqs,
+        shape,
+        token_budget=64,
+        step_ns=lambda plan: 2_000_000 + 20_000 * plan.num_scheduled_tokens,
+        record_steps=True,
+    )
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    store_run(url, reqs, result, shape)
+    args = argparse.Namespace(
+        predict_db=url, predict_engine=None, predict_since=None, predict_until=None,
+        predict_lookback_s=3600.0, budgets=[32, 256], slo_itl_ms=50.0, slo_ttft_ms=None,
+    )  # fmt: skip
+    windows = predict_now(args)
+    assert [w["budget"] for w in windows] == [32, 256]
+    assert all(w["itl_p99_ms"] > 0 and w["tokens_per_s"] > 0 for w in windows)
