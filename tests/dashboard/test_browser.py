@@ -115,12 +115,16 @@ def test_browser_live_charts_budget_change_and_screenshot(tmp_path: Path) -> Non
             )
             expect(marker.first).to_be_visible()
             time.sleep(float(os.environ.get("CHUNKSCOPE_SCREENSHOT_WAIT_S", "3")))
-            # the charts redraw every second: shoot when the timeline is drawn, not mid-redraw
-            timeline = page.locator(".js-plotly-plot").first.locator(".js-fill")
-            for _ in range(20):
-                if timeline.count() > 0:
+            # the charts redraw every second: shoot when all four are drawn, not mid-redraw
+            drawn = (
+                "() => { const p = Array.from(document.querySelectorAll('.js-plotly-plot'));"
+                " return p.length === 4 && p[0].querySelectorAll('.js-fill').length > 0"
+                " && p.every(e => e.getBoundingClientRect().height > 0); }"
+            )
+            for _ in range(80):
+                if page.evaluate(drawn):
                     break
-                time.sleep(0.25)
+                time.sleep(0.05)
             page.screenshot(path=str(shot), full_page=True)
             sidebar.get_by_role("button", name="Stop traffic").click()
             browser.close()
