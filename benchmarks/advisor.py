@@ -116,7 +116,10 @@ def start_engine(a: argparse.Namespace, collector_url: str, engine_id: str) -> t
         "--collector-url", collector_url, "--control-token", CONTROL_TOKEN,
         "--log-level", "warning",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(), stderr=subprocess.PIPE, text=True)
+    env = _env()
+    if a.engine_threads:
+        env["OMP_NUM_THREADS"] = str(a.engine_threads)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
     ready = threading.Event()
     found: list[str] = []
     tail: list[str] = []
@@ -371,6 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-itl-ms", type=float, default=50.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--engine-threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS of the engine (0: torch's default). The engine shares the cores "
+        "with its HTTP server, the collector and the load generator; OpenMP threads that wait "
+        "for each other at every operation make step times erratic when they are outnumbered",
+    )
     ap.add_argument(
         "--work-dir",
         help="keep the stores, loadgen results and predictions here (default: a temporary folder)",
