@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pr.add_argument("--seed", type=int, default=0, help="seeds the drawn scatter")
     pr.add_argument(
+        "--fit-method",
+        choices=("relative", "ols"),
+        default="relative",
+        help="least squares on relative errors (default: short steps count as much as long "
+        "ones) or plain (engine.cost_model.fit)",
+    )
+    pr.add_argument(
         "--warmup-s",
         type=float,
         default=0.0,
@@ -149,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             warmup_s=args.warmup_s,
             client=args.client_run,
+            fit_method=args.fit_method,
         )
     except (FitError, ValueError, OSError) as exc:
         print(f"advisor: {exc}", file=sys.stderr)
