@@ -1042,6 +1042,33 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
+def _ms(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.0f}" if v >= 10 else f"{v:.1f}"
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The README's table: client (SSE) / engine (stored events) for every chat ITL figure."""
+    head = (
+        "| window | chat ITL p50 | p99 | p99.9 | max | chat TPOT p50 / p99 | RAG TTFT p50 / p99 "
+        "| chat TTFT p50 / p99 | output tok/s |\n| --- | --- | --- | --- | --- | --- | --- | --- "
+        "| --- |"
+    )
+    lines = [head]
+    for c, e in zip(result["client"], result["engine"], strict=True):
+        name = f"budget {c['window']}" if c["window"] != "unchunked" else "`unchunked`"
+        cells = [name]
+        for key in ("chat_itl_p50_ms", "chat_itl_p99_ms", "chat_itl_p999_ms", "chat_itl_max_ms"):
+            cells.append(f"{_ms(c[key])} / {_ms(e[key])}")
+        cells.append(f"{_ms(c['chat_tpot_p50_ms'])} / {_ms(c['chat_tpot_p99_ms'])}")
+        cells.append(f"{_ms(c['rag_ttft_p50_ms'])} / {_ms(c['rag_ttft_p99_ms'])}")
+        cells.append(f"{_ms(c['chat_ttft_p50_ms'])} / {_ms(c['chat_ttft_p99_ms'])}")
+        cells.append(f"{c['output_tokens_per_s']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def print_table(result: dict[str, Any]) -> None:
     from _common import table
 
@@ -1093,6 +1120,8 @@ def print_table(result: dict[str, Any]) -> None:
             )
     for row in result["process_cpu"]:
         print(row)
+    print("\n" + markdown_table(result))
+    print(json.dumps(result["targets"], indent=1))
     print(json.dumps(result.get("served_trace"), indent=1))
     print(json.dumps(result.get("inproc_trace"), indent=1))
 
