@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -33,11 +32,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import git_state  # noqa: E402
+from _common import add_common_args, config_of, setup, write_json  # noqa: E402
 
 from storage.testing import SyntheticEngine, start_collector  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+SCRIPT = "bench_ingest.py"
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -191,7 +190,7 @@ def _level(proc: Any, n_chunks: int, rate: float, args: argparse.Namespace, atte
     return row
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument(
@@ -213,7 +212,6 @@ def main() -> int:
         help="tries of a level before it counts as "
         "not sustained (this machine is shared; every try is recorded)",
     )
-    ap.add_argument("--quick", action="store_true", help="1 s levels, 8 and 64 chunks only")
     ap.add_argument(
         "--backend",
         choices=["sqlite", "postgresql"],
@@ -221,19 +219,13 @@ def main() -> int:
         help="store: a SQLite file, or a private PostgreSQL server (initdb in a temporary "
         "folder; fsync off, like a benchmark box, not a production one)",
     )
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    add_common_args(ap)
+    args = ap.parse_args(argv)
+    out_dir = setup(args)
     if args.quick:
         args.seconds, args.chunks = 1.0, [8, 64]
-    out_path = (
-        Path(args.out)
-        if args.out
-        else (
-            Path(tempfile.gettempdir()) / "chunkscope-bench-quick" / "ingest.json"
-            if args.quick
-            else RESULTS
-            / ("ingest.json" if args.backend == "sqlite" else f"ingest_{args.backend}.json")
-        )
+    out_path = out_dir / (
+        "ingest.json" if args.backend == "sqlite" else f"ingest_{args.backend}.json"
     )
     results: list[dict[str, Any]] = []
     pg = None
@@ -283,16 +275,8 @@ def main() -> int:
     target = summary.get("64", {}).get("highest_sustained_steps_per_s")
     payload = {
         "benchmark": "bench_ingest",
-        "provenance": {
-            **git_state(),
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "loadavg_at_end": os.getloadavg(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        },
-        "config": {
-            **vars(args),
+        "loadavg_at_end": os.getloadavg(),
+        "setup": {
             "store": "sqlite (WAL, synchronous=NORMAL)"
             if args.backend == "sqlite"
             else "postgresql (private server: fsync=off, synchronous_commit=off)",
@@ -303,9 +287,7 @@ def main() -> int:
         "summary": summary,
         "levels": results,
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {out_path}")
+    write_json(out_path, payload, script=SCRIPT, config=config_of(args))
     return 0
 
 

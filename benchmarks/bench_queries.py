@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -38,14 +37,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import git_state  # noqa: E402
+from _common import add_common_args, config_of, git_state, setup, write_json  # noqa: E402
 
 from storage import db as dbm  # noqa: E402
 from storage import queries  # noqa: E402
 from storage.store import Events, Hello, Store  # noqa: E402
 from storage.testing import SyntheticEngine  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+SCRIPT = "bench_queries.py"
 TARGET_MS = 300.0
 
 
@@ -98,7 +97,7 @@ def timed(fn: Callable[[], Any], repeats: int) -> dict[str, Any]:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1_000_000)
     ap.add_argument(
@@ -108,20 +107,12 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=5000, help="steps per write transaction")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--db", default=None, help="SQLite file to build or reuse (default: temp)")
-    ap.add_argument("--quick", action="store_true", help="20,000 steps, 2 repeats")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    add_common_args(ap)
+    args = ap.parse_args(argv)
+    out_dir = setup(args)
     if args.quick:
         args.steps, args.repeats = 20_000, 2
-    out_path = (
-        Path(args.out)
-        if args.out
-        else (
-            Path(tempfile.gettempdir()) / "chunkscope-bench-quick" / "queries.json"
-            if args.quick
-            else RESULTS / "queries.json"
-        )
-    )
+    out_path = out_dir / "queries.json"
     load_start = os.getloadavg()
     tmp = tempfile.TemporaryDirectory()
     path = Path(args.db) if args.db else Path(tmp.name) / "queries.db"
@@ -223,16 +214,9 @@ def main() -> int:
     )
     payload = {
         "benchmark": "bench_queries",
-        "provenance": {
-            **git_state(),
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "loadavg_at_start": load_start,
-            "loadavg_at_end": os.getloadavg(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        },
-        "config": {**vars(args), "store": "sqlite (WAL)", "steps_in_store": n_steps},
+        "loadavg_at_start": load_start,
+        "loadavg_at_end": os.getloadavg(),
+        "setup": {"store": "sqlite (WAL)", "steps_in_store": n_steps},
         "store": built,
         "target": f"main queries (window60_steps_with_chunks, itl_by_class_5min) < {TARGET_MS} ms"
         " (median of the repeats; the max is recorded too: this machine is shared)",
@@ -240,9 +224,8 @@ def main() -> int:
         "results": results,
     }
     db.dispose()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"target met: {main_ok}; wrote {out_path}")
+    write_json(out_path, payload, script=SCRIPT, config=config_of(args))
+    print(f"target met: {main_ok}")
     tmp.cleanup()
     return 0
 
