@@ -49,16 +49,20 @@ def test_client_delay_from_a_loadgen_result(tmp_path: Path) -> None:
 
 def test_draws_add_the_delivery_to_engine_figures() -> None:
     delay = ClientDelay([0.005], [0.002, -0.050], 1, 2)
-    draw = ClientDraw(delay, seed=0)
+    draw = ClientDraw(delay, seed=0, gaps=True)
     assert draw.ttft(0.040) == pytest.approx(0.045)
     gaps = {round(draw.gap(0.010), 6) for _ in range(50)}
     assert gaps == {0.012, 0.0}  # never below zero
+    assert ClientDraw(delay).gap(0.010) == 0.010  # gap deltas only on request
     ms = 1_000_000
     res = SimResult(64, [SimOutcome("a", "chat", 0, 8, 0, [40 * ms, 50 * ms, 60 * ms])], [], 3, 0,
                     60 * ms, 0)  # fmt: skip
     engine = figures(res, since_ns=0, until_ns=100 * ms)
     client = figures(
-        res, since_ns=0, until_ns=100 * ms, client=ClientDraw(ClientDelay([0.005], [0.002], 1, 1))
+        res,
+        since_ns=0,
+        until_ns=100 * ms,
+        client=ClientDraw(ClientDelay([0.005], [0.002], 1, 1), gaps=True),
     )
     assert engine["ttft_p50_ms"] == pytest.approx(40.0) and client["ttft_p50_ms"] == pytest.approx(
         45.0
