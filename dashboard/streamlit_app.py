@@ -30,5 +30,6 @@ pages = [
     st.Page(HERE / "views" / "requests.py", title="Requests"),
     st.Page(HERE / "views" / "control.py", title="Control"),
     st.Page(HERE / "views" / "compare.py", title="Compare"),
+    st.Page(HERE / "views" / "sweep.py", title="Sweep"),
 ]
 st.navigation(pages, position="top").run()
