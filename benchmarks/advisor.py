@@ -171,6 +171,7 @@ def wait_for_store(db_url: str, engine_id: str, until: float, timeout: float = 3
     from storage import queries
 
     deadline = time.monotonic() + timeout
+    seen: list[float] = []
     while time.monotonic() < deadline:
         db = dbm.connect(db_url, readonly=True)
         try:
@@ -178,7 +179,11 @@ def wait_for_store(db_url: str, engine_id: str, until: float, timeout: float = 3
         finally:
             db.dispose()
         runs = runs[runs["engine_id"] == engine_id]
-        if not runs.empty and (runs["last_time"].iloc[0] or 0) >= until - 0.5:
+        last = float(runs["last_time"].iloc[0] or 0) if not runs.empty else 0.0
+        if last >= until - 0.5:
+            return
+        seen.append(last)
+        if len(seen) >= 4 and seen[-4] == last and last > 0:  # idle engine, nothing new for 1.5 s
             return
         time.sleep(0.5)
     logger.warning("store not caught up with %s after %.0f s", engine_id, timeout)
