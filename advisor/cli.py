@@ -72,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--seed", type=int, default=0, help="seeds the drawn scatter")
     pr.add_argument(
         "--fit-method",
-        choices=("relative", "ols"),
-        default="relative",
-        help="least squares on relative errors (default: short steps count as much as long "
-        "ones) or plain (engine.cost_model.fit)",
+        choices=("ols", "relative"),
+        default="ols",
+        help="ordinary least squares (engine.cost_model.fit, the default) or least squares on "
+        "relative errors (short steps count as much as long ones)",
     )
     pr.add_argument(
         "--warmup-s",

@@ -260,7 +260,7 @@ def robust_fit(
 
 
 def fit_steps(
-    steps: pd.DataFrame, selection: dict[str, Any] | None = None, method: str = "relative"
+    steps: pd.DataFrame, selection: dict[str, Any] | None = None, method: str = "ols"
 ) -> FitReport:
     """Fit the cost model to steps as returned by :func:`load_steps`."""
     usable = steps[(steps["end_ns"] >= steps["start_ns"]) & (steps["num_scheduled_tokens"] > 0)]
@@ -316,7 +316,7 @@ def fit_from_store(
     run_id: str | None = None,
     since: float | None = None,
     until: float | None = None,
-    method: str = "relative",
+    method: str = "ols",
 ) -> FitReport:
     """Fit the cost model to the steps of the selection (see ``storage.queries`` for filters);
     ``method`` "ols" (``engine.cost_model.fit``) or "relative" (:func:`relative_fit`)."""

@@ -44,7 +44,7 @@ def predict_from_store(
     noise: bool = True,
     seed: int = 0,
     warmup_s: float = 0.0,
-    fit_method: str = "relative",
+    fit_method: str = "ols",
     client: ClientDelay | str | None = None,
     max_steps: int | None = 2_000_000,
 ) -> dict[str, Any]:

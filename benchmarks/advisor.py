@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-itl-ms", type=float, default=50.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fit-method", choices=("relative", "ols"), default="relative")
+    ap.add_argument("--fit-method", choices=("ols", "relative"), default="ols")
     ap.add_argument(
         "--engine-side",
         action="store_true",
