@@ -99,8 +99,18 @@ class CostModel:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-def fit(works: Sequence[StepWork], seconds: Sequence[float]) -> CostModel:
+def fit(
+    works: Sequence[StepWork],
+    seconds: Sequence[float],
+    *,
+    weights: Sequence[float] | None = None,
+) -> CostModel:
     """Least-squares fit of the step cost model to measured step times.
+
+    ``weights`` (one per step, positive) makes it weighted least squares: each step's squared
+    residual counts ``weight**2`` times; ``1 / seconds`` solves for the least *relative* error,
+    so a 5 ms decode step counts as much as a 500 ms prefill step. The reported errors are
+    always the plain ones.
 
     Coefficients are kept non-negative (a negative cost per token is an artefact of noise or of
     a feature the steps never varied): a coefficient that comes out negative is fixed at zero and
@@ -114,13 +124,17 @@ def fit(works: Sequence[StepWork], seconds: Sequence[float]) -> CostModel:
     y = np.asarray(seconds, dtype=np.float64)
     if not np.all(np.isfinite(y)) or np.any(y < 0):
         raise ValueError("step times must be finite and non-negative")
+    w = np.ones_like(y) if weights is None else np.asarray(weights, dtype=np.float64)
+    if w.shape != y.shape or not np.all(np.isfinite(w)) or np.any(w <= 0):
+        raise ValueError("weights must be one finite positive number per step")
+    xw, yw = x * w[:, None], y * w
     active = [i for i in range(x.shape[1]) if i == 0 or np.ptp(x[:, i]) > 0 or x[:, i].any()]
     coef = np.zeros(x.shape[1])
     while True:
         # scale columns so that tokens (~1e3) and pairs (~1e7) are solved with equal care
-        cols = x[:, active]
+        cols = xw[:, active]
         scale = np.where(np.abs(cols).max(axis=0) > 0, np.abs(cols).max(axis=0), 1.0)
-        sol, *_ = np.linalg.lstsq(cols / scale, y, rcond=None)
+        sol, *_ = np.linalg.lstsq(cols / scale, yw, rcond=None)
         sol = sol / scale
         negative = [a for a, v in zip(active, sol, strict=True) if v < 0 and a != 0]
         if not negative:

@@ -79,3 +79,17 @@ def test_fit_refuses_bad_input() -> None:
 def test_cost_model_imports_no_torch() -> None:
     code = "import sys, engine.cost_model; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_weighted_fit_solves_for_relative_error() -> None:
+    # short steps follow one law, one long outlier step another: the relative fit follows the
+    # many short steps, the plain one is pulled towards the outlier
+    works = [StepWork(0, d, d * 100) for d in range(1, 40)] + [StepWork(4000, 0, 8_000_000)]
+    times = [0.001 + 1e-4 * w.decode_tokens for w in works[:-1]] + [5.0]
+    plain = fit(works, times)
+    relative = fit(works, times, weights=[1 / t for t in times])
+    short = StepWork(0, 20, 2000)
+    assert relative.predict(short) == pytest.approx(0.003, rel=0.05)
+    assert abs(plain.predict(short) - 0.003) >= abs(relative.predict(short) - 0.003)
+    with pytest.raises(ValueError, match="weights"):
+        fit(works, times, weights=[0.0] * len(works))
