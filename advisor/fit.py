@@ -189,40 +189,8 @@ def relative_fit(works: list[StepWork], measured: Any) -> CostModel:
     prefill step, instead of a 10,000th of it - and the inter-token latency is made of the
     short steps. Coefficients kept non-negative the same way (a negative one fixed at zero and
     the others refitted)."""
-    if len(works) < len(FEATURES):
-        raise ValueError(f"need at least {len(FEATURES)} steps to fit the cost model")
-    x = np.array([w.row() for w in works], dtype=np.float64)
     y = np.asarray(measured, dtype=np.float64)
-    wts = 1.0 / np.maximum(y, 1e-6)
-    xw = x * wts[:, None]
-    yw = y * wts
-    active = [i for i in range(x.shape[1]) if i == 0 or x[:, i].any()]
-    coef = np.zeros(x.shape[1])
-    while True:
-        cols = xw[:, active]
-        scale = np.where(np.abs(cols).max(axis=0) > 0, np.abs(cols).max(axis=0), 1.0)
-        sol, *_ = np.linalg.lstsq(cols / scale, yw, rcond=None)
-        sol = sol / scale
-        negative = [a for a, v in zip(active, sol, strict=True) if v < 0 and a != 0]
-        if not negative:
-            coef[:] = 0.0
-            coef[active] = sol
-            break
-        active = [a for a in active if a not in negative]
-    pred = x @ coef
-    rel = np.abs(pred - y) / np.maximum(y, 1e-9)
-    ss_res = float(np.sum((y - pred) ** 2))
-    ss_tot = float(np.sum((y - y.mean()) ** 2))
-    return CostModel(
-        const=float(coef[0]),
-        prefill=float(coef[1]),
-        decode=float(coef[2]),
-        attn=float(coef[3]),
-        num_steps=len(y),
-        rel_err_p50=float(np.percentile(rel, 50)),
-        rel_err_p95=float(np.percentile(rel, 95)),
-        r2=1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
-    )
+    return fit(works, list(y), weights=list(1.0 / np.maximum(y, 1e-6)))
 
 
 FITTERS = {"ols": lambda works, y: fit(works, list(y)), "relative": relative_fit}
