@@ -10,20 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from advisor.recommend import Slo
+from advisor.text import DEFAULT_BUDGETS, WINDOW_COLUMNS, budget_table, parse_budgets
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BUDGETS = "128,256,512,1024,2048,8192"
-
-
-def parse_budgets(text: str) -> list[int]:
-    try:
-        budgets = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"budgets must be integers, got {text!r}") from exc
-    if not budgets or any(b < 1 for b in budgets):
-        raise argparse.ArgumentTypeError(f"budgets must be >= 1, got {text!r}")
-    return budgets
 
 
 def _positive(text: str) -> float:
@@ -94,14 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.1f}"
-    return str(v)
-
-
 def table(doc: dict[str, Any]) -> str:
     fit = doc["fit"]
     m = fit["model"]
@@ -117,13 +98,7 @@ def table(doc: dict[str, Any]) -> str:
         f"traffic: {doc['traffic']['classes'].get('all', {}).get('num_requests', 0)} requests "
         f"over {doc['traffic']['duration_s']:.0f} s",
     ]
-    cols = ["budget", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "ttft_p50_ms", "ttft_p99_ms"]
-    cols.append("tokens_per_s")
-    rows = [[_fmt(w.get(c)) for c in cols] for w in doc["windows"]]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
-    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
-    lines.append(f"Pareto front (TTFT p99 vs ITL p99): {doc['pareto_budgets']}")
+    lines += budget_table(doc["windows"], WINDOW_COLUMNS, doc["pareto_budgets"])
     lines.append(doc["reason"])
     return "\n".join(lines)
 

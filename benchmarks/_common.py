@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -320,3 +321,33 @@ def _fmt(c: Any) -> str:
             return f"{c:.1f}"
         return f"{c:.2f}"
     return str(c)
+
+
+# --- engine servers -----------------------------------------------------------------------------
+def start_engine_server(
+    cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 180.0
+) -> tuple[subprocess.Popen[str], str]:
+    """Start ``python -m engine ... --port 0`` and return it with its URL, read from the line it
+    prints when it listens. Its stderr is drained for as long as it runs (so it never blocks on
+    a full pipe); when it does not start, the error carries its last 50 lines."""
+    env = env if env is not None else {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    ready = threading.Event()
+    found: list[str] = []
+    tail: list[str] = []
+
+    def pump() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            tail.append(line)
+            del tail[:-50]
+            if not found and line.startswith("chunkscope engine listening on "):
+                found.append(line.strip().rsplit(" ", 1)[-1])
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(timeout) or not found:
+        proc.kill()
+        raise RuntimeError(f"the engine server did not start: {cmd}\n" + "".join(tail))
+    return proc, found[0]

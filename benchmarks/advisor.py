@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,14 @@ _BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(_BENCH.parent))
 sys.path.insert(0, str(_BENCH))
 
-from _common import REPO_ROOT, add_common_args, config_of, setup, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    REPO_ROOT,
+    add_common_args,
+    config_of,
+    setup,
+    start_engine_server,
+    write_json,
+)
 
 # This file is benchmarks/advisor.py: with its folder on the path, `import advisor` would find it
 # instead of the advisor package.
@@ -121,26 +127,7 @@ def start_engine(a: argparse.Namespace, collector_url: str, engine_id: str) -> t
     env = _env()
     if a.engine_threads:
         env["OMP_NUM_THREADS"] = str(a.engine_threads)
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    ready = threading.Event()
-    found: list[str] = []
-    tail: list[str] = []
-
-    def pump() -> None:  # keep draining stderr so the server never blocks on a full pipe
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            tail.append(line)
-            del tail[:-50]
-            if not found and line.startswith("chunkscope engine listening on "):
-                found.append(line.strip().rsplit(" ", 1)[-1])
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(180) or not found:
-        proc.kill()
-        raise RuntimeError("the demo engine did not start:\n" + "".join(tail))
-    return proc, found[0]
+    return start_engine_server(cmd, env=env)
 
 
 def stop(proc: Any) -> None:

@@ -45,11 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp  # noqa: E402
 from _common import (  # noqa: E402
-    REPO_ROOT,
     add_common_args,
     config_of,
     random_prompt,
     setup,
+    start_engine_server,
     write_json,
 )
 
@@ -63,24 +63,7 @@ def start_server(a: argparse.Namespace, extra: list[str]) -> tuple[subprocess.Po
         "--device", a.device, "--dtype", a.dtype, "--no-prefix-caching", "--seed", "0",
         "--log-level", "warning", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    ready = threading.Event()
-    found: list[str] = []
-
-    def pump() -> None:  # keep draining stderr so the server never blocks on a full pipe
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            if not found and line.startswith("chunkscope engine listening on "):
-                found.append(line.strip().rsplit(" ", 1)[-1])
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(180) or not found:
-        proc.kill()
-        raise RuntimeError(f"the engine server did not start: {cmd}")
-    return proc, found[0]
+    return start_engine_server(cmd)
 
 
 def stop(proc: subprocess.Popen[str]) -> None:

@@ -44,6 +44,7 @@ import aiohttp
 from advisor.pareto import front_budgets
 from advisor.recommend import Slo as BudgetSlo
 from advisor.recommend import recommend
+from advisor.text import DEFAULT_BUDGETS, WINDOW_COLUMNS, budget_table, parse_budgets
 from loadgen import __version__
 from loadgen.arrivals import ARRIVALS
 from loadgen.cli import _id_range, _positive
@@ -62,7 +63,6 @@ from loadgen.workload import PROFILES
 logger = logging.getLogger(__name__)
 
 ITL_CLASS = "chat"
-DEFAULT_BUDGETS = "128,256,512,1024,2048,8192"
 PREDICTED_KEYS = (
     "itl_p50_ms",
     "itl_p99_ms",
@@ -442,16 +442,6 @@ def predict_now(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ---- command line -----------------------------------------------------------------------------
 
 
-def _budgets(text: str) -> list[int]:
-    try:
-        budgets = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"budgets must be integers, got {text!r}") from exc
-    if not budgets or any(b < 1 for b in budgets):
-        raise argparse.ArgumentTypeError(f"budgets must be >= 1, got {text!r}")
-    return budgets
-
-
 def _non_negative(text: str) -> float:
     try:
         v = float(text)
@@ -478,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-format", choices=FORMATS, default="auto")
     p.add_argument("--time-scale", type=_positive(float), default=1.0)
     p.add_argument("--trace-block-size", type=_positive(int), default=512)
-    p.add_argument("--budgets", type=_budgets, default=_budgets(DEFAULT_BUDGETS))
+    p.add_argument("--budgets", type=parse_budgets, default=parse_budgets(DEFAULT_BUDGETS))
     p.add_argument("--window-s", type=_positive(float), default=60.0, help="seconds per budget")
     p.add_argument(
         "--warmup-s",
@@ -539,23 +529,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.1f}" if isinstance(v, float) else str(v)
-
-
 def table(doc: Mapping[str, Any]) -> str:
-    cols = ["budget", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "ttft_p50_ms", "ttft_p99_ms"]
-    cols.append("tokens_per_s")
-    has_pred = any("predicted_itl_p99_ms" in w for w in doc["windows"])
-    if has_pred:
+    cols = list(WINDOW_COLUMNS)
+    if any("predicted_itl_p99_ms" in w for w in doc["windows"]):
         cols += ["predicted_itl_p99_ms", "predicted_ttft_p50_ms", "predicted_ttft_p99_ms"]
-    rows = [[_fmt(w.get(c)) for c in cols] for w in doc["windows"]]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.rjust(wd) for c, wd in zip(cols, widths, strict=True))]
-    lines += ["  ".join(v.rjust(wd) for v, wd in zip(r, widths, strict=True)) for r in rows]
-    lines.append(f"Pareto front (TTFT p99 vs ITL p99): {doc['pareto_budgets']}")
+    lines = budget_table(doc["windows"], cols, doc["pareto_budgets"])
     lines.append(str(doc["reason"]))
     if "predicted_recommendation" in doc:
         lines.append(str(doc["predicted_recommendation"]["reason"]))
