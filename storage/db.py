@@ -36,7 +36,9 @@ def connect(url: str, *, readonly: bool = False, echo: bool = False) -> Engine:
     """A SQLAlchemy engine for ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``).
 
     The folder of a SQLite file is created when missing. ``readonly`` connections refuse
-    writes (SQLite ``query_only``; PostgreSQL read-only transactions).
+    writes (SQLite ``query_only``; PostgreSQL read-only transactions) and create nothing: a
+    read-only SQLite URL whose file does not exist is a ``FileNotFoundError`` (opening it would
+    leave an empty database behind, at a path that may be a typo).
     """
     if not isinstance(url, str) or not url:
         raise ValueError(f"database URL must be a non-empty string, got {url!r}")
@@ -52,6 +54,8 @@ def connect(url: str, *, readonly: bool = False, echo: bool = False) -> Engine:
     if backend == "sqlite":
         path = parsed.database
         if path and path != ":memory:" and not path.startswith("file:"):
+            if readonly and not Path(path).expanduser().is_file():
+                raise FileNotFoundError(f"no store at {path} (from {url!r})")
             Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
         kwargs["connect_args"] = {"check_same_thread": False, "timeout": BUSY_TIMEOUT_MS / 1000}
     elif backend == "postgresql":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -198,9 +199,9 @@ def test_revisions_match_schema_module(db_url: str) -> None:
 
 def test_sqlite_connections_use_wal_and_pragmas(sqlite_url: str) -> None:
     db = dbm.connect(sqlite_url)
+    dbm.migrate(db)
     ro = dbm.connect(sqlite_url, readonly=True)
     try:
-        dbm.migrate(db)
         with db.connect() as conn:
             assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
             assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
@@ -210,6 +211,15 @@ def test_sqlite_connections_use_wal_and_pragmas(sqlite_url: str) -> None:
     finally:
         db.dispose()
         ro.dispose()
+
+
+def test_readonly_sqlite_creates_nothing(tmp_path: Path) -> None:
+    import pytest
+
+    missing = tmp_path / "typo" / "chunkscope.db"
+    with pytest.raises(FileNotFoundError, match="no store at"):
+        dbm.connect(f"sqlite:///{missing}", readonly=True)
+    assert not (tmp_path / "typo").exists()
 
 
 def test_bad_url_is_a_value_error() -> None:
