@@ -51,15 +51,22 @@ def _git(*args: str) -> str | None:
 
 def git_state() -> dict[str, Any]:
     """The commit the tree is at and whether it differs from it (tracked or untracked files,
-    ignored ones excluded). A dirty tree means the numbers may not come from that commit."""
+    ignored ones excluded). A dirty tree means the numbers may not come from that commit.
+
+    Files under ``benchmarks/results/`` do not make a tree dirty (they are outputs, not code:
+    a chain of benchmark runs writes them one after another); they are listed apart in
+    ``git_changed_results``."""
     commit = (_git("rev-parse", "HEAD") or "").strip() or None
-    status = _git("status", "--porcelain", "--untracked-files=normal")
-    changed = [line[3:] for line in (status or "").splitlines() if line.strip()]
+    status = _git("status", "--porcelain", "--untracked-files=all")
+    paths = [line[3:] for line in (status or "").splitlines() if line.strip()]
+    results = [p for p in paths if p.startswith("benchmarks/results/")]
+    changed = [p for p in paths if not p.startswith("benchmarks/results/")]
     return {
         "git_commit": commit,
         "git_dirty": None if status is None else bool(changed),
         "git_changed_paths": changed[:50],
         "git_num_changed_paths": len(changed),
+        "git_changed_results": results[:50],
     }
 
 

@@ -23,6 +23,7 @@ def _load(path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"_bench_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -107,3 +108,23 @@ def test_every_script_has_quick_and_parses(script: Path, capsys: pytest.CaptureF
     assert info.value.code == 0
     help_text = capsys.readouterr().out
     assert "--quick" in help_text and "--out-dir" in help_text and "--threads" in help_text
+
+
+def test_results_files_do_not_make_the_tree_dirty(
+    common: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    status = " M benchmarks/results/stall.json\n?? benchmarks/results/new.json\n"
+
+    def fake_git(*args: str) -> str:
+        return "0" * 40 + "\n" if args[0] == "rev-parse" else status
+
+    monkeypatch.setattr(common, "_git", fake_git)
+    state = common.git_state()
+    assert state["git_dirty"] is False and state["git_num_changed_paths"] == 0
+    assert state["git_changed_results"] == [
+        "benchmarks/results/stall.json",
+        "benchmarks/results/new.json",
+    ]
+    status += " M engine/runner.py\n"
+    state = common.git_state()
+    assert state["git_dirty"] is True and state["git_changed_paths"] == ["engine/runner.py"]
