@@ -8,6 +8,7 @@ from typing import Any
 POLICIES = ("chunked", "unchunked")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "flex")
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -72,9 +73,10 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "sdpa", "flash"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend must be auto, sdpa or flash, got {self.attention_backend!r}"
+                "attention_backend must be auto, sdpa, flash or flex, "
+                f"got {self.attention_backend!r}"
             )
         _check_int("image_token_cap", self.image_token_cap, 4)
         if self.cpu_threads is not None:

@@ -44,7 +44,7 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
                   "help": "where the model runs"}),
     ("--dtype", {"choices": ("auto", "float32", "bfloat16", "float16"), "default": "auto",
                  "help": "model dtype"}),
-    ("--attention-backend", {"choices": ("auto", "sdpa", "flash"), "default": "auto",
+    ("--attention-backend", {"choices": ("auto", "sdpa", "flash", "flex"), "default": "auto",
                              "help": "attention kernel"}),
     ("--seed", {"type": int, "default": 0, "help": "seed for synthetic weights and sampling"}),
     ("--image-token-cap", {"type": int, "default": 1280,
