@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,10 @@ class DecodeGroup:
 class AttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
-    prefills: list[tuple[SeqSlice, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    # each prefill chunk: its slice, its context's cache slots, its mask (None: plain causal)
+    prefills: list[tuple[SeqSlice, torch.Tensor, torch.Tensor | CausalBias | None]] = field(
+        default_factory=list
+    )
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     # flash-attn varlen inputs (built only for that backend)
     cu_seqlens_q: torch.Tensor | None = None
@@ -112,9 +116,19 @@ class SdpaBackend:
 
     Prefill chunks attend one sequence at a time (a causal mask offset by the chunk's start);
     decodes are batched in groups of similar context length, padded and masked.
+
+    A chunk that starts after position 0 needs a causal mask aligned to the bottom right. On
+    CUDA (``lower_right=None``) that is ``torch.nn.attention.bias.causal_lower_right``, which SDPA
+    hands to a fused kernel (flash or memory-efficient) instead of materialising a
+    ``[q_len, ctx_len]`` mask; those kernels want as many K/V heads as query heads, so the
+    chunk's K/V heads are repeated for it. On CPU the dense boolean mask, built once per step,
+    is cheaper. ``lower_right=True`` forces the fused-kernel form anywhere (tests compare both).
     """
 
     name = "sdpa"
+
+    def __init__(self, lower_right: bool | None = None) -> None:
+        self.lower_right = lower_right
 
     def prepare_metadata(
         self, seqs: list[SeqSlice], block_size: int, device: torch.device
@@ -131,8 +145,11 @@ class SdpaBackend:
                 continue
             kv = context_slots(table[row : row + 1], block_size, s.ctx_len)[0]
             start = s.ctx_len - s.q_len
-            mask = None
-            if start > 0:
+            mask: torch.Tensor | CausalBias | None = None
+            lower_right = device.type == "cuda" if self.lower_right is None else self.lower_right
+            if start > 0 and lower_right:
+                mask = causal_lower_right(s.q_len, s.ctx_len)
+            elif start > 0:
                 q_pos = torch.arange(start, s.ctx_len).unsqueeze(1)
                 mask = (torch.arange(s.ctx_len).unsqueeze(0) <= q_pos).to(device)
             meta.prefills.append((s, kv.to(device), mask))
@@ -172,9 +189,17 @@ class SdpaBackend:
             qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)
             ks = k_flat.index_select(0, kv_slots).transpose(0, 1).unsqueeze(0)
             vs = v_flat.index_select(0, kv_slots).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True
-            )
+            if isinstance(mask, CausalBias):
+                # fused kernels take the bias with equal head counts (no enable_gqa on every
+                # torch version): repeat each K/V head for its query heads
+                groups = qs.shape[1] // ks.shape[1]
+                ks = ks.repeat_interleave(groups, dim=1)
+                vs = vs.repeat_interleave(groups, dim=1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+                )
             out[s.q_start : s.q_start + s.q_len] = o.squeeze(0).transpose(0, 1)
         for g in meta.decode_groups:
             qs = q.index_select(0, g.rows).unsqueeze(2)  # [B, Hq, 1, D]
