@@ -1,5 +1,7 @@
-"""GPU paths: CUDA SDPA (bf16) and flash-attn against an fp32 CPU reference. Skipped without
-CUDA; the flash-attn test also needs `flash_attn` to import."""
+"""GPU paths: CUDA SDPA, compiled flex (bf16) and flash-attn against an fp32 CPU reference.
+Skipped without CUDA; the flash-attn test also needs `flash_attn` to import. On the GPU machine
+(no openai or httpx there) run them with ``python3 -m pytest -q --noconftest -m gpu``
+and this file and ``tests/engine/test_attention_flex.py``."""
 
 from __future__ import annotations
 
@@ -55,6 +57,11 @@ def _compare(backend: str, block_size: int) -> None:
 @needs_cuda
 def test_cuda_sdpa_matches_fp32_reference() -> None:
     _compare("sdpa", 16)
+
+
+@needs_cuda
+def test_cuda_flex_matches_fp32_reference() -> None:
+    _compare("flex", 128)
 
 
 @needs_cuda
