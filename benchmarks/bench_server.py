@@ -8,7 +8,10 @@ The same seeded workload (N requests x P prompt tokens x O output tokens, ignore
            server modes: ``thread`` (``--engine-in-thread``: the step loop shares the HTTP
            process's GIL) and ``process`` (the default: the engine core in a child process).
 
-Throughput is output tokens / wall time (first request sent to last token received). Added
+Throughput is output tokens / wall time (first request sent to last token received). The
+offline side also runs with the torch thread count the servers' engine cores use (every CPU but
+one, left to the HTTP side): against it the ratio is the cost of serving itself; against offline
+with the process's default threads it includes the CPU the server keeps for its HTTP side. Added
 latency per streamed token is (client receive time of the chunk) - (engine token time from the
 ``chunkscope.token_times`` extension), both wall clock on the same machine. Each side runs a
 warm-up pass first; measured passes alternate offline / thread / process ``--repeats`` times
@@ -70,7 +73,8 @@ def engine_args(a: argparse.Namespace) -> dict[str, Any]:
 
 
 class Offline:
-    """The offline side: one engine, the workload run to completion with ``step()``."""
+    """The offline side: one engine, the workload run to completion with ``step()``, with
+    ``threads`` torch threads during a pass (None: the process's own setting)."""
 
     def __init__(self, a: argparse.Namespace) -> None:
         from engine.config import EngineConfig
@@ -80,18 +84,26 @@ class Offline:
         self.engine = LLMEngine(EngineConfig(**engine_args(a)))
         self.params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, seed=1)
 
-    def run(self, prompts: list[list[int]]) -> dict[str, Any]:
+    def run(self, prompts: list[list[int]], threads: int | None = None) -> dict[str, Any]:
+        import torch
+
         engine = self.engine
-        t0 = time.perf_counter()
-        for p in prompts:
-            engine.add_request(p, self.params)
-        tokens = steps = 0
-        while engine.has_unfinished_requests():
-            result = engine.step()
-            steps += result.event is not None
-            tokens += sum(len(o.new_token_ids) for o in result.outputs)
-        wall = time.perf_counter() - t0
-        return {"wall": wall, "tokens": tokens, "steps": steps}
+        before = torch.get_num_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            t0 = time.perf_counter()
+            for p in prompts:
+                engine.add_request(p, self.params)
+            tokens = steps = 0
+            while engine.has_unfinished_requests():
+                result = engine.step()
+                steps += result.event is not None
+                tokens += sum(len(o.new_token_ids) for o in result.outputs)
+            wall = time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(before)
+        return {"wall": wall, "tokens": tokens, "steps": steps, "threads": threads or before}
 
 
 MODES = {"thread": ["--engine-in-thread"], "process": []}  # server mode -> extra flags
@@ -235,8 +247,14 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     offline = Offline(a)
     offline.run(warm)
+    # the servers' engine cores step with every CPU but one (engine.serving.transport)
+    from engine.serving.transport import default_core_threads
+
+    core_threads = default_core_threads()
+    offline.run(warm, core_threads)
     servers: dict[str, tuple[subprocess.Popen[str], str]] = {}
     off_runs: list[dict[str, Any]] = []
+    same_runs: list[dict[str, Any]] = []
     http_runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     stop_seconds: dict[str, float] = {}
     try:
@@ -245,6 +263,7 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
             asyncio.run(_http_pass(servers[mode][1], warm, a))
         for _ in range(a.repeats):  # interleaved, so background load hits every side alike
             off_runs.append(offline.run(prompts))
+            same_runs.append(offline.run(prompts, core_threads))
             for mode, (_, url) in servers.items():
                 h = asyncio.run(_http_pass(url, prompts, a))
                 h["tokens"] = sum(r["usage"].get("completion_tokens", 0) for r in h["results"])
@@ -260,10 +279,20 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
         "output_tokens": off_runs[0]["tokens"],
         "steps": off_runs[0]["steps"],
     }
+    same_tps = _tps(same_runs)
+    same = {
+        "threads": core_threads,
+        "tokens_per_s_best": max(same_tps),
+        "tokens_per_s_median": statistics.median(same_tps),
+        "all_runs_tokens_per_s": same_tps,
+    }
+    off["threads"] = off_runs[0]["threads"]
     print(f"offline: best {off['tokens_per_s_best']:.0f} tok/s, "
-          f"median {off['tokens_per_s_median']:.0f}")  # fmt: skip
+          f"median {off['tokens_per_s_median']:.0f} ({off['threads']} threads); "
+          f"at the core's {core_threads}: best {same['tokens_per_s_best']:.0f}, "
+          f"median {same['tokens_per_s_median']:.0f}")  # fmt: skip
     modes = {
-        mode: summarize_mode(mode, runs, off, stop_seconds[mode], a)
+        mode: summarize_mode(mode, runs, off, same, stop_seconds[mode], a)
         for mode, runs in http_runs.items()
     }
     return {
@@ -272,9 +301,13 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
         "loadavg_1m_before": load_before,
         "loadavg_1m_after": os.getloadavg()[0],
         "offline": off,
+        "offline_core_threads": same,
         "http": modes,
         "http_over_offline": {m: r["http_over_offline"] for m, r in modes.items()},
         "http_over_offline_median": {m: r["http_over_offline_median"] for m, r in modes.items()},
+        "http_over_offline_same_threads_median": {
+            m: r["http_over_offline_same_threads_median"] for m, r in modes.items()
+        },
         "meets_target": {m: r["meets_target"] for m, r in modes.items()},
     }
 
@@ -283,6 +316,7 @@ def summarize_mode(
     mode: str,
     runs: list[dict[str, Any]],
     off: dict[str, Any],
+    same: dict[str, Any],
     stop_seconds: float,
     a: argparse.Namespace,
 ) -> dict[str, Any]:
@@ -290,6 +324,8 @@ def summarize_mode(
     best = max(runs, key=lambda r: r["tokens"] / r["wall"])
     ratio = max(tps) / off["tokens_per_s_best"]
     ratio_median = statistics.median(tps) / off["tokens_per_s_median"]
+    same_best = max(tps) / same["tokens_per_s_best"]
+    same_median = statistics.median(tps) / same["tokens_per_s_median"]
     summary = {
         "server_flags": MODES[mode],
         "tokens_per_s_best": max(tps),
@@ -299,13 +335,16 @@ def summarize_mode(
         **summarize_http(best, a),
         "http_over_offline": ratio,
         "http_over_offline_median": ratio_median,
+        "http_over_offline_same_threads": same_best,
+        "http_over_offline_same_threads_median": same_median,
         "meets_target": ratio >= 0.9,
         "shutdown_seconds": stop_seconds,
     }
     lat = summary["added_latency_per_token_ms"]
     print(
         f"http {mode:7s}: best {max(tps):.0f} tok/s, median {statistics.median(tps):.0f}; "
-        f"ratio best {ratio:.3f}, median {ratio_median:.3f}; added latency per token: "
+        f"ratio best {ratio:.3f}, median {ratio_median:.3f} (same threads: best "
+        f"{same_best:.3f}, median {same_median:.3f}); added latency per token: "
         f"mean {lat['mean']:.2f} ms, p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms"
     )
     return summary
