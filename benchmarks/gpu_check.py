@@ -14,11 +14,13 @@ or its error and the JSON is rewritten after each part, so a run cut short keeps
    utilisation (linear and attention FLOPs, as in PaLM's appendix B) of an 8,192-token prefill in
    chunks of 512 and 2,048 against the measured GEMM rate; 64 decoding streams at 4k context:
    bytes a step must read (weights, KV) per second against the measured copy bandwidth.
-3. The story on that shape, with the backend that decoded fastest: 32 decoding streams, then an
-   8,192-token prompt arrives; step times under budgets 16384 (one step) and 512, the spike ratio
-   (longest step while the prompt prefills over the median decode-only step before it), and the
-   prompt's TTFT. A 2,048-token prompt at budget 16384 is the seeds' 41x case (A100, 5 ms decode
-   steps) at our shape.
+3. The story on that shape: 32 decoding streams, then an 8,192-token prompt arrives; step times
+   under budgets 16384 (one step) and 512, the spike ratio (longest step while the prompt
+   prefills over the median decode-only step before it), and the prompt's TTFT. A 2,048-token
+   prompt at budget 16384 is the seeds' 41x case (A100, 5 ms decode steps) at our shape.
+
+Backends run one after the other, each through all three parts, SDPA first: a slow or failing
+compile of flex cannot cost the SDPA numbers. ``comparison`` puts them side by side at the end.
 
 ``--device cpu`` runs every part with tiny stand-in shapes: it checks the script, not a GPU.
 
@@ -503,6 +505,37 @@ def story(eng: LLMEngine, shapes: Shapes, rng: random.Random) -> dict[str, Any]:
 
 
 # --- driver ---------------------------------------------------------------------------------------
+def drain(eng: LLMEngine) -> None:
+    """Abort whatever a failed part left in the engine and step until it is empty."""
+    for rid in list(eng._requests):  # noqa: SLF001 - benchmark bookkeeping only
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def compare_backends(result: dict[str, Any], backends: list[str]) -> dict[str, Any]:
+    """Side by side: decode step, prefill MFU and the story's spike per backend, and ratios to the
+    first backend (SDPA by default)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for b in backends:
+        t = result.get(f"throughput_{b}")
+        if not isinstance(t, dict) or "decode" not in t:
+            continue
+        rows[b] = {
+            "decode_step_ms": t["decode"]["step_ms"],
+            "decode_fraction_of_copy_bandwidth": t["decode"]["fraction_of_copy_bandwidth"],
+            "prefill_mfu": {str(r["chunk"]): r["mfu"] for r in t["prefill"]},
+        }
+    out: dict[str, Any] = {"per_backend": rows}
+    if len(rows) > 1:
+        base = next(iter(rows))
+        out["decode_step_over_" + base] = {
+            b: r["decode_step_ms"] / rows[base]["decode_step_ms"] for b, r in rows.items()
+        }
+        out["faster_decode"] = min(rows, key=lambda b: rows[b]["decode_step_ms"])
+    return out
+
+
 def attempt(result: dict[str, Any], key: str, fn: Any, clock: Clock, need_s: float) -> Any:
     """Run one part; record its value, or why it was skipped, or its error."""
     if clock.left() < need_s:
@@ -563,8 +596,33 @@ def main(argv: list[str] | None = None) -> int:
     if roof is None:
         return 1
     print(json.dumps(roof), flush=True)
-    if "exact" not in skip:
-        for backend in backends:
+    # Per backend: exact, throughput, story; SDPA first, so a slow or failing compile of flex
+    # cannot cost the SDPA numbers. One 8B engine per backend serves throughput and story.
+    engines: dict[str, LLMEngine] = {}
+
+    def big(b: str) -> LLMEngine:
+        if b not in engines:
+            engines.clear()
+            free()
+            engines[b] = big_engine(shapes, b, device)
+        drain(engines[b])  # a part that failed midway may have left requests behind
+        return engines[b]
+
+    def throughput(b: str) -> dict[str, Any]:
+        eng, rng = big(b), random.Random(1)
+        part: dict[str, Any] = {"model": shapes.big_model, "backend": b}
+        part["params"] = eng.arch.num_params
+        part["prefill"] = prefill_mfu(eng, shapes, roof, rng)
+        part["decode"] = decode_bandwidth(eng, shapes, roof, rng)
+        return part
+
+    def run_story(b: str) -> dict[str, Any]:
+        return {"backend": b, **story(big(b), shapes, random.Random(2))}
+
+    for backend in backends:
+        engines.clear()  # the last backend's 8B engine: free its memory first
+        free()
+        if "exact" not in skip:
             attempt(
                 result,
                 f"exact_{backend}",
@@ -573,38 +631,16 @@ def main(argv: list[str] | None = None) -> int:
                 30,
             )
             save()
-    decode_speed: dict[str, float] = {}
-
-    def throughput(b: str) -> dict[str, Any]:
-        rng = random.Random(1)
-        eng = big_engine(shapes, b, device)
-        try:
-            part: dict[str, Any] = {"model": shapes.big_model, "backend": b}
-            part["params"] = eng.arch.num_params
-            part["prefill"] = prefill_mfu(eng, shapes, roof, rng)
-            part["decode"] = decode_bandwidth(eng, shapes, roof, rng)
-            decode_speed[b] = part["decode"]["step_ms"]
-            return part
-        finally:
-            del eng
-
-    if "throughput" not in skip:
-        for backend in backends:
+        if "throughput" not in skip:
             attempt(result, f"throughput_{backend}", lambda b=backend: throughput(b), clock, 90)
             save()
-    if "story" not in skip:
-        best = min(decode_speed, key=decode_speed.__getitem__) if decode_speed else backends[0]
-        result["story_backend"] = best
-
-        def run_story() -> dict[str, Any]:
-            eng = big_engine(shapes, best, device)
-            try:
-                return {"backend": best, **story(eng, shapes, random.Random(2))}
-            finally:
-                del eng
-
-        attempt(result, "story", run_story, clock, 60)
-    parts = [k for k in result if k.startswith(("exact_", "throughput_")) or k == "story"]
+        if "story" not in skip:
+            attempt(result, f"story_{backend}", lambda b=backend: run_story(b), clock, 60)
+            save()
+    engines.clear()
+    free()
+    result["comparison"] = compare_backends(result, backends)
+    parts = [k for k in result if k.startswith(("exact_", "throughput_", "story_"))]
     result["complete"] = all(
         isinstance(result[k], dict) and not ({"error", "skipped"} & set(result[k])) for k in parts
     )

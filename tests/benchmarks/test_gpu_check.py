@@ -38,8 +38,14 @@ def test_every_part_runs_and_records_provenance(dry_run: tuple[int, dict[str, An
     assert doc["complete"] is True
     assert doc["provenance"]["script"] == "gpu_check.py"
     assert doc["config"]["device"] == "cpu"
-    for key in ("roofline", "exact_sdpa", "exact_flex", "throughput_sdpa", "throughput_flex"):
-        assert key in doc and "error" not in doc[key], (key, doc.get(key))
+    for backend in ("sdpa", "flex"):
+        for part in ("exact", "throughput", "story"):
+            key = f"{part}_{backend}"
+            assert key in doc and "error" not in doc[key], (key, doc.get(key))
+    comparison = doc["comparison"]
+    assert set(comparison["per_backend"]) == {"sdpa", "flex"}
+    assert comparison["decode_step_over_sdpa"]["sdpa"] == 1.0
+    assert comparison["faster_decode"] in ("sdpa", "flex")
     assert doc["roofline"]["bf16_gemm_tflops"] > 0 and doc["roofline"]["copy_bandwidth_gbs"] > 0
 
 
@@ -75,8 +81,8 @@ def test_throughput_counts_flops_and_bytes(dry_run: tuple[int, dict[str, Any], s
 def test_story_chunks_the_long_prompt(dry_run: tuple[int, dict[str, Any], str]) -> None:
     _, doc, _ = dry_run
     shapes = doc["shapes"]
-    story = doc["story"]
-    assert story["backend"] == doc["story_backend"] in ("sdpa", "flex")
+    story = doc["story_flex"]
+    assert story["backend"] == "flex"
     by = {(c["budget"], c["prompt_tokens"]): c for c in story["cases"]}
     big, small = max(shapes["story_budgets"]), min(shapes["story_budgets"])
     one_shot = by[(big, shapes["story_prompt"])]
