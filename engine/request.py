@@ -98,7 +98,8 @@ class Request:
         self.abort_reason: str | None = None  # finish reason of an abort ("abort" if None)
         self.num_preemptions = 0
         self.image_spans: list[tuple[int, int]] = []
-        self.image_embeds: Any = None  # filled by the runner on first use
+        # (image index, band) -> embeddings, filled by the runner as chunks reach them
+        self.image_embeds: Any = None
         if self.images:
             self.image_spans = _image_spans(prompt_token_ids, self.images, image_token_id)
 

@@ -52,6 +52,7 @@ class ModelRunner:
         # Seconds of the last step spent in the model's forward pass and logits (the rest of a
         # step - scheduling, tensor building, sampling, bookkeeping - is engine overhead).
         self.last_forward_time = 0.0
+        self._encoder_time = 0.0  # of the current step: the vision encoder runs before t0
         self.kept_logits: dict[str, list[torch.Tensor]] = {}
 
     @property
@@ -68,6 +69,7 @@ class ModelRunner:
         sample_reqs: list[Request] = []
         embed_rows: list[int] = []
         embed_parts: list[torch.Tensor] = []
+        self._encoder_time = 0.0
         for chunk in plan.chunks:
             req = chunk.request
             q_start = len(ids)
@@ -94,11 +96,11 @@ class ModelRunner:
         )
         if not sample_rows:
             self._sync()
-            self.last_forward_time = time.perf_counter() - t0
+            self.last_forward_time = time.perf_counter() - t0 + self._encoder_time
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         self._sync()
-        self.last_forward_time = time.perf_counter() - t0
+        self.last_forward_time = time.perf_counter() - t0 + self._encoder_time
         if self.keep_logits:
             for r, row in zip(sample_reqs, logits.cpu(), strict=True):
                 self.kept_logits.setdefault(r.request_id, []).append(row)
@@ -125,18 +127,33 @@ class ModelRunner:
             lo, hi = max(start, span_start), min(end, span_start + n)
             if lo >= hi:
                 continue
-            if req.image_embeds is None:
-                req.image_embeds = {}
-            emb = req.image_embeds.get(idx)
-            if emb is None:
-                if self.vision is None:
-                    raise RuntimeError("this model has no vision encoder")
-                pixels = torch.as_tensor(req.images[idx].pixels, device=self.device)
-                with torch.inference_mode():
-                    emb = self.vision(pixels).to(self.dtype)
-                req.image_embeds[idx] = emb
             rows.extend(range(q_start + lo - start, q_start + hi - start))
-            parts.append(emb[lo - span_start : hi - span_start])
+            parts.append(self._image_tokens(req, idx, lo - span_start, hi - span_start))
+
+    def _image_tokens(self, req: Request, idx: int, a: int, b: int) -> torch.Tensor:
+        """Embeddings of tokens [a, b) of image ``idx``. The encoder runs only the bands those
+        tokens lie in that no earlier chunk encoded (``req.image_embeds`` keeps each band until
+        the request ends), so an image's encoder work is spread over its prefill chunks."""
+        if self.vision is None:
+            raise RuntimeError("this model has no vision encoder")
+        if req.image_embeds is None:
+            req.image_embeds = {}
+        pixels = req.images[idx].pixels
+        per = self.vision.band_tokens(int(pixels.shape[1]))
+        first, last = a // per, (b - 1) // per + 1
+        missing = [k for k in range(first, last) if (idx, k) not in req.image_embeds]
+        if missing:
+            lo, hi = missing[0], missing[-1] + 1
+            t0 = time.perf_counter()
+            image = torch.as_tensor(pixels, device=self.device)
+            with torch.inference_mode():
+                emb = self.vision.encode_bands(image, lo, hi).to(self.dtype)
+            self._sync()
+            self._encoder_time += time.perf_counter() - t0
+            for k, band in zip(range(lo, hi), emb.split(per), strict=False):
+                req.image_embeds.setdefault((idx, k), band)
+        bands = [req.image_embeds[(idx, k)] for k in range(first, last)]
+        return torch.cat(bands)[a - first * per : b - first * per]
 
     def release(self, req: Request) -> None:
         self.sampler.forget(req.request_id)

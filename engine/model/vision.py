@@ -4,6 +4,19 @@
 28) and returns ``[(H // 28) * (W // 28), hidden]`` embeddings, one per image token, in row-major
 order of the merged grid. Weights are synthetic and seeded (deterministic for a given seed and
 independent of the global RNG): the point is realistic compute and shapes, not meaning.
+
+Attention is local, as in Qwen2.5-VL's windowed layers: patches attend within a *band* of
+``band_rows`` merged-token rows across the image's width, so bands are independent and an image
+can be encoded band by band: ``encode_bands(pixels, first, last)`` gives the tokens of bands
+``[first, last)``, and ``forward`` is every band in turn (the same per-band computation, so the
+two agree bit for bit). The engine encodes, with each prefill chunk, only the bands that chunk's
+image tokens need: the encoder's work is chunked with the prompt and bounded by the token budget
+(a whole-image encoder would run an image's encoder in one step at any budget).
+
+Cost: the width defaults to half the language model's hidden size (at most 512). On the ``demo``
+preset a 720p image (1,196 tokens) encodes in about 170 ms on 2 CPU cores, against about 220 ms
+for the language model's prefill of as many tokens: the same order as in Qwen2-VL (a 675 M ViT
+over 4 patches per token beside a 7.6 B language model), where the encoder is the smaller part.
 """
 
 from __future__ import annotations
@@ -71,6 +84,7 @@ class VisionEncoder(nn.Module):
         patch_size: int = 14,
         seed: int = 0,
         width: int | None = None,
+        band_rows: int = 1,
     ) -> None:
         super().__init__()
         if hidden_size < 1:
@@ -79,10 +93,13 @@ class VisionEncoder(nn.Module):
             raise ValueError(f"num_layers must be >= 0, got {num_layers}")
         if patch_size < 1:
             raise ValueError(f"patch_size must be positive, got {patch_size}")
+        if band_rows < 1:
+            raise ValueError(f"band_rows must be positive, got {band_rows}")
         self.hidden_size = hidden_size
         self.patch_size = patch_size
         self.factor = patch_size * MERGE
-        width = width if width is not None else max(32, min(hidden_size, 512))
+        self.band_rows = band_rows
+        width = width if width is not None else max(32, min(hidden_size // 2, 512))
         num_heads = max(1, width // 64)
         if width % num_heads:
             raise ValueError(f"vision width {width} must divide into {num_heads} heads")
@@ -124,7 +141,19 @@ class VisionEncoder(nn.Module):
     def num_tokens(self, height: int, width: int) -> int:
         return (height // self.factor) * (width // self.factor)
 
+    def band_tokens(self, width: int) -> int:
+        """Image tokens per band of an image ``width`` pixels wide (the last band may hold
+        fewer)."""
+        return self.band_rows * (width // self.factor)
+
+    def num_bands(self, height: int) -> int:
+        return -(-(height // self.factor) // self.band_rows)
+
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.encode_bands(pixels, 0, self.num_bands(int(pixels.shape[0])))
+
+    def encode_bands(self, pixels: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        """The image tokens of bands ``[first, last)``: ``[tokens, hidden]``, row-major."""
         if pixels.ndim != 3 or pixels.shape[2] != 3:
             raise ValueError(f"pixels must be [H, W, 3], got {tuple(pixels.shape)}")
         height, width = int(pixels.shape[0]), int(pixels.shape[1])
@@ -133,14 +162,30 @@ class VisionEncoder(nn.Module):
                 f"image size {width}x{height} must be positive multiples of {self.factor}; "
                 "resize it with engine.multimodal.resize_image"
             )
+        bands = self.num_bands(height)
+        if not 0 <= first < last <= bands:
+            raise ValueError(f"bands [{first}, {last}) outside the image's {bands} bands")
         p = self.patch_size
         gh, gw = height // p, width // p
+        pos = _sincos_2d(gh, gw, self.width, self.device)
+        rows = MERGE * self.band_rows  # patch rows per band
+        out = []
+        for band in range(first, last):
+            r0, r1 = band * rows, min(gh, (band + 1) * rows)
+            out.append(self._band(pixels[r0 * p : r1 * p], pos[r0 * gw : r1 * gw], gw))
+        return torch.cat(out)
+
+    def _band(self, pixels: torch.Tensor, pos: torch.Tensor, gw: int) -> torch.Tensor:
+        """One band: its pixel rows ``[rows * p, W, 3]`` and the position embeddings of its
+        patches; attention sees only the band's patches."""
+        p = self.patch_size
+        gh = int(pixels.shape[0]) // p
         x = pixels.to(device=self.device, dtype=torch.float32)
         x = (x - self.mean) / self.std
-        # [H, W, 3] → [gh, p, gw, p, 3] → [gh, gw, p, p, 3] → patches [gh*gw, 3*p*p]
+        # [h, W, 3] → [gh, p, gw, p, 3] → [gh, gw, p, p, 3] → patches [gh*gw, 3*p*p]
         x = x.view(gh, p, gw, p, 3).permute(0, 2, 1, 3, 4).reshape(gh * gw, p * p * 3)
         x = self.patch_embed(x.to(self.dtype))
-        x = x + _sincos_2d(gh, gw, self.width, x.device).to(x.dtype)
+        x = x + pos.to(x.dtype)
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)

@@ -91,3 +91,40 @@ def test_back_to_back_images_share_one_placeholder_run(make_engine) -> None:
     assert outputs[-1].request_id == rid and outputs[-1].num_image_tokens == 14
     with pytest.raises(ValueError, match="consecutive"):
         engine.add_request([image_id] * 3 + [5] + [image_id] * 5, SamplingParams(), images=imgs[1:])
+
+
+def test_encoder_work_follows_the_chunks(make_engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vision encoder runs band by band with the prefill chunks: a step encodes only the
+    bands its chunk's image tokens lie in, every band exactly once, so a small budget bounds an
+    image's encoder work per step as it bounds its prefill (a whole-image encode in the first
+    chunk's step would stall every stream at any budget)."""
+    engine = make_engine(token_budget=512, max_token_budget=512, enable_prefix_caching=False)
+    _assert_vision(engine)
+    vision = engine.vision
+    img = _image(28 * 6, 28 * 4, 3)  # a 6 x 4 grid of image tokens: 6 bands of 4
+    assert vision.num_bands(28 * 6) == 6 and vision.band_tokens(28 * 4) == 4
+    image_id = engine.tokenizer.image_token_id
+    prompt = [1, 2, 3] + [image_id] * 24 + [4, 5]
+    calls: list[tuple[int, int]] = []
+    encode = vision.encode_bands
+
+    def spy(pixels, first: int, last: int):  # type: ignore[no-untyped-def]
+        calls.append((first, last))
+        return encode(pixels, first, last)
+
+    monkeypatch.setattr(vision, "encode_bands", spy)
+    per_step: dict[int, list[list[int]]] = {}
+    for budget in (512, 6):
+        engine.set_token_budget(budget)
+        engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True), images=[img])
+        steps = []
+        while engine.has_unfinished_requests():
+            before = len(calls)
+            engine.step()
+            steps.append([k for first, last in calls[before:] for k in range(first, last)])
+        per_step[budget] = [s for s in steps if s]
+    assert per_step[512] == [list(range(6))]  # one step, the whole image
+    chunked = per_step[6]
+    assert sorted(k for s in chunked for k in s) == list(range(6))  # each band once
+    # a chunk of 6 tokens touches at most 3 bands of 4 tokens; most steps encode 1 or 2
+    assert len(chunked) >= 4 and max(len(s) for s in chunked) <= 3

@@ -116,6 +116,34 @@ def test_vision_encoder_shapes_and_determinism() -> None:
         enc(torch.zeros(30, 28, 3, dtype=torch.uint8))
 
 
+def test_vision_encoder_bands_equal_the_whole_image() -> None:
+    """Attention is local to a band of merged-token rows: any run of bands encodes to exactly
+    the rows of the whole image's output (bit for bit), so chunks can encode what they need."""
+    import torch
+
+    from engine.model.vision import VisionEncoder
+
+    enc = VisionEncoder(64, band_rows=2)
+    pixels = torch.from_numpy(_image(28 * 5, 28 * 3))  # 5 x 3 tokens: bands of 6, 6 and 3
+    assert enc.num_bands(28 * 5) == 3 and enc.band_tokens(28 * 3) == 6
+    with torch.no_grad():
+        whole = enc(pixels)
+        assert whole.shape == (15, 64)
+        assert torch.equal(enc.encode_bands(pixels, 0, 1), whole[:6])
+        assert torch.equal(enc.encode_bands(pixels, 1, 3), whole[6:])
+        assert torch.equal(enc.encode_bands(pixels, 2, 3), whole[12:])
+        # the bands are independent: other pixels in band 0 leave band 1 unchanged
+        changed = pixels.clone()
+        changed[:56] = 255 - changed[:56]
+        other = enc(changed)
+        assert not torch.equal(other[:6], whole[:6]) and torch.equal(other[6:], whole[6:])
+    for first, last in ((0, 0), (-1, 1), (2, 4)):
+        with pytest.raises(ValueError, match="outside the image"):
+            enc.encode_bands(pixels, first, last)
+    with pytest.raises(ValueError, match="band_rows"):
+        VisionEncoder(64, band_rows=0)
+
+
 def test_chat_prompt_template() -> None:
     from engine.chat import ChatTurn, build_chat_prompt
 
