@@ -232,7 +232,7 @@ PROFILES: dict[str, TrafficProfile] = {
             *_VLM,
             "mixed.chat_share=0.9",
             "mixed.rag_share=0.1",
-            "mixed.vlm_share=0",  # an image encodes in one step at any budget: its own profile
+            "mixed.vlm_share=0",  # images have their own profile; this one is the chat/RAG story
         ),
     ),
     "chat": TrafficProfile("chat", 1.0, _CHAT),
