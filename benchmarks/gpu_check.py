@@ -36,6 +36,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -121,6 +122,35 @@ CPU_SHAPES = Shapes(
     gemm_n=256,
     copy_bytes=1 << 20,
 )
+
+
+# --- the machine ----------------------------------------------------------------------------------
+def device_info(device: torch.device) -> dict[str, Any]:
+    """What the numbers ran on: the device's properties and, where nvidia-smi answers, its
+    clocks, power and temperature at this moment (a throttled GPU explains a low roofline)."""
+    if device.type != "cuda":
+        return {"device": "cpu (dry run)"}
+    props = torch.cuda.get_device_properties(device)
+    info: dict[str, Any] = {
+        "device": props.name,
+        "total_memory_gib": props.total_memory / 2**30,
+        "multiprocessors": props.multi_processor_count,
+        "capability": f"{props.major}.{props.minor}",
+    }
+    query = "clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu,driver_version"
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        info["nvidia_smi"] = dict(
+            zip(query.split(","), proc.stdout.strip().split(", "), strict=False)
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        info["nvidia_smi"] = f"unavailable: {exc}"
+    return info
 
 
 # --- timing ---------------------------------------------------------------------------------------
@@ -592,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(out, result, script="gpu_check.py", config=config_of(args))
 
     roof = attempt(result, "roofline", lambda: measured_roofline(shapes, device), clock, 5)
+    result["device_before"] = device_info(device)  # clocks right after the GEMM warmed it
     save()
     if roof is None:
         return 1
@@ -640,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     engines.clear()
     free()
     result["comparison"] = compare_backends(result, backends)
+    result["device_after"] = device_info(device)
     parts = [k for k in result if k.startswith(("exact_", "throughput_", "story_"))]
     result["complete"] = all(
         isinstance(result[k], dict) and not ({"error", "skipped"} & set(result[k])) for k in parts
