@@ -59,46 +59,21 @@ from _common import (  # noqa: E402
 # instead of the advisor package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
 
+from dashboard.services import CHAT_OVERRIDES, RAG_OVERRIDES, VLM_OVERRIDES  # noqa: E402
+
 logger = logging.getLogger("bench_advisor")
 
 SCRIPT = "advisor.py"
 CONTROL_TOKEN = "bench-advisor"
 
-# The dashboard launcher's presets for the demo engine (dashboard/services.py, PROFILES).
-_CHAT = (
-    "chat.system_prompt_tokens=32",
-    "chat.input_median=48",
-    "chat.input_p90=160",
-    "chat.input_max=512",
-    "chat.output_median=150",
-    "chat.output_p90=300",
-    "chat.output_max=400",
-)
-_RAG = (
-    "rag.num_documents=256",
-    "rag.doc_median=2500",
-    "rag.doc_p90=3500",
-    "rag.doc_min=1500",
-    "rag.doc_max=4000",
-    "rag.output_median=32",
-    "rag.output_p90=64",
-    "rag.output_max=128",
-)
-_VLM = (
-    "vlm.resolutions=640x480",
-    "vlm.resolution_weights=1",
-    "vlm.single_image_fraction=1.0",
-    "vlm.output_median=64",
-    "vlm.output_p90=128",
-    "vlm.output_max=256",
-)
+# The dashboard launcher's presets for the demo engine (dashboard/services.py).
 PROFILES: dict[str, tuple[float, tuple[str, ...]]] = {
     "mixed": (
         1.2,
         (
-            *_CHAT,
-            *_RAG,
-            *_VLM,
+            *CHAT_OVERRIDES,
+            *RAG_OVERRIDES,
+            *VLM_OVERRIDES,
             "mixed.chat_share=0.85",
             "mixed.rag_share=0.1",
             "mixed.vlm_share=0.05",
@@ -106,7 +81,7 @@ PROFILES: dict[str, tuple[float, tuple[str, ...]]] = {
     ),
     # the launcher's rag rate is 0.12 req/s: about 5 requests in a 45 s window, too few for a
     # percentile; 0.25 keeps the engine below saturation at every budget with twice the sample
-    "rag": (0.25, _RAG),
+    "rag": (0.25, RAG_OVERRIDES),
 }
 
 

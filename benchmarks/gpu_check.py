@@ -49,7 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import add_common_args, config_of, setup, write_json  # noqa: E402
+from _common import add_common_args, config_of, drain, setup, write_json  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -535,14 +535,6 @@ def story(eng: LLMEngine, shapes: Shapes, rng: random.Random) -> dict[str, Any]:
 
 
 # --- driver ---------------------------------------------------------------------------------------
-def drain(eng: LLMEngine) -> None:
-    """Abort whatever a failed part left in the engine and step until it is empty."""
-    for rid in list(eng._requests):  # noqa: SLF001 - benchmark bookkeeping only
-        eng.abort_request(rid)
-    while eng.has_unfinished_requests():
-        eng.step()
-
-
 def compare_backends(result: dict[str, Any], backends: list[str]) -> dict[str, Any]:
     """Side by side: decode step, prefill MFU and the story's spike per backend, and ratios to the
     first backend (SDPA by default)."""

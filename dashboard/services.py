@@ -195,7 +195,7 @@ class TrafficProfile:
 # bounded at any budget) while each RAG prompt, thousands of tokens long, is a step lasting
 # seconds at a large budget: every chat stream stalls on it. At a budget of a few hundred tokens
 # the prompt is spread over many short steps and the stalls disappear.
-_CHAT = (
+CHAT_OVERRIDES = (
     "chat.system_prompt_tokens=32",
     "chat.input_median=48",
     "chat.input_p90=160",
@@ -204,7 +204,7 @@ _CHAT = (
     "chat.output_p90=300",
     "chat.output_max=400",
 )
-_RAG = (
+RAG_OVERRIDES = (
     "rag.num_documents=256",  # few repeats in a few minutes: the prefix cache rarely hides one
     "rag.doc_median=2500",
     "rag.doc_p90=3500",
@@ -214,7 +214,7 @@ _RAG = (
     "rag.output_p90=64",
     "rag.output_max=128",
 )
-_VLM = (
+VLM_OVERRIDES = (
     "vlm.resolutions=640x480",
     "vlm.resolution_weights=1",
     "vlm.single_image_fraction=1.0",
@@ -227,17 +227,17 @@ PROFILES: dict[str, TrafficProfile] = {
         "mixed",
         1.2,
         (
-            *_CHAT,
-            *_RAG,
-            *_VLM,
+            *CHAT_OVERRIDES,
+            *RAG_OVERRIDES,
+            *VLM_OVERRIDES,
             "mixed.chat_share=0.9",
             "mixed.rag_share=0.1",
             "mixed.vlm_share=0",  # images have their own profile; this one is the chat/RAG story
         ),
     ),
-    "chat": TrafficProfile("chat", 1.0, _CHAT),
-    "rag": TrafficProfile("rag", 0.12, _RAG),
-    "vlm": TrafficProfile("vlm", 0.2, _VLM),
+    "chat": TrafficProfile("chat", 1.0, CHAT_OVERRIDES),
+    "rag": TrafficProfile("rag", 0.12, RAG_OVERRIDES),
+    "vlm": TrafficProfile("vlm", 0.2, VLM_OVERRIDES),
 }
 DEFAULT_DURATION_S = 120.0
 
