@@ -84,7 +84,7 @@ class VllmServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         full_env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
-        full_env.pop("PYTHONPATH", None)
+        full_env["PYTHONPATH"] = str(ROOT)  # this checkout, whichever one the venv has
         self.log_path = log
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
