@@ -32,7 +32,9 @@ def vllm_python() -> Path | None:
     return None
 
 
-def build_llama_folder(folder: Path) -> Path:
+def build_llama_folder(
+    folder: Path, *, hidden_size: int = 128, num_layers: int = 2, max_positions: int = 2048
+) -> Path:
     """A 2-layer Llama (head_dim 64: vLLM's CPU attention needs one of its sizes) with seeded
     random weights, saved as config.json + model.safetensors, and a word-level BPE
     ``tokenizer.json`` (with its tokenizer_config.json) that vLLM's tokenizer loader reads."""
@@ -51,16 +53,17 @@ def build_llama_folder(folder: Path) -> Path:
     tok.train_from_iterator([WORDS] * 20, trainer)
     arch = PRESETS["tiny"].with_(
         vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=max(1, hidden_size // 128),
         head_dim=64,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
         bos_token_id=1,
         eos_token_id=2,
     )
-    model = LlamaModel(arch, max_positions=2048)
+    model = LlamaModel(arch, max_positions=max_positions)
     model.init_synthetic(7)
     out = save_hf_folder(model, folder)
     (out / BYTE_TOKENIZER_MARKER).unlink(missing_ok=True)
@@ -72,11 +75,13 @@ def build_llama_folder(folder: Path) -> Path:
 
 class VllmServer:
     """``python -m vllm.entrypoints.openai.api_server`` on a free port, with the bridge class;
-    ``env`` adds to the environment (the collector URL, fault file...)."""
+    ``env`` adds to the environment (the collector URL, fault file...); ``bridge=False`` runs
+    vLLM's own scheduler (the overhead benchmark's other arm)."""
 
     def __init__(
         self, python: Path, model: Path, *args: str, env: dict[str, str] | None = None,
-        log: Path | None = None, timeout: float = 400.0,
+        log: Path | None = None, timeout: float = 400.0, bridge: bool = True,
+        max_model_len: int = 1024,
     ) -> None:  # fmt: skip
         import socket
 
@@ -90,8 +95,9 @@ class VllmServer:
         self.proc = subprocess.Popen(
             [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
              "--served-model-name", "tiny-llama", "--host", "127.0.0.1",
-             "--port", str(self.port), "--scheduler-cls", SCHEDULER_CLS, "--dtype", "float32",
-             "--max-model-len", "1024", "--enforce-eager", *args],
+             "--port", str(self.port), "--dtype", "float32",
+             "--max-model-len", str(max_model_len), "--enforce-eager",
+             *(["--scheduler-cls", SCHEDULER_CLS] if bridge else []), *args],
             cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         threading.Thread(target=self._pump, daemon=True).start()
