@@ -213,9 +213,13 @@ def story(args: argparse.Namespace, tmp: Path, model: Path) -> dict[str, Any]:
     for w in windows:
         st = _window_stats(traffic.records, stored_itl, w["lo"], w["hi"])
         ws = steps[(steps.start >= w["lo"]) & (steps.start < w["hi"])]
-        st.update(budget=w["budget"], applied_at_step=w["applied_at_step"],
-                  steps=int(len(ws)), max_step_ms=float(ws.duration_ms.max()) if len(ws) else None,
-                  max_scheduled=int(ws.num_scheduled_tokens.max()) if len(ws) else None)  # fmt: skip
+        st.update(
+            budget=w["budget"],
+            applied_at_step=w["applied_at_step"],
+            steps=int(len(ws)),
+            max_step_ms=float(ws.duration_ms.max()) if len(ws) else None,
+            max_scheduled=int(ws.num_scheduled_tokens.max()) if len(ws) else None,
+        )
         out.append(st)
     return {"windows": out, "requests": len(traffic.records), "errors": traffic.errors}
 
@@ -295,12 +299,14 @@ def main() -> None:
             name = "vllm_story.json"
             for w in payload["windows"]:
                 c, s = w["chat_itl_client"], w["chat_itl_stored"]
-                print(f"budget {w['budget']:>5}: chat ITL client p50/p99/p99.9/max "
-                      f"{c.get('p50_ms', 0):.1f}/{c.get('p99_ms', 0):.1f}/{c.get('p999_ms', 0):.1f}/"
-                      f"{c.get('max_ms', 0):.1f} ms; stored {s.get('p50_ms', 0):.1f}/"
-                      f"{s.get('p99_ms', 0):.1f}/{s.get('p999_ms', 0):.1f}/{s.get('max_ms', 0):.1f}"
-                      f" ms; max step {w['max_step_ms']} ms; {w['output_tokens_per_s_client']:.0f}"
-                      " tok/s")  # fmt: skip
+                print(
+                    f"budget {w['budget']:>5}: chat ITL client p50/p99/p99.9/max "
+                    f"{c.get('p50_ms', 0):.1f}/{c.get('p99_ms', 0):.1f}/{c.get('p999_ms', 0):.1f}/"
+                    f"{c.get('max_ms', 0):.1f} ms; stored {s.get('p50_ms', 0):.1f}/"
+                    f"{s.get('p99_ms', 0):.1f}/{s.get('p999_ms', 0):.1f}/{s.get('max_ms', 0):.1f}"
+                    f" ms; max step {w['max_step_ms']} ms; {w['output_tokens_per_s_client']:.0f}"
+                    " tok/s"
+                )
         write_json(out_dir / name, payload, script=SCRIPT, config=config_of(args))
 
 
