@@ -81,11 +81,11 @@ def run(url: str, n_chunks: int, n_steps: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap)
     ap.add_argument("--steps", type=int, default=5000)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.steps = 300
     out_dir = setup(args)

@@ -265,7 +265,7 @@ def overhead(args: argparse.Namespace, tmp: Path, model: Path) -> dict[str, Any]
     return {"runs": runs, "ratios": ratio}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap)
     ap.add_argument("--overhead", action="store_true", help="bridge on/off, alternated")
@@ -281,7 +281,7 @@ def main() -> None:
     ap.add_argument("--settle-s", type=float, default=3.0)
     ap.add_argument("--window-s", type=float, default=30.0)
     ap.add_argument("--reps", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.hidden_size, args.layers, args.window_s, args.warmup_s = 128, 2, 8.0, 4.0
         args.rag_prompt, args.reps = 1500, 1
