@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-_USAGE = """usage: chunkscope {engine,loadgen,collector,export} [options]
+_USAGE = """usage: chunkscope {engine,loadgen,collector,export,vllm} [options]
 
 subcommands:
   engine    run the OpenAI-compatible chunked-prefill engine server (python -m engine)
@@ -18,6 +18,8 @@ subcommands:
             (python -m storage)
   export    write stored telemetry as a Chrome trace (Perfetto) or CSV / Parquet tables
             (python -m storage export)
+  vllm      start vLLM's OpenAI server with chunkscope's scheduler bridge reporting to a
+            collector: chunkscope vllm [--collector-url URL] -- --model M [vLLM options]
 
 Run `chunkscope SUBCOMMAND --help` for the options of each.
 """
@@ -45,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         from storage.export import main as export_main
 
         return export_main(rest)
+    if command == "vllm":
+        from chunkscope.integrations.vllm_launch import main as vllm_main
+
+        return vllm_main(rest)
     print(f"chunkscope: unknown subcommand {command!r}\n\n{_USAGE}", file=sys.stderr)
     return 2
 

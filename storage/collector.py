@@ -142,6 +142,7 @@ class IngestConn:
     policy: str | None = None
     policies: tuple[str, ...] = DEFAULT_POLICIES
     model: str | None = None
+    engine_kind: str | None = None  # the hello's engine_kind ("vllm" for the vLLM bridge)
     last_step: int | None = None
     last_seen_ns: int | None = None
     current: bool = True  # False once replaced by a newer connection of the same run
@@ -518,6 +519,8 @@ class Collector:
         policies = h.get("policies")
         if isinstance(policies, list) and all(isinstance(p, str) for p in policies):
             conn.policies = tuple(policies)
+        kind = h.get("engine_kind")
+        conn.engine_kind = kind if isinstance(kind, str) else None
 
     def _refresh_seen(self, conn: IngestConn, *, connected: bool) -> None:
         self._seen[conn.engine_id] = {
@@ -528,6 +531,8 @@ class Collector:
             "token_budget": conn.token_budget,
             "max_token_budget": conn.max_token_budget,
             "policy": conn.policy,
+            "policies": list(conn.policies),
+            "engine_kind": conn.engine_kind,
             "last_step": conn.last_step,
             "last_seen_ns": conn.last_seen_ns,
         }

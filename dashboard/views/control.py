@@ -74,24 +74,40 @@ with left:
                 st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
             data.controls.clear()
             ui.collector_engines.clear()
+# Only the policies this engine honours (its hello's list; a vLLM engine has only "chunked").
+policies = [p for p in control.POLICIES if p in (info.get("policies") or control.POLICIES)]
+engine_kind = info.get("engine_kind")
 with right:
-    new_policy = st.radio(
-        "Policy", control.POLICIES, index=control.POLICIES.index(policy), horizontal=True
-    )
-    if st.button("Apply policy"):
-        try:
-            res = control.set_scheduler(
-                ctx.collector_url or "",
-                engine_id,
-                policy=control.validate_policy(new_policy),
-                token=ctx.settings.control_token,
-            )
-            kind = "applied" if res.ok else "refused"
-            st.session_state["control_answer"] = (kind, f"Engine {engine_id}: {res.describe()}")
-        except (control.CollectorUnavailable, ValueError) as exc:
-            st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
-        data.controls.clear()
-        ui.collector_engines.clear()
+    if len(policies) < 2:
+        st.caption(
+            f"Policy: {policy}, fixed"
+            + (f" ({engine_kind} cannot change it while it runs)" if engine_kind else "")
+            + ". The token budget is the control this engine supports."
+        )
+    else:
+        new_policy = st.radio(
+            "Policy",
+            policies,
+            index=policies.index(policy) if policy in policies else 0,
+            horizontal=True,
+        )
+        if st.button("Apply policy"):
+            try:
+                res = control.set_scheduler(
+                    ctx.collector_url or "",
+                    engine_id,
+                    policy=control.validate_policy(new_policy),
+                    token=ctx.settings.control_token,
+                )
+                kind = "applied" if res.ok else "refused"
+                st.session_state["control_answer"] = (
+                    kind,
+                    f"Engine {engine_id}: {res.describe()}",
+                )
+            except (control.CollectorUnavailable, ValueError) as exc:
+                st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
+            data.controls.clear()
+            ui.collector_engines.clear()
 
 answer = st.session_state.get("control_answer")
 if answer:

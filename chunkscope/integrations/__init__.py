@@ -1,0 +1,1 @@
+"""Bridges that let other serving engines report into chunkscope's collector."""

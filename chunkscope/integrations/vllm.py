@@ -1,0 +1,341 @@
+"""chunkscope's telemetry and live budget for a real vLLM, with no patch to vLLM.
+
+Start vLLM with this scheduler class and a collector URL::
+
+    CHUNKSCOPE_COLLECTOR_URL=ws://127.0.0.1:8765 python -m vllm.entrypoints.openai.api_server \\
+        --model M --scheduler-cls chunkscope.integrations.vllm.ChunkscopeScheduler \\
+        --max-num-batched-tokens 2048
+
+(or ``chunkscope vllm -- --model M ...``). Without ``CHUNKSCOPE_COLLECTOR_URL`` the class is
+vLLM's ``Scheduler`` and nothing more. With it, the class publishes chunkscope's wire
+(docs/telemetry.md) through the engine's own publisher: a hello with vLLM's configuration, a
+``step`` event per step that scheduled tokens (chunk layout included), request events with the
+ids the OpenAI client sees, and applies ``token_budget`` controls relayed by the collector at
+the top of the next ``schedule()``. Environment: ``CHUNKSCOPE_COLLECTOR_TOKEN`` (the hello's
+token), ``CHUNKSCOPE_CONTROL_TOKEN``, ``CHUNKSCOPE_ENGINE_ID`` (default ``vllm-<host>-<engine-core
+pid>``, ``-dp<rank>`` added with data parallelism), ``CHUNKSCOPE_SPILL_DIR``.
+
+vLLM builds the scheduler in its engine-core process and calls every method on that process's
+one busy-loop thread, so ``schedule()`` and ``update_from_output()`` alternate (async scheduling,
+which would overlap them, is detected and reported). No exception of the bridge reaches vLLM: a
+fault is logged (the first of each place with its traceback) and counted, and vLLM serves on.
+This is the only chunkscope module that imports vllm; the translation to events lives in
+:mod:`chunkscope.integrations.vllm_events` (no vllm, no torch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from chunkscope.integrations.vllm_events import BudgetControl, ScheduledChunk, StepTranslator
+
+# Under "vllm." so that vLLM's own logging configuration shows these lines.
+logger = logging.getLogger("vllm.chunkscope")
+
+ENV_URL = "CHUNKSCOPE_COLLECTOR_URL"
+# A test hook: while the file this names exists, the bridge's per-step code raises (the fault
+# path that must never reach vLLM).
+ENV_FAULT_FILE = "CHUNKSCOPE_BRIDGE_FAULT_FILE"
+
+
+class BridgeFault(RuntimeError):
+    """Raised by the bridge's own code on purpose (``CHUNKSCOPE_BRIDGE_FAULT_FILE``)."""
+
+
+class _Bridge:
+    """The bridge's state on one scheduler; every entry point is guarded by :meth:`guard`."""
+
+    def __init__(self, sched: Scheduler, url: str) -> None:
+        from engine.events import ClockAnchor
+        from engine.telemetry.buffer import BufferLimits
+        from engine.telemetry.publisher import ControlRefused, Publisher
+
+        self.faults = 0
+        self._fault_places: set[str] = set()
+        self._fault_file = os.environ.get(ENV_FAULT_FILE) or None
+        vc = sched.vllm_config
+        sc = sched.scheduler_config
+        self.unsupported = unsupported_features(vc)
+        for what in self.unsupported:
+            logger.warning("chunkscope: %s; steps and token times may be mis-recorded", what)
+        self.policies: tuple[str, ...] = ("chunked",) if sc.enable_chunked_prefill else ()
+        policy = "chunked" if sc.enable_chunked_prefill else "vllm-unchunked"
+        self.start_budget = int(sched.max_num_scheduled_tokens)
+        self.anchor = ClockAnchor.now()
+        self.start_step_ns = 0
+        self.exec_start_ns: int | None = None
+        self.randomized = not os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION")
+        rank = int(getattr(vc.parallel_config, "data_parallel_rank", 0) or 0)
+        dp_size = int(getattr(vc.parallel_config, "data_parallel_size", 1) or 1)
+        engine_id = os.environ.get("CHUNKSCOPE_ENGINE_ID") or default_engine_id()
+        if dp_size > 1:
+            engine_id = f"{engine_id}-dp{rank}"
+        model = vc.model_config.served_model_name or vc.model_config.model
+        if isinstance(model, list | tuple):
+            model = model[0]
+        self.publisher = Publisher(
+            url,
+            engine_id=engine_id,
+            hello=lambda: self.hello(sched, str(model), rank, dp_size),
+            token=os.environ.get("CHUNKSCOPE_COLLECTOR_TOKEN") or None,
+            control_token=os.environ.get("CHUNKSCOPE_CONTROL_TOKEN") or None,
+            apply_control=self.apply_control,
+            limits=BufferLimits(spill_dir=os.environ.get("CHUNKSCOPE_SPILL_DIR") or None),
+        )
+        self.translator = StepTranslator(
+            self.publisher.publish, self.anchor, policy=policy, randomized_ids=self.randomized
+        )
+        self.control = BudgetControl(self.translator, self.start_budget, self.policies)
+        self._refused = ControlRefused
+        self.publisher.start()
+        logger.info(
+            "chunkscope: vLLM engine %s publishing to %s (budget %d, controls: token_budget)",
+            engine_id,
+            self.publisher.url,
+            self.start_budget,
+        )
+
+    def hello(self, sched: Scheduler, model: str, rank: int, dp_size: int) -> dict[str, Any]:
+        vc = sched.vllm_config
+        pool = sched.kv_cache_manager.block_pool
+        return {
+            "model": model,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "core_pid": os.getpid(),
+            "engine_mode": "vllm",
+            "engine_kind": "vllm",
+            "engine_version": vllm_version(),
+            "policy": self.translator.policy,
+            "policies": list(self.policies),
+            "controls": ["token_budget"] + (["policy"] if self.policies else []),
+            "token_budget": self.control.budget,
+            "max_token_budget": self.start_budget,
+            "kv_blocks_total": int(pool.num_gpu_blocks),
+            "block_size": int(vc.cache_config.block_size),
+            "data_parallel_rank": rank,
+            "data_parallel_size": dp_size,
+            "unsupported": list(self.unsupported),
+            "config": vllm_config_summary(vc),
+            "clock": self.anchor.to_dict(),
+        }
+
+    async def apply_control(self, changes: dict[str, Any], request_id: str | None) -> dict:
+        try:
+            return self.control.request(changes, source="collector", request_id=request_id)
+        except ValueError as exc:  # ControlRefused of the engine's rule is a ValueError
+            raise self._refused(str(exc)) from exc
+
+    def check_fault(self) -> None:
+        if self._fault_file is not None and os.path.exists(self._fault_file):
+            raise BridgeFault(f"fault planted by {ENV_FAULT_FILE}={self._fault_file}")
+
+    def fault(self, place: str) -> None:
+        self.faults += 1
+        if place not in self._fault_places:
+            self._fault_places.add(place)
+            logger.exception("chunkscope: bridge fault in %s (vLLM serves on; counted)", place)
+        else:
+            logger.warning("chunkscope: bridge fault in %s (%d so far)", place, self.faults)
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+class ChunkscopeScheduler(Scheduler):
+    """vLLM's ``Scheduler`` that reports into a chunkscope collector (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._chunkscope: _Bridge | None = None
+        url = os.environ.get(ENV_URL)
+        if not url:
+            return
+        try:
+            self._chunkscope = _Bridge(self, url)
+        except Exception:  # noqa: BLE001 - a bad URL or setup bug must not stop vLLM
+            logger.exception("chunkscope: the bridge could not start; vLLM runs without it")
+            self._chunkscope = None
+
+    # --- requests ------------------------------------------------------------------------------
+    def add_request(self, request: Any) -> None:
+        bridge = self._chunkscope
+        new = bridge is not None and request.request_id not in self.requests
+        super().add_request(request)
+        if bridge is None or not new:
+            return
+        try:
+            bridge.translator.arrived(
+                request.request_id, request.arrival_time, int(request.num_prompt_tokens)
+            )
+        except Exception:  # noqa: BLE001
+            bridge.fault("add_request")
+
+    def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: Any) -> Any:
+        done = super().finish_requests(request_ids, finished_status)
+        bridge = self._chunkscope
+        if bridge is not None and done:
+            try:
+                bridge.translator.aborted([r.request_id for r in done])
+            except Exception:  # noqa: BLE001
+                bridge.fault("finish_requests")
+        return done
+
+    # --- steps ---------------------------------------------------------------------------------
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        bridge = self._chunkscope
+        if bridge is None:
+            return super().schedule(*args, **kwargs)
+        start_ns = time.monotonic_ns()
+        lock = bridge.translator.lock
+        lock.acquire()
+        try:
+            try:
+                value = bridge.control.take()
+                if value is not None:
+                    self.max_num_scheduled_tokens = value
+            except Exception:  # noqa: BLE001
+                bridge.fault("schedule (control)")
+            budget = self.max_num_scheduled_tokens
+            out = super().schedule(*args, **kwargs)
+            try:
+                self._chunkscope_scheduled(bridge, out, start_ns, budget)
+            except Exception:  # noqa: BLE001
+                bridge.translator._inflight = None
+                bridge.fault("schedule")
+        finally:
+            lock.release()
+        bridge.exec_start_ns = time.monotonic_ns()
+        return out
+
+    def _chunkscope_scheduled(self, bridge: _Bridge, out: Any, start_ns: int, budget: int) -> None:
+        bridge.check_fault()
+        starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        chunks = []
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            chunks.append(
+                ScheduledChunk(
+                    rid,
+                    int(starts.get(rid, req.num_computed_tokens - n)),
+                    int(n),
+                    int(req.num_prompt_tokens),
+                    int(req.num_tokens),
+                )
+            )
+        pool = self.kv_cache_manager.block_pool
+        total = int(pool.num_gpu_blocks)
+        bridge.translator.scheduled(
+            start_ns=start_ns,
+            token_budget=budget,
+            chunks=chunks,
+            preempted=sorted(out.preempted_req_ids or ()),
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_used=total - int(pool.get_num_free_blocks()),
+            kv_blocks_total=total,
+        )
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        bridge = self._chunkscope
+        if bridge is None:
+            return super().update_from_output(scheduler_output, model_runner_output)
+        end_ns = time.monotonic_ns()
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        try:
+            bridge.check_fault()
+            produced: dict[str, int] = {}
+            finished: dict[str, Any] = {}
+            for eco in outputs.values():
+                for o in eco.outputs:
+                    if o.new_token_ids:
+                        produced[o.request_id] = len(o.new_token_ids)
+                    if o.finish_reason is not None:
+                        finished[o.request_id] = o.finish_reason
+            bridge.translator.executed(
+                end_ns=end_ns,
+                produced=produced,
+                finished=finished,
+                forward_start_ns=bridge.exec_start_ns,
+            )
+        except Exception:  # noqa: BLE001
+            bridge.translator._inflight = None
+            bridge.fault("update_from_output")
+        return outputs
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            bridge, self._chunkscope = self._chunkscope, None
+            if bridge is not None:
+                try:
+                    bridge.close()
+                except Exception:  # noqa: BLE001
+                    logger.exception("chunkscope: closing the publisher failed")
+
+
+def unsupported_features(vc: Any) -> list[str]:
+    """What this vLLM configuration does that the bridge cannot record faithfully yet."""
+    out = []
+    if getattr(vc, "speculative_config", None) is not None:
+        out.append("speculative decoding (several tokens per step per request)")
+    if getattr(vc.scheduler_config, "async_scheduling", False):
+        out.append("async scheduling (steps overlap)")
+    if int(getattr(vc.parallel_config, "pipeline_parallel_size", 1) or 1) > 1:
+        out.append("pipeline parallelism (several batches in flight)")
+    return out
+
+
+def vllm_config_summary(vc: Any) -> dict[str, Any]:
+    """The parts of vLLM's configuration a reader of the store wants, as plain values."""
+    sc, mc, cc, pc = vc.scheduler_config, vc.model_config, vc.cache_config, vc.parallel_config
+    pick = {
+        "model": getattr(mc, "model", None),
+        "dtype": str(getattr(mc, "dtype", "")),
+        "max_model_len": getattr(mc, "max_model_len", None),
+        "max_num_batched_tokens": getattr(sc, "max_num_batched_tokens", None),
+        "max_num_scheduled_tokens": getattr(sc, "max_num_scheduled_tokens", None),
+        "max_num_seqs": getattr(sc, "max_num_seqs", None),
+        "enable_chunked_prefill": getattr(sc, "enable_chunked_prefill", None),
+        "long_prefill_token_threshold": getattr(sc, "long_prefill_token_threshold", None),
+        "max_num_partial_prefills": getattr(sc, "max_num_partial_prefills", None),
+        "async_scheduling": getattr(sc, "async_scheduling", None),
+        "block_size": getattr(cc, "block_size", None),
+        "num_gpu_blocks": getattr(cc, "num_gpu_blocks", None),
+        "enable_prefix_caching": getattr(cc, "enable_prefix_caching", None),
+        "tensor_parallel_size": getattr(pc, "tensor_parallel_size", None),
+        "pipeline_parallel_size": getattr(pc, "pipeline_parallel_size", None),
+        "data_parallel_size": getattr(pc, "data_parallel_size", None),
+        "device": str(getattr(getattr(vc, "device_config", None), "device", "")),
+    }
+    return {k: v if isinstance(v, int | float | str | bool | type(None)) else str(v)
+            for k, v in pick.items()}  # fmt: skip
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def default_engine_id() -> str:
+    host = socket.gethostname().split(".")[0]
+    return f"vllm-{host}-{os.getpid()}"
+
+
+__all__ = ["ChunkscopeScheduler", "unsupported_features", "vllm_config_summary"]

@@ -1,0 +1,384 @@
+"""vLLM's scheduling, told as chunkscope's wire events (schema 1). Imports neither vllm nor torch.
+
+``chunkscope.integrations.vllm`` (the only module that imports vllm) reads plain facts off vLLM's
+scheduler at three points of its core thread and hands them to a :class:`StepTranslator`:
+
+- a request added (``arrived``, with vLLM's frontend wall-clock ``arrival_time``), a request
+  aborted from outside (``aborted``);
+- ``schedule()`` returned: the step's chunks in scheduling order as :class:`ScheduledChunk`
+  (``num_computed_tokens`` read before vLLM advanced it), preempted requests, queue lengths and
+  KV blocks; the step takes the next index only when it scheduled tokens, so the indices of the
+  steps that ran have no gaps;
+- ``update_from_output()`` began (the model output is back: every token of the step has this
+  time): which requests produced how many tokens, which finished and why.
+
+Events go out in the contract's causal order: what happened before a step (arrivals, aborts,
+controls that apply at it, preemptions, ``first_scheduled``), the ``step``, then what the step
+finished (``first_token``, ``finished``); an abort that lands while a step is executing is held
+until that step's events are out. Request ids are the ids the OpenAI client sees
+(:func:`external_request_id`). :class:`BudgetControl` is the live budget: checked by the rule
+``PUT /v1/scheduler`` uses, answered at once with the step it applies at, applied by the
+scheduler thread at the top of the next ``schedule()``.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.events import ChunkRecord, ClockAnchor, ControlEvent, RequestEvent, StepEvent
+from engine.serving.control import ControlRefused, check_changes
+
+Publish = Callable[[Any], None]
+
+# vLLM (v1 InputProcessor.assign_request_id) makes the engine's id unique by appending
+# "-" + 8 characters of a random uuid's hex to the frontend's id.
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+# The completions endpoint gives prompt i of a request the id f"{response id}-{i}".
+_COMPLETION_INDEX = re.compile(r"^(cmpl-.+)-(\d+)$")
+
+# vllm.v1.engine.FinishReason values, by their integer (they are an IntEnum).
+FINISH_REASONS = {0: "stop", 1: "length", 2: "abort", 3: "error", 4: "repetition"}
+
+
+def external_request_id(internal_id: str, *, randomized: bool = True) -> str:
+    """The id the OpenAI client sees for vLLM's internal request id.
+
+    ``randomized``: vLLM appended its 8-character suffix (the default; off only with
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``). A completion's first prompt (``cmpl-X-0``) is
+    the response id ``cmpl-X``; prompt ``i > 0`` of a batched completion keeps ``-i`` so that
+    ids stay unique. Chat completion ids (``chatcmpl-X``) and ids from an ``X-Request-Id``
+    header are kept as sent.
+    """
+    ext = _RANDOM_SUFFIX.sub("", internal_id) if randomized else internal_id
+    m = _COMPLETION_INDEX.match(ext)
+    if m is not None and m.group(2) == "0":
+        return m.group(1)
+    return ext
+
+
+def finish_reason_name(reason: Any) -> str | None:
+    """``stop`` / ``length`` / ``abort`` / ... for a vLLM ``FinishReason`` (or its int)."""
+    if reason is None:
+        return None
+    try:
+        return FINISH_REASONS.get(int(reason), str(reason))
+    except (TypeError, ValueError):
+        return str(reason)
+
+
+def chunk_kind(start: int, num_tokens: int, num_prompt_tokens: int, num_tokens_total: int) -> str:
+    """``decode`` for a chunk of one token past the prompt that reaches the request's end (it
+    feeds back the last sampled token); ``prefill`` otherwise, recomputation after a
+    preemption included."""
+    if num_tokens == 1 and start >= num_prompt_tokens and start + 1 >= num_tokens_total:
+        return "decode"
+    return "prefill"
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of a step, as vLLM scheduled it."""
+
+    request_id: str  # vLLM's internal id
+    start: int  # num_computed_tokens before this step
+    num_tokens: int
+    num_prompt_tokens: int
+    num_tokens_total: int  # prompt + output tokens known when the step was scheduled
+
+
+@dataclass
+class _Req:
+    external_id: str
+    num_prompt_tokens: int
+    scheduled: bool = False
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _InFlight:
+    step: StepEvent
+    chunks: list[ScheduledChunk]
+    held: list[Any] = field(default_factory=list)  # aborts that landed during the step
+
+
+class StepTranslator:
+    """Turns what the vLLM bridge reads into published events (see the module docstring).
+
+    Every method is called on vLLM's engine-core thread, except that controls may be queued
+    from the publisher's thread (:meth:`queue_control`, under ``lock``).
+    """
+
+    def __init__(
+        self,
+        publish: Publish,
+        anchor: ClockAnchor,
+        *,
+        policy: str = "chunked",
+        randomized_ids: bool = True,
+    ) -> None:
+        self._publish = publish
+        self.anchor = anchor
+        self.policy = policy
+        self.randomized_ids = randomized_ids
+        self.lock = threading.Lock()
+        self.last_step = 0  # index of the latest step that scheduled tokens
+        self._reqs: dict[str, _Req] = {}
+        self._pending_controls: list[ControlEvent] = []
+        self._inflight: _InFlight | None = None
+
+    # --- requests --------------------------------------------------------------------------
+    def arrived(
+        self, request_id: str, arrival_wall_s: float | None, num_prompt_tokens: int
+    ) -> None:
+        if request_id in self._reqs:
+            return
+        ext = external_request_id(request_id, randomized=self.randomized_ids)
+        self._reqs[request_id] = _Req(ext, int(num_prompt_tokens))
+        now = time.monotonic_ns()
+        t = now if arrival_wall_s is None else min(now, self.anchor.to_mono_ns(arrival_wall_s))
+        self._emit(RequestEvent("arrived", ext, t, num_prompt_tokens=int(num_prompt_tokens)))
+
+    def aborted(self, request_ids: list[str], reason: str = "abort") -> None:
+        """Requests finished from outside the scheduler (client gone, stop string matched by
+        the frontend): their ``aborted`` event, held until a step executing now is told."""
+        now = time.monotonic_ns()
+        for rid in request_ids:
+            req = self._reqs.pop(rid, None)
+            if req is None:
+                continue
+            ev = RequestEvent(
+                "aborted",
+                req.external_id,
+                now,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_output_tokens=req.num_output_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+                finish_reason=reason,
+            )
+            if self._inflight is not None:
+                self._inflight.held.append(ev)
+            else:
+                self._emit(ev)
+
+    def knows(self, request_id: str) -> bool:
+        return request_id in self._reqs
+
+    # --- controls ---------------------------------------------------------------------------
+    def queue_control(self, event: ControlEvent) -> None:
+        """A control event to go out right before the step it applies at (call under lock)."""
+        self._pending_controls.append(event)
+
+    @property
+    def next_step(self) -> int:
+        return self.last_step + 1
+
+    # --- steps ------------------------------------------------------------------------------
+    def scheduled(
+        self,
+        *,
+        start_ns: int,
+        token_budget: int,
+        chunks: list[ScheduledChunk],
+        preempted: list[str],
+        num_running: int,
+        num_waiting: int,
+        kv_blocks_used: int,
+        kv_blocks_total: int,
+    ) -> int | None:
+        """``schedule()`` returned. Returns the step's index, or None when it scheduled no
+        tokens (no step then: nothing runs)."""
+        for rid in preempted:
+            req = self._reqs.get(rid)
+            if req is not None:
+                self._emit(
+                    RequestEvent(
+                        "preempted",
+                        req.external_id,
+                        start_ns,
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        num_output_tokens=req.num_output_tokens,
+                        step=self.next_step if chunks else None,
+                    )
+                )
+        if not chunks:
+            return None
+        self.last_step += 1
+        step = self.last_step
+        for ev in self._pending_controls:
+            self._emit(ev)
+        self._pending_controls.clear()
+        records = []
+        num_decode = num_prefill = 0
+        for c in chunks:
+            req = self._reqs.get(c.request_id)
+            if req is None:  # added before the bridge was up: known from here on
+                req = _Req(
+                    external_request_id(c.request_id, randomized=self.randomized_ids),
+                    c.num_prompt_tokens,
+                )
+                self._reqs[c.request_id] = req
+            if not req.scheduled:
+                req.scheduled = True
+                req.num_cached_tokens = c.start
+                self._emit(
+                    RequestEvent(
+                        "first_scheduled",
+                        req.external_id,
+                        start_ns,
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        num_cached_tokens=c.start,
+                        step=step,
+                    )
+                )
+            kind = chunk_kind(c.start, c.num_tokens, c.num_prompt_tokens, c.num_tokens_total)
+            if kind == "decode":
+                num_decode += c.num_tokens
+            else:
+                num_prefill += c.num_tokens
+            records.append(ChunkRecord(req.external_id, kind, c.start, c.num_tokens, False))
+        event = StepEvent(
+            step=step,
+            start_ns=start_ns,
+            end_ns=start_ns,
+            token_budget=int(token_budget),
+            policy=self.policy,
+            num_decode_tokens=num_decode,
+            num_prefill_tokens=num_prefill,
+            num_scheduled_tokens=num_decode + num_prefill,
+            num_running=int(num_running),
+            num_waiting=int(num_waiting),
+            kv_blocks_used=int(kv_blocks_used),
+            kv_blocks_total=int(kv_blocks_total),
+            num_preemptions=len(preempted),
+            chunks=records,
+        )
+        self._inflight = _InFlight(event, chunks)
+        return step
+
+    def executed(
+        self,
+        *,
+        end_ns: int,
+        produced: Mapping[str, int],
+        finished: Mapping[str, Any],
+        forward_start_ns: int | None = None,
+    ) -> None:
+        """The model output of the step in flight is back (``end_ns``): ``produced`` maps
+        vLLM's request ids to the number of tokens each got, ``finished`` to a finish reason
+        (a ``FinishReason`` or its name)."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return
+        step = flight.step
+        step.end_ns = end_ns
+        step.forward_ns = max(0, end_ns - forward_start_ns) if forward_start_ns else 0
+        after: list[RequestEvent] = []
+        for i, c in enumerate(flight.chunks):
+            n = int(produced.get(c.request_id, 0))
+            req = self._reqs.get(c.request_id)
+            if n <= 0 or req is None:
+                continue
+            rec = step.chunks[i]
+            step.chunks[i] = ChunkRecord(rec.request_id, rec.kind, rec.start, rec.num_tokens, True)
+            if req.num_output_tokens == 0:
+                after.append(
+                    RequestEvent(
+                        "first_token",
+                        req.external_id,
+                        end_ns,
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        num_output_tokens=1,
+                        num_cached_tokens=req.num_cached_tokens,
+                        step=step.step,
+                    )
+                )
+            req.num_output_tokens += n
+        for rid, reason in finished.items():
+            req = self._reqs.pop(rid, None)
+            if req is None:
+                continue
+            after.append(
+                RequestEvent(
+                    "finished",
+                    req.external_id,
+                    end_ns,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_output_tokens=req.num_output_tokens,
+                    num_cached_tokens=req.num_cached_tokens,
+                    finish_reason=finish_reason_name(reason),
+                    step=step.step,
+                )
+            )
+        self._emit(step)
+        for ev in after:
+            self._emit(ev)
+        for ev in flight.held:
+            self._emit(ev)
+
+    def _emit(self, event: Any) -> None:
+        self._publish(event)
+
+
+class BudgetControl:
+    """vLLM's live token budget: ``request`` (any thread) checks a relayed change by the
+    engine's rule, from 1 to the budget vLLM started with, and answers at once with the step it
+    applies at; ``take`` (the scheduler thread, top of ``schedule()``) returns the value to
+    write. Both run under the translator's lock, which the bridge also holds while vLLM
+    schedules, so the answered step is exact."""
+
+    def __init__(
+        self, translator: StepTranslator, max_token_budget: int, policies: tuple[str, ...]
+    ):
+        self.translator = translator
+        self.max_token_budget = int(max_token_budget)
+        self.policies = policies
+        self.budget = self.max_token_budget  # what is (or will be, from next_step) in force
+        self._pending: int | None = None
+
+    def request(
+        self, changes: Mapping[str, object], *, source: str, request_id: str | None
+    ) -> dict[str, Any]:
+        """Apply ``changes`` from the next step; ``{"applied_at_step", "old", "new"}``, or
+        ``ControlRefused`` (nothing changed) for a bad key or value."""
+        checked = check_changes(changes, self.max_token_budget)
+        if "policy" in checked and checked["policy"] not in self.policies:
+            raise ControlRefused(
+                f"policy {checked['policy']!r} is not supported by this vLLM engine; "
+                f"it supports {list(self.policies)}",
+                param="policy",
+            )
+        now = time.monotonic_ns()
+        old: dict[str, object] = {}
+        new: dict[str, object] = {}
+        with self.translator.lock:
+            step = self.translator.next_step
+            for key, value in checked.items():
+                before: object = self.budget if key == "token_budget" else self.translator.policy
+                if key == "token_budget":
+                    self.budget = int(value)  # type: ignore[call-overload]
+                    self._pending = self.budget
+                old[key], new[key] = before, value
+                self.translator.queue_control(
+                    ControlEvent(
+                        key=key,
+                        old_value=before,
+                        new_value=value,
+                        accepted=True,
+                        time_ns=now,
+                        source=source,
+                        applied_at_step=step,
+                        request_id=request_id,
+                    )
+                )
+        return {"applied_at_step": step, "old": old, "new": new}
+
+    def take(self) -> int | None:
+        """The budget to write before this step schedules (call under the lock), or None."""
+        value, self._pending = self._pending, None
+        return value

@@ -1,0 +1,109 @@
+"""``chunkscope vllm [options] -- <vLLM args>``: start vLLM's OpenAI server with the bridge.
+
+It runs ``python -m vllm.entrypoints.openai.api_server <vLLM args> --scheduler-cls
+chunkscope.integrations.vllm.ChunkscopeScheduler`` with ``CHUNKSCOPE_COLLECTOR_URL`` (and the
+engine id, tokens and spill folder) set, in place of this process. The python is this one when
+it can import vllm, else the venv ``scripts/setup_vllm.sh`` made. Imports no vllm itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+SCHEDULER_CLS = "chunkscope.integrations.vllm.ChunkscopeScheduler"
+DEFAULT_COLLECTOR_URL = "ws://127.0.0.1:8765"
+
+
+def vllm_venv_python() -> Path:
+    venv = os.environ.get("CHUNKSCOPE_VLLM_VENV") or str(
+        Path.home() / ".cache/chunkscope/vllm-venv"
+    )
+    return Path(venv) / "bin" / "python"
+
+
+def find_python(explicit: str | None) -> str:
+    """The interpreter to run vLLM with, or ValueError saying how to get one."""
+    if explicit:
+        return explicit
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    candidate = vllm_venv_python()
+    if candidate.exists():
+        return str(candidate)
+    raise ValueError(
+        "vLLM is not installed for this python and there is no vLLM venv at "
+        f"{candidate.parent.parent}: run scripts/setup_vllm.sh, or pass --python PATH"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="chunkscope vllm",
+        description="Start vLLM's OpenAI-compatible server (python -m "
+        "vllm.entrypoints.openai.api_server) with chunkscope's scheduler bridge, reporting "
+        "steps, chunks and token times to a collector that can change its token budget live. "
+        "Everything after -- goes to vLLM (e.g. --model M --max-num-batched-tokens 2048: "
+        "start at the largest budget you want; the live budget goes from 1 up to it).",
+    )
+    p.add_argument(
+        "--collector-url",
+        default=os.environ.get("CHUNKSCOPE_COLLECTOR_URL") or DEFAULT_COLLECTOR_URL,
+        help="the collector (default $CHUNKSCOPE_COLLECTOR_URL, else %(default)s)",
+    )
+    p.add_argument("--engine-id", default=None, help="the engine id in the store")
+    p.add_argument("--collector-token", default=None, help="the hello's auth token")
+    p.add_argument("--control-token", default=None, help="a token relayed controls must carry")
+    p.add_argument("--spill-dir", default=None, help="where unacknowledged events spill")
+    p.add_argument("--python", default=None, help="the python of vLLM's environment")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then vLLM's arguments")
+    return p
+
+
+def build_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment additions; ValueError for bad arguments."""
+    args = build_parser().parse_args(argv)
+    rest = list(args.vllm_args)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if any(a == "--scheduler-cls" or a.startswith("--scheduler-cls=") for a in rest):
+        raise ValueError("chunkscope vllm sets --scheduler-cls itself; leave it out")
+    if not any(a == "--model" or a.startswith("--model=") for a in rest):
+        raise ValueError("give vLLM a model: chunkscope vllm -- --model PATH_OR_NAME ...")
+    from engine.telemetry.publisher import normalize_collector_url
+
+    env = {"CHUNKSCOPE_COLLECTOR_URL": normalize_collector_url(args.collector_url)}
+    for key, value in (
+        ("CHUNKSCOPE_ENGINE_ID", args.engine_id),
+        ("CHUNKSCOPE_COLLECTOR_TOKEN", args.collector_token),
+        ("CHUNKSCOPE_CONTROL_TOKEN", args.control_token),
+        ("CHUNKSCOPE_SPILL_DIR", args.spill_dir),
+    ):
+        if value:
+            env[key] = value
+    python = find_python(args.python)
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *rest,
+        "--scheduler-cls",
+        SCHEDULER_CLS,
+    ]
+    return cmd, env
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cmd, env = build_command(list(sys.argv[1:] if argv is None else argv))
+    except ValueError as exc:
+        print(f"chunkscope vllm: {exc}", file=sys.stderr)
+        return 2
+    print(f"chunkscope vllm: {' '.join(cmd)} (collector {env['CHUNKSCOPE_COLLECTOR_URL']})",
+          file=sys.stderr)  # fmt: skip
+    sys.stderr.flush()
+    os.execvpe(cmd[0], cmd, {**os.environ, **env})
+    return 0  # not reached

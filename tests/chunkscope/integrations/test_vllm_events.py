@@ -1,0 +1,170 @@
+"""The vLLM bridge's translation to events, with fakes: no vllm, no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from chunkscope.integrations.vllm_events import (
+    BudgetControl,
+    ScheduledChunk,
+    StepTranslator,
+    chunk_kind,
+    external_request_id,
+    finish_reason_name,
+)
+from engine.events import ClockAnchor, ControlEvent, RequestEvent, StepEvent
+from engine.serving.control import ControlRefused
+
+
+def _translator() -> tuple[StepTranslator, list[Any]]:
+    events: list[Any] = []
+    return StepTranslator(events.append, ClockAnchor.now()), events
+
+
+def _kinds(events: list[Any]) -> list[str]:
+    out = []
+    for e in events:
+        if isinstance(e, StepEvent):
+            out.append(f"step{e.step}")
+        elif isinstance(e, RequestEvent):
+            out.append(f"{e.kind}:{e.request_id}")
+        elif isinstance(e, ControlEvent):
+            out.append(f"control@{e.applied_at_step}")
+    return out
+
+
+def _schedule(tr: StepTranslator, chunks: list[ScheduledChunk], **kw: Any) -> int | None:
+    args: dict[str, Any] = dict(
+        start_ns=1_000, token_budget=64, chunks=chunks, preempted=[], num_running=len(chunks),
+        num_waiting=0, kv_blocks_used=3, kv_blocks_total=100,
+    )  # fmt: skip
+    args.update(kw)
+    return tr.scheduled(**args)
+
+
+def test_external_ids_are_what_the_openai_client_sees() -> None:
+    assert external_request_id("cmpl-4f2a9c-0-1a2b3c4d") == "cmpl-4f2a9c"
+    assert external_request_id("cmpl-4f2a9c-2-1a2b3c4d") == "cmpl-4f2a9c-2"
+    assert external_request_id("chatcmpl-77aa-deadbeef") == "chatcmpl-77aa"
+    assert external_request_id("my-header-id-0badf00d") == "my-header-id"
+    assert external_request_id("chatcmpl-77aa", randomized=False) == "chatcmpl-77aa"
+    assert external_request_id("cmpl-x-0", randomized=False) == "cmpl-x"
+
+
+def test_chunk_kinds_and_finish_reasons() -> None:
+    assert chunk_kind(0, 100, 100, 100) == "prefill"
+    assert chunk_kind(100, 1, 100, 101) == "decode"
+    assert chunk_kind(64, 1, 100, 101) == "prefill"  # last prompt token alone: still prefill
+    assert chunk_kind(100, 8, 100, 120) == "prefill"  # recomputation after a preemption
+    assert [finish_reason_name(i) for i in range(5)] == [
+        "stop", "length", "abort", "error", "repetition",
+    ]  # fmt: skip
+    assert finish_reason_name(None) is None
+
+
+def test_a_request_told_in_causal_order_with_exact_token_times() -> None:
+    tr, events = _translator()
+    tr.arrived("cmpl-a-0-11111111", None, 100)
+    assert _schedule(tr, [ScheduledChunk("cmpl-a-0-11111111", 0, 64, 100, 100)]) == 1
+    tr.executed(end_ns=2_000, produced={}, finished={})
+    assert _schedule(tr, [ScheduledChunk("cmpl-a-0-11111111", 64, 36, 100, 100)]) == 2
+    tr.executed(end_ns=3_000, produced={"cmpl-a-0-11111111": 1}, finished={})
+    # nothing scheduled (e.g. everything waits on blocks): no step index is spent
+    assert _schedule(tr, []) is None
+    assert _schedule(tr, [ScheduledChunk("cmpl-a-0-11111111", 100, 1, 100, 101)]) == 3
+    tr.executed(end_ns=4_000, produced={"cmpl-a-0-11111111": 1}, finished={"cmpl-a-0-11111111": 1})
+    assert _kinds(events) == [
+        "arrived:cmpl-a", "first_scheduled:cmpl-a", "step1", "step2", "first_token:cmpl-a",
+        "step3", "finished:cmpl-a",
+    ]  # fmt: skip
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert [c.produced_token for s in steps for c in s.chunks] == [False, True, True]
+    assert [s.chunks[0].kind for s in steps] == ["prefill", "prefill", "decode"]
+    assert [(s.num_prefill_tokens, s.num_decode_tokens) for s in steps] == [
+        (64, 0), (36, 0), (0, 1),
+    ]  # fmt: skip
+    first = next(e for e in events if isinstance(e, RequestEvent) and e.kind == "first_token")
+    assert first.time_ns == steps[1].end_ns == 3_000 and first.step == 2
+    done = events[-1]
+    assert done.finish_reason == "length" and done.num_output_tokens == 2
+
+
+def test_an_abort_during_a_step_comes_after_that_step() -> None:
+    tr, events = _translator()
+    tr.arrived("r1-aaaaaaaa", None, 4)
+    tr.arrived("r2-bbbbbbbb", None, 4)
+    _schedule(
+        tr, [ScheduledChunk("r1-aaaaaaaa", 0, 4, 4, 4), ScheduledChunk("r2-bbbbbbbb", 0, 4, 4, 4)]
+    )
+    tr.aborted(["r2-bbbbbbbb", "unknown-cccccccc"])  # while the step executes
+    tr.executed(end_ns=5_000, produced={"r1-aaaaaaaa": 1}, finished={})
+    assert _kinds(events)[-3:] == ["step1", "first_token:r1", "aborted:r2"]
+    tr.aborted(["r1-aaaaaaaa"])  # between steps: at once
+    assert _kinds(events)[-1] == "aborted:r1"
+    assert not tr.knows("r1-aaaaaaaa") and not tr.knows("r2-bbbbbbbb")
+
+
+def test_preemptions_come_before_the_step_and_are_counted() -> None:
+    tr, events = _translator()
+    tr.arrived("r1-aaaaaaaa", None, 8)
+    tr.arrived("r2-bbbbbbbb", None, 8)
+    _schedule(
+        tr, [ScheduledChunk("r1-aaaaaaaa", 0, 8, 8, 8), ScheduledChunk("r2-bbbbbbbb", 0, 8, 8, 8)]
+    )
+    tr.executed(end_ns=2_000, produced={"r1-aaaaaaaa": 1, "r2-bbbbbbbb": 1}, finished={})
+    _schedule(tr, [ScheduledChunk("r1-aaaaaaaa", 8, 1, 8, 9)], preempted=["r2-bbbbbbbb"])
+    tr.executed(end_ns=3_000, produced={"r1-aaaaaaaa": 1}, finished={})
+    assert _kinds(events)[-2:] == ["preempted:r2", "step2"]
+    assert events[-1].num_preemptions == 1
+
+
+def test_budget_control_applies_at_the_next_step_and_says_so() -> None:
+    tr, events = _translator()
+    ctl = BudgetControl(tr, 256, ("chunked",))
+    tr.arrived("r1-aaaaaaaa", None, 300)
+    _schedule(tr, [ScheduledChunk("r1-aaaaaaaa", 0, 256, 300, 300)], token_budget=256)
+    tr.executed(end_ns=2_000, produced={}, finished={})
+    ans = ctl.request({"token_budget": 32}, source="collector", request_id="c1")
+    assert ans == {"applied_at_step": 2, "old": {"token_budget": 256}, "new": {"token_budget": 32}}
+    assert ctl.take() == 32 and ctl.take() is None  # written once, at the top of schedule()
+    _schedule(tr, [ScheduledChunk("r1-aaaaaaaa", 256, 32, 300, 300)], token_budget=32)
+    tr.executed(end_ns=3_000, produced={}, finished={})
+    assert _kinds(events)[-2:] == ["control@2", "step2"]
+    ctl_event = events[-2]
+    assert (ctl_event.old_value, ctl_event.new_value, ctl_event.request_id) == (256, 32, "c1")
+    assert ctl_event.source == "collector" and ctl_event.accepted
+
+
+@pytest.mark.parametrize(
+    ("changes", "wording"),
+    [
+        ({"token_budget": 0}, "token_budget must be from 1 to max_token_budget (256), got 0"),
+        ({"token_budget": 257}, "from 1 to max_token_budget (256), got 257"),
+        ({"token_budget": 1.5}, "token_budget must be an integer"),
+        ({"policy": "unchunked"}, "not supported by this vLLM engine"),
+        ({"max_num_seqs": 4}, "unknown scheduler key"),
+    ],
+)
+def test_budget_control_refuses_bad_values_and_changes_nothing(
+    changes: dict[str, Any], wording: str
+) -> None:
+    tr, events = _translator()
+    ctl = BudgetControl(tr, 256, ("chunked",))
+    with pytest.raises(ControlRefused, match=wording.replace("(", r"\(").replace(")", r"\)")):
+        ctl.request(changes, source="collector", request_id="c9")
+    assert ctl.take() is None and ctl.budget == 256
+    _schedule(tr, [ScheduledChunk("r-aaaaaaaa", 0, 4, 4, 4)])
+    assert not [e for e in events if isinstance(e, ControlEvent)]
+
+
+def test_translation_imports_neither_vllm_nor_torch() -> None:
+    code = (
+        "import sys, chunkscope.integrations.vllm_events\n"
+        "bad = [m for m in ('vllm', 'torch') if m in sys.modules]\n"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
