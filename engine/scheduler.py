@@ -11,8 +11,8 @@ Each step, in this order:
 With ``long_prefill_token_threshold`` (vLLM's name; 0 = off) each prefill chunk of steps 2 and 3
 takes at most that many tokens, so the prompts behind a long one get a share of the budget in
 the same step; then, work-conserving, the budget that no other prompt took goes back to the
-capped chunks, oldest first (a long prompt alone still prefills at the full budget). A chunk the
-cap kept smaller than it would otherwise have been is marked ``capped``.
+capped chunks, the fewest tokens left first (a long prompt alone still prefills at the full
+budget). A chunk the cap kept smaller than it would otherwise have been is marked ``capped``.
 
 Under the ``unchunked`` policy a prompt is never split: it is scheduled whole when it fits in
 what is left of the budget, and the first prompt of a step is scheduled whole even when it does
@@ -297,8 +297,14 @@ class Scheduler:
             prefill_scheduled = True
             left -= n
 
-        # 4. work-conserving: what no other prompt took goes back to the capped chunks.
-        for i in capped:
+        # 4. work-conserving: what no other prompt took goes back to the capped chunks, the
+        # fewest tokens left first (a short prompt finishes its prefill, and so gets its first
+        # token, before a long one takes the rest), then in arrival order.
+        def tokens_left(i: int) -> tuple[int, int]:
+            c = plan.chunks[i]
+            return c.request.num_tokens - c.start - c.num_tokens, c.request.arrival_index
+
+        for i in sorted(capped, key=tokens_left):
             if left > 0:
                 before = plan.chunks[i].num_tokens
                 self._extend(plan, i, left)

@@ -130,3 +130,18 @@ def test_lone_long_prompt_gets_the_full_budget(budget, cap, length, decodes) -> 
     got = [c.num_tokens for c in p.chunks if c.request_id == "long"]
     assert got == ([min(length, left)] if left else [])
     assert not any(c.capped for c in p.chunks)
+
+
+def test_leftover_goes_to_the_prompt_nearest_its_end_first() -> None:
+    """Two prompts behind the cap: the budget left over finishes the shorter one's prefill
+    (its first token comes this step) before the long one takes the rest."""
+    s = _sched(budget=100, cap=30)
+    s.add(_req("long", 1000))
+    p = s.schedule()
+    s.update(p, _sample(p), 0)
+    s.add(_req("chat", 50))
+    p = s.schedule()
+    assert [(c.request_id, c.num_tokens, c.capped, c.produces_token) for c in p.chunks] == [
+        ("long", 50, True, False),
+        ("chat", 50, False, True),
+    ]
