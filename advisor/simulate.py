@@ -157,9 +157,9 @@ def simulate(
     ``long_prefill_token_threshold`` (0: off).
 
     ``budget_changes`` and ``cap_changes`` are ``(time_ns, value)``: applied before the first
-    step starting at or after ``time_ns`` (as a live change is). ``gap_ns`` is the pause after each step (a constant
-    or a function drawing one). ``warm_prefixes`` are token sequences whose full
-    blocks are in the prefix cache at the start. ``max_steps`` cuts a runaway simulation.
+    step starting at or after ``time_ns`` (as a live change is). ``gap_ns`` is the pause after
+    each step (a constant or a function drawing one). ``warm_prefixes`` are token sequences
+    whose full blocks are in the prefix cache at the start. ``max_steps`` cuts a runaway simulation.
     """
     changes = sorted(
         [(int(t), "token_budget", int(b)) for t, b in budget_changes]
@@ -386,12 +386,16 @@ def predict_budgets(
     max_steps: int | None = None,
     window_ns: tuple[int, int] | None = None,
     client: Callable[[], Any] | None = None,
+    caps: Sequence[int] = (0,),
 ) -> list[dict[str, Any]]:
-    """One figures dict per budget (``budget`` first), each from its own simulation over
-    ``window_ns`` (default: first to last arrival); ``timing()`` gives each simulation its
-    (step time, pause) functions afresh (so that seeded draws are the same at every budget)."""
+    """One figures dict per (budget, cap) (``budget`` and ``cap`` first; a cap at or above the
+    budget is skipped: it cuts nothing), each from its own simulation over ``window_ns``
+    (default: first to last arrival); ``timing()`` gives each simulation its (step time, pause)
+    functions afresh (so that seeded draws are the same at every budget)."""
+    from advisor.text import pairs_of
+
     out = []
-    for b in budgets:
+    for b, cap in pairs_of(budgets, caps):
         step_ns, gap_ns = timing()
         res = simulate(
             requests,
@@ -401,12 +405,14 @@ def predict_budgets(
             gap_ns=gap_ns,
             warm_prefixes=warm_prefixes,
             max_steps=max_steps,
+            long_prefill_token_threshold=cap,
         )
         lo, hi = window_ns if window_ns is not None else (None, None)
         draw = client() if client is not None else None
         out.append(
             {
                 "budget": int(b),
+                "cap": int(cap),
                 **figures(res, since_ns=lo, until_ns=hi, itl_class=itl_class, client=draw),
             }
         )
