@@ -61,11 +61,13 @@ class Window:
 
 def plan_windows(budgets: list[int], caps: list[int], pairs: int, reference: int | None) -> list:
     """Per budget, ``pairs`` rounds of one window per cap (the order of the caps reversed every
-    other round, so neither arm always comes first); the reference budget (cap off) last."""
+    other round, so neither arm always comes first; a cap at or above the budget cuts nothing
+    and is left out there); the reference budget (cap off) last."""
     out: list[Window] = []
     for b in budgets:
+        useful = [c for c in caps if c < b]
         for k in range(pairs):
-            for c in caps if k % 2 == 0 else list(reversed(caps)):
+            for c in useful if k % 2 == 0 else list(reversed(useful)):
                 out.append(Window(b, c, len(out)))
     if reference is not None:
         for _ in range(pairs):
@@ -179,6 +181,8 @@ async def drive(args: argparse.Namespace, url: str, windows: list[Window]) -> di
             reply = await put({"token_budget": w.budget, CAP_KEY: w.cap})
             start = time.time()
             await asyncio.sleep(args.window_s)
+            async with session.get(f"{url}/v1/scheduler") as resp:
+                state = await resp.json()
             spans.append(
                 {
                     "index": w.index,
@@ -189,19 +193,29 @@ async def drive(args: argparse.Namespace, url: str, windows: list[Window]) -> di
                     "applied_at_step": reply.get("applied_at_step"),
                     "in_force": {k: reply.get(k) for k in ("token_budget", CAP_KEY)},
                     "loadavg_1m": os.getloadavg()[0],
+                    # a queue that grows from window to window: the engine cannot keep up
+                    "num_running_at_end": state.get("num_running"),
+                    "num_waiting_at_end": state.get("num_waiting"),
                 }
             )
             logger.warning(
-                "window %d budget %d cap %d done (load %.2f)",
+                "window %d budget %d cap %d done (load %.2f, running %s, waiting %s)",
                 w.index,
                 w.budget,
                 w.cap,
                 spans[-1]["loadavg_1m"],
+                state.get("num_running"),
+                state.get("num_waiting"),
             )
         stop.set()
         await asyncio.gather(*workers)
-        done = list(await asyncio.gather(*tasks))
-    return {"requests": done, "windows": spans}
+        # requests still in flight get drain_s to finish, then are cut (counted as unfinished)
+        _, pending = await asyncio.wait(tasks, timeout=args.drain_s) if tasks else (set(), set())
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        done = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
+    return {"requests": done, "windows": spans, "unfinished_at_end": len(pending)}
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -356,14 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--caps", default="0,256", help="caps alternated at each budget (0: off)")
     ap.add_argument("--pairs", type=int, default=2, help="windows per (budget, cap)")
     ap.add_argument("--reference-budget", type=int, default=16384, help="0: no reference arm")
-    ap.add_argument("--window-s", type=float, default=30.0)
+    ap.add_argument("--window-s", type=float, default=20.0)
     ap.add_argument("--warmup-s", type=float, default=8.0)
-    ap.add_argument("--chat-rate", type=float, default=1.5, help="chat arrivals per second")
+    ap.add_argument("--drain-s", type=float, default=60.0, help="then in-flight requests are cut")
+    ap.add_argument("--chat-rate", type=float, default=1.0, help="chat arrivals per second")
     ap.add_argument("--chat-min", type=int, default=64)
     ap.add_argument("--chat-max", type=int, default=256)
-    ap.add_argument("--chat-output", type=int, default=24)
-    ap.add_argument("--rag-min", type=int, default=5000)
-    ap.add_argument("--rag-max", type=int, default=7000)
+    ap.add_argument("--chat-output", type=int, default=16)
+    ap.add_argument("--rag-min", type=int, default=4000)
+    ap.add_argument("--rag-max", type=int, default=6000)
     ap.add_argument("--rag-every", type=float, default=6.0)
     ap.add_argument("--rag-output", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=8448)
@@ -372,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.preset, args.budgets, args.caps, args.reference_budget = "tiny", "64", "0,16", 0
-        args.window_s, args.warmup_s, args.chat_rate = 2.0, 1.0, 4.0
+        args.window_s, args.warmup_s, args.chat_rate, args.drain_s = 2.0, 1.0, 4.0, 20.0
         args.chat_min, args.chat_max, args.chat_output = 8, 24, 6
         args.rag_min, args.rag_max, args.rag_every, args.rag_output = 300, 400, 1.0, 2
         args.max_model_len, args.kv_blocks = 512, 512
@@ -397,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_after": os.getloadavg(),
             "wall_s": time.time() - t0,
             "num_requests": len(served["requests"]),
+            "unfinished_at_end": served["unfinished_at_end"],
             **result,
         },
         script=SCRIPT,
