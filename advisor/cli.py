@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from advisor.recommend import Slo
-from advisor.text import DEFAULT_BUDGETS, WINDOW_COLUMNS, budget_table, parse_budgets
+from advisor.text import (
+    DEFAULT_BUDGETS,
+    DEFAULT_CAPS,
+    WINDOW_COLUMNS,
+    budget_table,
+    parse_budgets,
+    parse_caps,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--fit-since", type=float, help="steps to fit from (default: --since)")
     pr.add_argument("--fit-until", type=float, help="steps to fit until (default: --until)")
     pr.add_argument("--budgets", type=parse_budgets, default=parse_budgets(DEFAULT_BUDGETS))
+    pr.add_argument(
+        "--caps",
+        type=parse_caps,
+        default=parse_caps(DEFAULT_CAPS),
+        help="long-prefill caps (long_prefill_token_threshold, 0 = off) to try beside each "
+        "budget, e.g. 0,256; the recommendation is then a (budget, cap) pair",
+    )
     pr.add_argument("--slo-itl-ms", type=_positive, help="SLO on the p99 inter-token latency")
     pr.add_argument("--slo-ttft-ms", type=_positive, help="SLO on the p99 time to first token")
     pr.add_argument(
@@ -132,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             warmup_s=args.warmup_s,
             client=args.client_run,
             fit_method=args.fit_method,
+            caps=args.caps,
         )
     except (FitError, ValueError, OSError) as exc:
         print(f"advisor: {exc}", file=sys.stderr)

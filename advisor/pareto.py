@@ -36,3 +36,10 @@ def pareto_front(windows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]
 
 def front_budgets(windows: Sequence[Mapping[str, Any]]) -> list[int]:
     return [int(w["budget"]) for w in pareto_front(windows) if "budget" in w]
+
+
+def front_pairs(windows: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+    """The front as ``[budget, cap]`` pairs (cap 0 when a window has none)."""
+    return [
+        [int(w["budget"]), int(w.get("cap") or 0)] for w in pareto_front(windows) if "budget" in w
+    ]

@@ -12,7 +12,7 @@ from typing import Any
 
 from advisor.client import ClientDelay, ClientDraw, load_client_delay
 from advisor.fit import FitReport, fit_from_store
-from advisor.pareto import front_budgets
+from advisor.pareto import front_budgets, front_pairs
 from advisor.recommend import Slo, recommend
 from advisor.simulate import (
     GapTime,
@@ -47,10 +47,12 @@ def predict_from_store(
     fit_method: str = "ols",
     client: ClientDelay | str | None = None,
     max_steps: int | None = 2_000_000,
+    caps: Sequence[int] = (0,),
 ) -> dict[str, Any]:
-    """Predicted figures per budget for the traffic of [since, until], measured from
-    ``since + warmup_s`` (as a sweep window discards its warm-up), step times from a fit on the
-    steps of [fit_since, fit_until] (default: the same window). ``client`` (a ``ClientDelay``
+    """Predicted figures per budget (and long-prefill cap, ``caps``) for the traffic of
+    [since, until], measured from ``since + warmup_s`` (as a sweep window discards its
+    warm-up), step times from a fit on the steps of [fit_since, fit_until] (default: the same
+    window). ``client`` (a ``ClientDelay``
     or the path of a ``python -m loadgen --out`` result against this engine) adds the
     client's delivery, so the figures are what a load generator would measure."""
     if isinstance(client, str):
@@ -81,6 +83,7 @@ def predict_from_store(
         warmup_s=warmup_s,
         client=client,
         max_steps=max_steps,
+        caps=caps,
         selection={
             "db": _redact(db_url),
             "engine_id": engine_id,
@@ -107,10 +110,12 @@ def predict_traffic(
     client: ClientDelay | None = None,
     max_steps: int | None = 2_000_000,
     selection: dict[str, Any] | None = None,
+    caps: Sequence[int] = (0,),
 ) -> dict[str, Any]:
     """Simulate ``traffic`` at each budget with step times from ``report``: its prediction
     times the measured scatter (``noise``, seeded draws) and the measured pauses between steps
-    (``step_gap``), or the bare prediction and the median pause."""
+    (``step_gap``), or the bare prediction and the median pause. ``caps``: long-prefill caps
+    tried beside each budget (0 = off); the recommendation is then a (budget, cap) pair."""
     if not traffic.requests:
         raise ValueError("no request arrived in the selected window: nothing to simulate")
     reqs, warm = to_sim_requests(traffic, shape.block_size)
@@ -124,6 +129,7 @@ def predict_traffic(
         max_steps=max_steps,
         window_ns=(round(warmup_s * 1e9), max(round(traffic.duration_s * 1e9), 1)),
         client=None if client is None else (lambda: ClientDraw(client, seed + 1)),
+        caps=caps,
     )
     sim_s = time.perf_counter() - t0
     rec = recommend(windows, slo, "predicted")
@@ -141,8 +147,10 @@ def predict_traffic(
         "simulation_s": sim_s,
         "windows": windows,
         "pareto_budgets": front_budgets(windows),
+        "pareto_pairs": front_pairs(windows),
         "recommendation": rec.to_dict(),
         "recommended_budget": rec.budget,
+        "recommended_cap": rec.cap,
         "recommendation_source": rec.source,
         "reason": rec.reason,
     }

@@ -1,4 +1,5 @@
-"""Which token budget to run: the highest-throughput budget that meets the latency SLOs.
+"""Which token budget (and long-prefill cap) to run: the highest-throughput one that meets the
+latency SLOs.
 
 Plain Python (no numpy, no engine): the load generator's sweep uses it on its measurements and
 the advisor on its predictions.
@@ -8,7 +9,9 @@ TTFT at most ``slo_ttft_ms``; a figure that was not observed does not meet an SL
 the one with the highest throughput; throughputs within ``tie_tolerance`` (relative) of the best
 are a tie - below saturation every budget serves the offered load, so throughput differs only by
 noise - broken in favour of the largest budget (the most prefill per step: the most headroom for
-a burst). Without any SLO every budget qualifies. When none meets them, there is no
+a burst), then in favour of the lower TTFT p99 (between caps at one budget). A window with a
+``cap`` (``long_prefill_token_threshold``, 0 = off) makes the recommendation a (budget, cap)
+pair. Without any SLO every budget qualifies. When none meets them, there is no
 recommendation; the closest budget is named (least total relative excess over the SLOs).
 """
 
@@ -42,14 +45,34 @@ class Recommendation:
     meets_slo: bool
     closest_budget: int | None  # the budget nearest to the SLOs when none meets them
     reason: str
+    cap: int | None = None  # the long-prefill cap paired with ``budget`` (None: not swept)
+    closest_cap: int | None = None
 
     @property
     def chosen(self) -> int | None:
         """The budget to apply: the recommendation, else the closest."""
         return self.budget if self.budget is not None else self.closest_budget
 
+    @property
+    def chosen_cap(self) -> int | None:
+        """The cap to apply with :attr:`chosen` (None when caps were not swept)."""
+        return self.cap if self.budget is not None else self.closest_cap
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _cap(w: Mapping[str, Any]) -> int | None:
+    c = w.get("cap")
+    return int(c) if isinstance(c, int) and not isinstance(c, bool) else None
+
+
+def label(w: Mapping[str, Any]) -> str:
+    """``budget 512`` or ``budget 512 with cap 256`` (``cap off`` for 0)."""
+    cap = _cap(w)
+    if cap is None:
+        return f"budget {w['budget']}"
+    return f"budget {w['budget']} with cap {cap or 'off'}"
 
 
 def _num(w: Mapping[str, Any], key: str) -> float | None:
@@ -116,8 +139,12 @@ def recommend(
     if ok:
         best = max(_num(w, "tokens_per_s") or 0.0 for w in ok)
         tied = [w for w in ok if (_num(w, "tokens_per_s") or 0.0) >= best * (1 - tie_tolerance)]
-        pick = max(tied, key=lambda w: int(w["budget"]))
-        budgets = sorted(int(w["budget"]) for w in ok)
+        pick = max(
+            tied, key=lambda w: (int(w["budget"]), -(_num(w, "ttft_p99_ms") or float("inf")))
+        )
+        budgets = sorted(
+            {label(w).removeprefix("budget ") for w in ok}, key=lambda t: int(t.split()[0])
+        )
         tie_note = (
             f"; {len(tied)} budgets within {tie_tolerance:.0%} of the best throughput, the "
             "largest taken"
@@ -125,17 +152,19 @@ def recommend(
             else ""
         )
         reason = (
-            f"{source}: budget {pick['budget']} has the highest throughput among the budgets "
-            f"meeting {_slo_text(slo)} ({', '.join(map(str, budgets))}){tie_note}: "
+            f"{source}: {label(pick)} has the highest throughput among the budgets "
+            f"meeting {_slo_text(slo)} ({', '.join(budgets)}){tie_note}: "
             f"{_describe(pick)}"
         )
-        return Recommendation(int(pick["budget"]), source, True, None, reason)
+        return Recommendation(int(pick["budget"]), source, True, None, reason, cap=_cap(pick))
     closest = min(rows, key=lambda w: (excess(w, slo), -(_num(w, "tokens_per_s") or 0.0)))
     reason = (
-        f"{source}: no budget meets {_slo_text(slo)}; closest is budget {closest['budget']} "
+        f"{source}: no budget meets {_slo_text(slo)}; closest is {label(closest)} "
         f"({_describe(closest)})"
     )
-    return Recommendation(None, source, False, int(closest["budget"]), reason)
+    return Recommendation(
+        None, source, False, int(closest["budget"]), reason, closest_cap=_cap(closest)
+    )
 
 
 def recommend_from(

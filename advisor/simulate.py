@@ -67,6 +67,7 @@ class SimChunk:
     start: int
     num_tokens: int
     produced_token: bool
+    capped: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class SimStep:
     end_ns: int
     chunks: tuple[SimChunk, ...]
     num_preemptions: int
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass
@@ -99,6 +101,7 @@ class SimResult:
     start_ns: int
     end_ns: int
     unfinished: int  # requests left when the run was cut (max_steps) or could never run
+    long_prefill_token_threshold: int = 0  # the cap at the start
 
 
 StepTime = Callable[[StepPlan], int]
@@ -147,17 +150,27 @@ def simulate(
     warm_prefixes: Iterable[Sequence[int]] = (),
     record_steps: bool = False,
     max_steps: int | None = None,
+    long_prefill_token_threshold: int = 0,
+    cap_changes: Iterable[tuple[int, int]] = (),
 ) -> SimResult:
-    """Run ``requests`` through a fresh scheduler at ``token_budget``.
+    """Run ``requests`` through a fresh scheduler at ``token_budget`` and long-prefill cap
+    ``long_prefill_token_threshold`` (0: off).
 
-    ``budget_changes`` are ``(time_ns, budget)``: applied before the first step starting at or
-    after ``time_ns`` (as a live change is). ``gap_ns`` is the pause after each step (a constant
-    or a function drawing one). ``warm_prefixes`` are token sequences whose full
-    blocks are in the prefix cache at the start. ``max_steps`` cuts a runaway simulation.
+    ``budget_changes`` and ``cap_changes`` are ``(time_ns, value)``: applied before the first
+    step starting at or after ``time_ns`` (as a live change is). ``gap_ns`` is the pause after
+    each step (a constant or a function drawing one). ``warm_prefixes`` are token sequences
+    whose full blocks are in the prefix cache at the start. ``max_steps`` cuts a runaway simulation.
     """
-    changes = sorted((int(t), int(b)) for t, b in budget_changes)
+    changes = sorted(
+        [(int(t), "token_budget", int(b)) for t, b in budget_changes]
+        + [(int(t), "long_prefill_token_threshold", int(v)) for t, v in cap_changes],
+        key=lambda c: c[0],
+    )
     bm = BlockManager(shape.num_kv_blocks, shape.block_size, shape.enable_prefix_caching)
-    max_budget = max([shape.max_token_budget, token_budget, *(b for _, b in changes)])
+    max_budget = max(
+        [shape.max_token_budget, token_budget, long_prefill_token_threshold]
+        + [v for _, _, v in changes]
+    )
     sched = Scheduler(
         bm,
         token_budget=token_budget,
@@ -165,7 +178,12 @@ def simulate(
         policy=shape.policy,
         max_num_seqs=shape.max_num_seqs,
         max_model_len=shape.max_model_len,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
+    setters = {
+        "token_budget": sched.set_token_budget,
+        "long_prefill_token_threshold": sched.set_long_prefill_token_threshold,
+    }
     for tokens in warm_prefixes:
         _warm(bm, list(tokens))
     pending = sorted(requests, key=lambda r: r.arrival_ns)
@@ -192,7 +210,7 @@ def simulate(
             )
             i += 1
         while c < len(changes) and changes[c][0] <= now:
-            result = sched.set_token_budget(int(changes[c][1]))
+            result = setters[changes[c][1]](changes[c][2])
             if not result.accepted:
                 raise ValueError(result.reason)
             c += 1
@@ -219,10 +237,18 @@ def simulate(
                     now,
                     end,
                     tuple(
-                        SimChunk(ch.request_id, ch.kind, ch.start, ch.num_tokens, ch.produces_token)
+                        SimChunk(
+                            ch.request_id,
+                            ch.kind,
+                            ch.start,
+                            ch.num_tokens,
+                            ch.produces_token,
+                            ch.capped,
+                        )
                         for ch in plan.chunks
                     ),
                     len(plan.preempted),
+                    plan.long_prefill_token_threshold,
                 )
             )
         sampled = {ch.request_id: _SAMPLED_TOKEN for ch in plan.chunks if ch.produces_token}
@@ -243,6 +269,7 @@ def simulate(
         start_ns=start_ns,
         end_ns=now,
         unfinished=unfinished,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
 
 
@@ -359,12 +386,16 @@ def predict_budgets(
     max_steps: int | None = None,
     window_ns: tuple[int, int] | None = None,
     client: Callable[[], Any] | None = None,
+    caps: Sequence[int] = (0,),
 ) -> list[dict[str, Any]]:
-    """One figures dict per budget (``budget`` first), each from its own simulation over
-    ``window_ns`` (default: first to last arrival); ``timing()`` gives each simulation its
-    (step time, pause) functions afresh (so that seeded draws are the same at every budget)."""
+    """One figures dict per (budget, cap) (``budget`` and ``cap`` first; a cap at or above the
+    budget is skipped: it cuts nothing), each from its own simulation over ``window_ns``
+    (default: first to last arrival); ``timing()`` gives each simulation its (step time, pause)
+    functions afresh (so that seeded draws are the same at every budget)."""
+    from advisor.text import pairs_of
+
     out = []
-    for b in budgets:
+    for b, cap in pairs_of(budgets, caps):
         step_ns, gap_ns = timing()
         res = simulate(
             requests,
@@ -374,12 +405,14 @@ def predict_budgets(
             gap_ns=gap_ns,
             warm_prefixes=warm_prefixes,
             max_steps=max_steps,
+            long_prefill_token_threshold=cap,
         )
         lo, hi = window_ns if window_ns is not None else (None, None)
         draw = client() if client is not None else None
         out.append(
             {
                 "budget": int(b),
+                "cap": int(cap),
                 **figures(res, since_ns=lo, until_ns=hi, itl_class=itl_class, client=draw),
             }
         )

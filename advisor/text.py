@@ -1,5 +1,5 @@
 """What `python -m advisor predict` and `python -m loadgen sweep` share on the command line: the
-`--budgets` list and the per-budget table. Plain Python."""
+`--budgets` and `--caps` lists and the per-(budget, cap) table. Plain Python."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 DEFAULT_BUDGETS = "128,256,512,1024,2048,8192"
+DEFAULT_CAPS = "0"
 WINDOW_COLUMNS = (
     "budget",
+    "cap",
     "itl_p50_ms",
     "itl_p99_ms",
     "itl_max_ms",
@@ -28,6 +30,29 @@ def parse_budgets(text: str) -> list[int]:
     if not budgets or any(b < 1 for b in budgets):
         raise argparse.ArgumentTypeError(f"budgets must be >= 1, got {text!r}")
     return budgets
+
+
+def parse_caps(text: str) -> list[int]:
+    """``"0,256"`` -> ``[0, 256]``: long-prefill caps (``long_prefill_token_threshold``; 0 = off)
+    to try beside each budget (an argparse type: bad input is a usage error)."""
+    try:
+        caps = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"caps must be integers, got {text!r}") from exc
+    if not caps or any(c < 0 for c in caps):
+        raise argparse.ArgumentTypeError(f"caps must be >= 0 (0: no cap), got {text!r}")
+    return list(dict.fromkeys(caps))
+
+
+def pairs_of(budgets: Sequence[int], caps: Sequence[int]) -> list[tuple[int, int]]:
+    """Every (budget, cap) to try, by budget then cap; a cap at or above its budget cuts nothing
+    (it equals cap 0), so it is left out unless it is the only one."""
+    out = []
+    for b in sorted({int(x) for x in budgets}):
+        useful = [c for c in dict.fromkeys(int(x) for x in caps) if c == 0 or c < b]
+        for c in sorted(useful or [0]):
+            out.append((b, c))
+    return out
 
 
 def _fmt(v: Any) -> str:

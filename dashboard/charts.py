@@ -377,8 +377,9 @@ def kv_queue_figure(steps: pd.DataFrame, controls: pd.DataFrame | None = None) -
 
 def chunk_layout_figure(chunks: pd.DataFrame, *, selected_step: int | None = None) -> go.Figure:
     """The chunk layout of a few steps: one row per step, one segment per scheduled request,
-    as many tokens wide as its chunk; prefill and decode in different colours, the selected
-    step's label in bold. Hover shows the request, its class and the positions covered."""
+    as many tokens wide as its chunk; prefill and decode in different colours, chunks the
+    long-prefill cap kept smaller hatched, the selected step's label in bold. Hover shows the
+    request, its class and the positions covered."""
     fig = go.Figure()
     fig.update_layout(**LAYOUT, barmode="stack", title="Chunk layout (tokens in the step)")
     if chunks is None or chunks.empty:
@@ -389,12 +390,18 @@ def chunk_layout_figure(chunks: pd.DataFrame, *, selected_step: int | None = Non
         if sel.empty:
             continue
         end = sel["start"] + sel["num_tokens"]
+        capped = (
+            sel["capped"].fillna(False).astype(bool)
+            if "capped" in sel
+            else pd.Series(False, index=sel.index)
+        )
         custom = list(
             zip(
                 sel["request_id"],
                 sel["traffic_class"].astype("object").fillna("untagged"),
                 sel["start"],
                 end - 1,
+                np.where(capped, "<br>capped by long_prefill_token_threshold", ""),
                 strict=True,
             )
         )
@@ -404,10 +411,14 @@ def chunk_layout_figure(chunks: pd.DataFrame, *, selected_step: int | None = Non
                 orientation="h",
                 y=[_step_label(s, selected_step) for s in sel["step"]],
                 x=sel["num_tokens"],
-                marker={"color": color, "line": {"width": 1, "color": "white"}},
+                marker={
+                    "color": color,
+                    "line": {"width": 1, "color": "white"},
+                    "pattern": {"shape": ["/" if c else "" for c in capped]},
+                },
                 customdata=custom,
                 hovertemplate="%{customdata[0]} (%{customdata[1]})<br>positions %{customdata[2]}"
-                "–%{customdata[3]}<br>%{x} tokens<extra>" + kind + "</extra>",
+                "–%{customdata[3]}<br>%{x} tokens%{customdata[4]}<extra>" + kind + "</extra>",
             )
         )
     order = [_step_label(s, selected_step) for s in sorted(df["step"].unique())]

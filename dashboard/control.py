@@ -94,6 +94,20 @@ def validate_budget(value: object, max_budget: int | None) -> int:
     return value
 
 
+def validate_cap(value: object, max_budget: int | None) -> int:
+    """A long-prefill cap (``long_prefill_token_threshold``) the engine will accept: checked
+    like the budget (a whole number up to ``max_budget``), but 0 (no cap) is allowed."""
+    if isinstance(value, int | float | str) and not isinstance(value, bool):
+        text = str(value).strip()
+        if text in ("0", "0.0"):
+            return 0
+    try:
+        return validate_budget(value, max_budget)
+    except ValueError as exc:
+        msg = str(exc).replace("token budget", "long-prefill cap").replace("from 1", "from 0")
+        raise ValueError(msg) from None
+
+
 def validate_policy(value: object) -> str:
     if value not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {value!r}")
@@ -117,15 +131,19 @@ def set_scheduler(
     policy: str | None = None,
     token: str | None = None,
     timeout: float = CONTROL_TIMEOUT_S,
+    long_prefill_token_threshold: int | None = None,
 ) -> ControlResult:
-    """Ask ``engine_id`` (through the collector) to change its budget and/or policy."""
+    """Ask ``engine_id`` (through the collector) to change its budget, policy and/or
+    long-prefill cap."""
     changes: dict[str, Any] = {}
     if token_budget is not None:
         changes["token_budget"] = token_budget
     if policy is not None:
         changes["policy"] = policy
+    if long_prefill_token_threshold is not None:
+        changes["long_prefill_token_threshold"] = long_prefill_token_threshold
     if not changes:
-        raise ValueError("nothing to change: give a token budget or a policy")
+        raise ValueError("nothing to change: give a token budget, a policy or a cap")
     msg_id = f"dash-{os.getpid()}-{next(_ids)}-{time.monotonic_ns() % 1_000_000}"
     message: dict[str, Any] = {
         "type": "control",

@@ -4,7 +4,9 @@ figure and a DataFrame (no Streamlit, no store), tested on fixed data.
 A *document* is what ``python -m loadgen sweep --out`` writes (measured windows, with the
 predicted figures side by side as ``predicted_*`` when the sweep had a prediction) or what
 ``python -m advisor predict --out`` writes (predicted windows only). Both have a ``windows`` list
-of objects with ``budget``, ``itl_p99_ms``, ``ttft_p99_ms``, ``tokens_per_s``.
+of objects with ``budget``, ``itl_p99_ms``, ``ttft_p99_ms``, ``tokens_per_s``, and ``cap``
+(``long_prefill_token_threshold``, 0 = off) when caps were swept: then a point is a
+(budget, cap) pair, each cap drawn as its own line across the budgets.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import pandas as pd
 import plotly.graph_objects as go
 
-from advisor.pareto import front_budgets
+from advisor.pareto import front_pairs
 from dashboard.charts import LAYOUT
 
 MEASURED_COLOR = "#1f77b4"
@@ -43,37 +45,82 @@ def split_windows(
         return [], [dict(w) for w in windows]
     measured = [dict(w) for w in windows]
     predicted = [
-        {"budget": w["budget"], **{k: w.get(f"predicted_{k}") for k in FIGURES}}
+        {
+            "budget": w["budget"],
+            **({"cap": w["cap"]} if "cap" in w else {}),
+            **{k: w.get(f"predicted_{k}") for k in FIGURES},
+        }
         for w in windows
         if any(f"predicted_{k}" in w for k in FIGURES)
     ]
     return measured, predicted
 
 
-def _trace(windows: Sequence[Mapping[str, Any]], name: str, color: str, symbol: str) -> go.Scatter:
+def _cap(w: Mapping[str, Any]) -> int | None:
+    c = w.get("cap")
+    return int(c) if isinstance(c, int | float) and not isinstance(c, bool) and c == c else None
+
+
+def _pair(w: Mapping[str, Any]) -> tuple[int, int]:
+    return int(w["budget"]), _cap(w) or 0
+
+
+def point_label(w: Mapping[str, Any]) -> str:
+    """``512``, or ``512/256`` for budget 512 with cap 256 (cap off: the budget alone)."""
+    cap = _cap(w)
+    return f"{int(w['budget'])}/{cap}" if cap else str(int(w["budget"]))
+
+
+def _traces(
+    windows: Sequence[Mapping[str, Any]], name: str, color: str, symbol: str
+) -> list[go.Scatter]:
+    """One trace per cap (just one when no cap was swept); the Pareto front over all pairs."""
     pts = [w for w in windows if _num(w.get("ttft_p99_ms")) is not None]
     pts = [w for w in pts if _num(w.get("itl_p99_ms")) is not None]
-    front = set(front_budgets(pts))
+    front = {tuple(p) for p in front_pairs(pts)}
+    caps = sorted({_cap(w) for w in pts}, key=lambda c: -1 if c is None else c)
+    if caps == [None]:
+        return [_trace(pts, front, name, color, symbol, None)]
+    dashes = ("dot", "solid", "dash", "dashdot", "longdash")
+    return [
+        _trace(
+            [w for w in pts if _cap(w) == c],
+            front,
+            f"{name}, cap {c or 'off'}",
+            color,
+            symbol if not c else f"{symbol}-open",
+            dashes[i % len(dashes)],
+        )
+        for i, c in enumerate(caps)
+    ]
+
+
+def _trace(
+    pts: Sequence[Mapping[str, Any]],
+    front: set[tuple[int, ...]],
+    name: str,
+    color: str,
+    symbol: str,
+    dash: str | None,
+) -> go.Scatter:
     pts = sorted(pts, key=lambda w: int(w["budget"]))
     return go.Scatter(
         x=[_num(w["ttft_p99_ms"]) for w in pts],
         y=[_num(w["itl_p99_ms"]) for w in pts],
         mode="markers+text+lines",
-        line={"color": color, "width": 1, "dash": "dot"},
+        line={"color": color, "width": 1, "dash": dash or "dot"},
         marker={
             "color": color,
-            "size": [14 if int(w["budget"]) in front else 9 for w in pts],
+            "size": [14 if _pair(w) in front else 9 for w in pts],
             "symbol": symbol,
-            "line": {"width": 1, "color": "white"},
+            "line": {"width": 1, "color": color if symbol.endswith("-open") else "white"},
         },
-        text=[str(int(w["budget"])) for w in pts],
+        text=[point_label(w) for w in pts],
         textposition="top center",
         name=name,
-        customdata=[
-            [int(w["budget"]), _num(w.get("tokens_per_s")), int(w["budget"]) in front] for w in pts
-        ],
+        customdata=[[point_label(w), _num(w.get("tokens_per_s")), _pair(w) in front] for w in pts],
         hovertemplate=(
-            f"{name}<br>budget %{{customdata[0]}}<br>TTFT p99 %{{x:.0f}} ms<br>"
+            f"{name}<br>budget/cap %{{customdata[0]}}<br>TTFT p99 %{{x:.0f}} ms<br>"
             "ITL p99 %{y:.1f} ms<br>%{customdata[1]:.1f} tokens/s<br>"
             "on the Pareto front: %{customdata[2]}<extra></extra>"
         ),
@@ -88,9 +135,11 @@ def pareto_figure(
     slo_ttft_ms: float | None = None,
     recommended_budget: int | None = None,
     recommendation_source: str | None = None,
+    recommended_cap: int | None = None,
 ) -> go.Figure:
-    """TTFT p99 (x) against ITL p99 (y), one point per budget, measured and predicted (points on
-    each one's Pareto front drawn larger), the SLOs as lines, the recommendation ringed."""
+    """TTFT p99 (x) against ITL p99 (y), one point per budget (or (budget, cap) pair, labelled
+    ``budget/cap``), measured and predicted (points on each one's Pareto front drawn larger),
+    the SLOs as lines, the recommendation ringed."""
     fig = go.Figure()
     fig.update_layout(
         **LAYOUT,
@@ -104,10 +153,10 @@ def pareto_figure(
             yref="paper",
         )  # fmt: skip
         return fig
-    if measured:
-        fig.add_trace(_trace(measured, "measured", MEASURED_COLOR, "circle"))
-    if predicted:
-        fig.add_trace(_trace(predicted, "predicted", PREDICTED_COLOR, "diamond"))
+    for trace in _traces(measured, "measured", MEASURED_COLOR, "circle") if measured else []:
+        fig.add_trace(trace)
+    for trace in _traces(predicted, "predicted", PREDICTED_COLOR, "diamond") if predicted else []:
+        fig.add_trace(trace)
     if slo_itl_ms is not None:
         fig.add_hline(
             y=slo_itl_ms, line={"color": SLO_COLOR, "dash": "dash"},
@@ -120,7 +169,15 @@ def pareto_figure(
         )  # fmt: skip
     if recommended_budget is not None:
         source = measured if recommendation_source != "predicted" and measured else predicted
-        point = next((w for w in source if w.get("budget") == recommended_budget), None)
+        point = next(
+            (
+                w
+                for w in source
+                if w.get("budget") == recommended_budget
+                and (recommended_cap is None or (_cap(w) or 0) == recommended_cap)
+            ),
+            None,
+        )
         x = _num(point.get("ttft_p99_ms")) if point else None
         y = _num(point.get("itl_p99_ms")) if point else None
         if x is not None and y is not None:
@@ -134,7 +191,12 @@ def pareto_figure(
                         "color": "rgba(0,0,0,0)",
                         "line": {"width": 3, "color": RECOMMENDED_COLOR},
                     },
-                    name=f"recommended: {recommended_budget}",
+                    name="recommended: "
+                    + (
+                        f"{recommended_budget}/{recommended_cap}"
+                        if recommended_cap
+                        else str(recommended_budget)
+                    ),
                     hoverinfo="skip",
                 )
             )
@@ -144,13 +206,16 @@ def pareto_figure(
 def sweep_table(
     measured: Sequence[Mapping[str, Any]], predicted: Sequence[Mapping[str, Any]]
 ) -> pd.DataFrame:
-    """One row per budget: measured and predicted figures side by side."""
-    budgets = sorted({int(w["budget"]) for w in [*measured, *predicted]})
-    m = {int(w["budget"]): w for w in measured}
-    p = {int(w["budget"]): w for w in predicted}
+    """One row per budget (per (budget, cap) pair when caps were swept): measured and predicted
+    figures side by side."""
+    every = [*measured, *predicted]
+    with_caps = any(_cap(w) is not None for w in every)
+    pairs = sorted({_pair(w) for w in every})
+    m = {_pair(w): w for w in measured}
+    p = {_pair(w): w for w in predicted}
     rows = []
-    for b in budgets:
-        row: dict[str, Any] = {"budget": b}
+    for b in pairs:
+        row: dict[str, Any] = {"budget": b[0], **({"cap": b[1]} if with_caps else {})}
         for key in FIGURES:
             if measured:
                 row[key] = _num(m.get(b, {}).get(key))

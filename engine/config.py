@@ -26,6 +26,8 @@ class EngineConfig:
     ``model`` is a preset name (``tiny``, ``demo``, ``llama3-8b``, ...) or a local Hugging Face
     model folder. ``token_budget`` is the number of tokens one step may schedule;
     ``max_token_budget`` is the ceiling a live change may reach (buffers are never resized).
+    ``long_prefill_token_threshold`` (0 = off) is the most prefill tokens one request may take
+    in a step while other prompts wait for budget (see ``engine/scheduler.py``).
     ``num_kv_blocks`` fixes the KV cache size; otherwise ``kv_memory_fraction`` of the device's
     memory (GPU) or a default of 64 MiB-per-layer-scale heuristics (CPU) is used.
     ``cpu_threads`` is torch's intra-op thread count for the process that steps (None: torch's
@@ -36,6 +38,7 @@ class EngineConfig:
     token_budget: int = 512
     max_token_budget: int = 8192
     policy: str = "chunked"
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -56,6 +59,12 @@ class EngineConfig:
             raise ValueError("model must be a preset name or a local model folder")
         _check_int("max_token_budget", self.max_token_budget, 1)
         _check_int("token_budget", self.token_budget, 1, self.max_token_budget)
+        _check_int(
+            "long_prefill_token_threshold",
+            self.long_prefill_token_threshold,
+            0,
+            self.max_token_budget,
+        )
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.max_model_len is not None:

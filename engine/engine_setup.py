@@ -130,6 +130,7 @@ def build_parts(config: EngineConfig, engine_id: str) -> EngineParts:
         token_budget=config.token_budget,
         max_token_budget=config.max_token_budget,
         policy=config.policy,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
     )

@@ -72,6 +72,8 @@ class ChunkRecord:
     start: int
     num_tokens: int
     produced_token: bool
+    # the long-prefill cap kept this chunk smaller (absent from older writers: False)
+    capped: bool = False
 
 
 @dataclass
@@ -96,6 +98,8 @@ class StepEvent:
     num_preemptions: int
     chunks: list[ChunkRecord] = field(default_factory=list)
     forward_ns: int = 0
+    # the long-prefill cap in force for this step (0 = off; absent from older writers: 0)
+    long_prefill_token_threshold: int = 0
 
     @property
     def duration(self) -> float:
@@ -154,9 +158,9 @@ class RequestEvent:
 
 @dataclass
 class ControlEvent:
-    """A budget or policy change, accepted or refused (``reason`` says why). ``applied_at_step``
-    is the first step with the new value in force; ``request_id`` is the relay's control
-    message id when the change came through the collector."""
+    """A budget, policy or long-prefill cap change, accepted or refused (``reason`` says why).
+    ``applied_at_step`` is the first step with the new value in force; ``request_id`` is the
+    relay's control message id when the change came through the collector."""
 
     type: ClassVar[str] = "control"
     key: str

@@ -75,7 +75,14 @@ class LLMEngine:
         self._num_unfinished = 0
         self._bus = EventBus()
         self._stats = EngineStats(
-            0, 0, 0, self.block_manager.num_blocks, 0, config.token_budget, config.policy
+            0,
+            0,
+            0,
+            self.block_manager.num_blocks,
+            0,
+            config.token_budget,
+            config.policy,
+            config.long_prefill_token_threshold,
         )
 
     # --- thread-safe API ----------------------------------------------------------------------
@@ -86,6 +93,10 @@ class LLMEngine:
     @property
     def policy(self) -> str:
         return self.scheduler.policy
+
+    @property
+    def long_prefill_token_threshold(self) -> int:
+        return self.scheduler.long_prefill_token_threshold
 
     @property
     def max_token_budget(self) -> int:
@@ -181,9 +192,14 @@ class LLMEngine:
                 self._step_thread = me
 
     def stats(self) -> EngineStats:
-        """Counts as of the last step; budget and policy as in force now."""
-        s = self._stats
-        return replace(s, token_budget=self.scheduler.token_budget, policy=self.scheduler.policy)
+        """Counts as of the last step; budget, policy and cap as in force now."""
+        sch = self.scheduler
+        return replace(
+            self._stats,
+            token_budget=sch.token_budget,
+            policy=sch.policy,
+            long_prefill_token_threshold=sch.long_prefill_token_threshold,
+        )
 
     def set_token_budget(
         self, value: object, source: str = "api", request_id: str | None = None
@@ -197,6 +213,15 @@ class LLMEngine:
     ) -> ControlEvent:
         """Change the policy from the next step on (any thread); see ``set_token_budget``."""
         return self._control(self.scheduler.set_policy, value, source, request_id)
+
+    def set_long_prefill_token_threshold(
+        self, value: object, source: str = "api", request_id: str | None = None
+    ) -> ControlEvent:
+        """Change the long-prefill cap (0 = off) from the next step on (any thread); see
+        ``set_token_budget``."""
+        return self._control(
+            self.scheduler.set_long_prefill_token_threshold, value, source, request_id
+        )
 
     def _control(
         self,
@@ -337,6 +362,7 @@ class LLMEngine:
             step=s.next_step,
             token_budget=s.token_budget,
             policy=s.policy,
+            long_prefill_token_threshold=s.long_prefill_token_threshold,
         )
 
     # --- offline use --------------------------------------------------------------------------

@@ -125,6 +125,12 @@ class EngineMetrics:
         )
         self.kv_used = Gauge(PREFIX + "kv_cache_blocks_used", "KV cache blocks in use.", **g)
         self.budget = Gauge(PREFIX + "token_budget", "Token budget in force for a step.", **g)
+        self.long_prefill = Gauge(
+            PREFIX + "long_prefill_token_threshold",
+            "Most prefill tokens one request may take in a step while other prompts wait "
+            "(0: no cap).",
+            **g,
+        )
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of requests that produced a token.", **g
         )
@@ -152,6 +158,8 @@ class EngineMetrics:
             elif isinstance(event, ControlEvent):
                 if event.accepted and event.key == "token_budget":
                     self.budget.labels(**self._labels).set(event.new_value)
+                elif event.accepted and event.key == "long_prefill_token_threshold":
+                    self.long_prefill.labels(**self._labels).set(event.new_value)
         except Exception:
             logger.exception("metrics: failed to record %s", type(event).__name__)
 
@@ -188,6 +196,7 @@ class EngineMetrics:
         if ev.kv_blocks_total:
             self.kv_usage.labels(**labels).set(ev.kv_blocks_used / ev.kv_blocks_total)
         self.budget.labels(**labels).set(ev.token_budget)
+        self.long_prefill.labels(**labels).set(ev.long_prefill_token_threshold)
 
     def _on_request(self, ev: RequestEvent) -> None:
         tc = ev.traffic_class or DEFAULT_TRAFFIC_CLASS
@@ -223,6 +232,7 @@ class EngineMetrics:
         if stats.kv_blocks_total:
             self.kv_usage.labels(**labels).set(stats.kv_blocks_used / stats.kv_blocks_total)
         self.budget.labels(**labels).set(stats.token_budget)
+        self.long_prefill.labels(**labels).set(getattr(stats, "long_prefill_token_threshold", 0))
 
     def render(self) -> tuple[bytes, str]:
         """Prometheus text exposition and its content type."""

@@ -33,3 +33,4 @@ class EngineStats:
     step: int
     token_budget: int
     policy: str
+    long_prefill_token_threshold: int = 0

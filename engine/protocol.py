@@ -236,11 +236,13 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class SchedulerUpdate(BaseModel):
-    """``PUT /v1/scheduler``: a new token budget and/or policy. Unknown keys are an error."""
+    """``PUT /v1/scheduler``: a new token budget, policy and/or long-prefill cap. Unknown keys
+    are an error."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     token_budget: int | None = None
     policy: str | None = None
+    long_prefill_token_threshold: int | None = None
 
 
 # --- parsing --------------------------------------------------------------------------------

@@ -8,14 +8,21 @@ Each step, in this order:
 3. chunks for waiting requests in arrival order (preempted requests keep their arrival place),
    each taking ``min(tokens left in its prompt, budget left)``.
 
+With ``long_prefill_token_threshold`` (vLLM's name; 0 = off) each prefill chunk of steps 2 and 3
+takes at most that many tokens, so the prompts behind a long one get a share of the budget in
+the same step; then, work-conserving, the budget that no other prompt took goes back to the
+capped chunks, the fewest tokens left first (a long prompt alone still prefills at the full
+budget). A chunk the cap kept smaller than it would otherwise have been is marked ``capped``.
+
 Under the ``unchunked`` policy a prompt is never split: it is scheduled whole when it fits in
 what is left of the budget, and the first prompt of a step is scheduled whole even when it does
 not (so none waits forever) - which is exactly what makes long prompts stall decodes.
 
 When the KV cache runs out, the most recently arrived running request that has no chunk in this
 step yet is preempted (its blocks freed, to be recomputed later). The budget and policy are read
-once at the start of each step; ``set_token_budget`` / ``set_policy`` may be called from any
-thread and take effect at the next step that schedules tokens.
+once at the start of each step; ``set_token_budget`` / ``set_policy`` /
+``set_long_prefill_token_threshold`` may be called from any thread and take effect at the next
+step that schedules tokens.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ class ScheduledChunk:
     kind: str  # "prefill" | "decode"
     start: int
     num_tokens: int
+    # True when the long-prefill cap kept this chunk smaller than it would have been without it.
+    capped: bool = False
     # True when the chunk reaches the last known token, whose logits give the next token.
     produces_token: bool = field(init=False)
 
@@ -56,6 +65,7 @@ class StepPlan:
     step: int
     token_budget: int
     policy: str
+    long_prefill_token_threshold: int = 0
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
@@ -96,6 +106,7 @@ class Scheduler:
         policy: str = "chunked",
         max_num_seqs: int = 256,
         max_model_len: int = 1 << 30,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_token_budget = max_token_budget
@@ -107,7 +118,12 @@ class Scheduler:
         self._next_step = 0
         self._token_budget = token_budget
         self._policy = policy
-        for result in (self.set_token_budget(token_budget), self.set_policy(policy)):
+        self._long_prefill = 0
+        for result in (
+            self.set_token_budget(token_budget),
+            self.set_policy(policy),
+            self.set_long_prefill_token_threshold(long_prefill_token_threshold),
+        ):
             if not result.accepted:
                 raise ValueError(result.reason)
 
@@ -119,6 +135,10 @@ class Scheduler:
     @property
     def policy(self) -> str:
         return self._policy
+
+    @property
+    def long_prefill_token_threshold(self) -> int:
+        return self._long_prefill
 
     @property
     def next_step(self) -> int:
@@ -135,6 +155,21 @@ class Scheduler:
                 self._token_budget = value
                 return ControlResult("token_budget", True, old, value, self._next_step)
         return ControlResult("token_budget", False, old, value, None, reason)
+
+    def set_long_prefill_token_threshold(self, value: object) -> ControlResult:
+        """The most prefill tokens one request may take in a step while other prompts wait for
+        budget (0 = no cap); checked like the budget: an integer from 0 to the budget's maximum."""
+        key = "long_prefill_token_threshold"
+        with self._lock:
+            old = self._long_prefill
+            if isinstance(value, bool) or not isinstance(value, int):
+                reason = f"{key} must be an int, got {value!r}"
+            elif not 0 <= value <= self.max_token_budget:
+                reason = f"{key} must be from 0 to {self.max_token_budget}, got {value}"
+            else:
+                self._long_prefill = value
+                return ControlResult(key, True, old, value, self._next_step)
+        return ControlResult(key, False, old, value, None, reason)
 
     def set_policy(self, value: object) -> ControlResult:
         with self._lock:
@@ -184,7 +219,7 @@ class Scheduler:
         the next index). A plan without chunks takes no step index: the indices of the steps that
         run are consecutive, and ``applied_at_step`` names a step that runs."""
         with self._lock:
-            plan = StepPlan(self._next_step, self._token_budget, self._policy)
+            plan = StepPlan(self._next_step, self._token_budget, self._policy, self._long_prefill)
             self._fill(plan)
             if plan.chunks:
                 self._next_step += 1
@@ -195,6 +230,8 @@ class Scheduler:
         scheduled: set[str] = set()
         chunked = plan.policy == "chunked"
         prefill_scheduled = False
+        cap = plan.long_prefill_token_threshold if chunked else 0
+        capped: dict[int, int] = {}  # index in plan.chunks -> its size without the cap
 
         # 1. one token for each running decode, oldest first.
         for req in list(self.running):
@@ -214,7 +251,10 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or req.request_id in scheduled:
                 continue
             if chunked:
-                n = self._reserve(req, min(req.num_remaining, left), scheduled, plan, shrink=True)
+                full = min(req.num_remaining, left)
+                n = self._reserve(req, min(full, cap or full), scheduled, plan, shrink=True)
+                if 0 < n == cap < full:
+                    capped[len(plan.chunks)] = full
             elif req.num_remaining <= left or not prefill_scheduled:
                 n = self._reserve(req, req.num_remaining, scheduled, plan)
             else:
@@ -231,8 +271,11 @@ class Scheduler:
             req = self.waiting[0]
             hits = bm.find_cached_prefix(req)
             todo = req.num_tokens - len(hits) * bm.block_size
+            full = 0
             if chunked:
                 n = min(todo, left)
+                if 0 < cap < n:
+                    n, full = cap, n
                 if not bm.can_allocate(req, n, hits):
                     n = min(n, self._tokens_that_fit(req, hits))
             elif todo <= left or not prefill_scheduled:
@@ -247,12 +290,39 @@ class Scheduler:
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival_index)
+            if full and n == cap:
+                capped[len(plan.chunks)] = full
             plan.chunks.append(ScheduledChunk(req, "prefill", req.num_computed_tokens, n))
             scheduled.add(req.request_id)
             prefill_scheduled = True
             left -= n
 
+        # 4. work-conserving: what no other prompt took goes back to the capped chunks, the
+        # fewest tokens left first (a short prompt finishes its prefill, and so gets its first
+        # token, before a long one takes the rest), then in arrival order.
+        def tokens_left(i: int) -> tuple[int, int]:
+            c = plan.chunks[i]
+            return c.request.num_tokens - c.start - c.num_tokens, c.request.arrival_index
+
+        for i in sorted(capped, key=tokens_left):
+            if left > 0:
+                before = plan.chunks[i].num_tokens
+                self._extend(plan, i, left)
+                left -= plan.chunks[i].num_tokens - before
+            plan.chunks[i].capped = plan.chunks[i].num_tokens < capped[i]
         self._check_plan(plan)
+
+    def _extend(self, plan: StepPlan, i: int, left: int) -> None:
+        """Grow the capped chunk ``plan.chunks[i]`` by up to ``left`` tokens, as far as its prompt
+        and the free KV blocks allow (no preemption for the extra)."""
+        c = plan.chunks[i]
+        req = c.request
+        n = min(c.num_tokens + left, req.num_tokens - c.start)
+        if not self.block_manager.can_allocate(req, n):
+            n = max(c.num_tokens, min(n, self._tokens_that_fit(req, [])))
+        if n > c.num_tokens:
+            self.block_manager.allocate(req, n)
+            plan.chunks[i] = ScheduledChunk(req, "prefill", c.start, n)
 
     def _tokens_that_fit(self, req: Request, hits: list[int]) -> int:
         bm = self.block_manager

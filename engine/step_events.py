@@ -114,10 +114,11 @@ def step_event(
         kv_blocks_total=stats.kv_blocks_total,
         num_preemptions=len(plan.preempted),
         chunks=[
-            ChunkRecord(c.request_id, c.kind, c.start, c.num_tokens, c.produces_token)
+            ChunkRecord(c.request_id, c.kind, c.start, c.num_tokens, c.produces_token, c.capped)
             for c in plan.chunks
         ],
         forward_ns=forward_ns,
+        long_prefill_token_threshold=plan.long_prefill_token_threshold,
     )
 
 

@@ -41,10 +41,16 @@ from typing import Any
 
 import aiohttp
 
-from advisor.pareto import front_budgets
+from advisor.pareto import front_budgets, front_pairs
 from advisor.recommend import Slo as BudgetSlo
 from advisor.recommend import recommend
-from advisor.text import DEFAULT_BUDGETS, WINDOW_COLUMNS, budget_table, parse_budgets
+from advisor.text import (
+    DEFAULT_BUDGETS,
+    WINDOW_COLUMNS,
+    budget_table,
+    parse_budgets,
+    parse_caps,
+)
 from loadgen import __version__
 from loadgen.arrivals import ARRIVALS
 from loadgen.cli import _id_range, _positive
@@ -79,13 +85,33 @@ class SweepError(RuntimeError):
 
 @dataclass
 class Window:
-    """One budget's stretch of the run (wall seconds)."""
+    """One budget's (or (budget, cap) pair's) stretch of the run (wall seconds)."""
 
     budget: int
     start: float  # when the engine acknowledged the change
     end: float  # the next change (or the end of the traffic)
     applied_at_step: int | None = None
     changes: list[dict[str, Any]] = field(default_factory=list)
+    cap: int | None = None  # long_prefill_token_threshold (None: not swept)
+
+
+CAP_KEY = "long_prefill_token_threshold"
+
+
+def sweep_pairs(budgets: Sequence[int], caps: Sequence[int] | None) -> list[tuple[int, int | None]]:
+    """The windows' (budget, cap), budgets in the order given, each with every cap (None when
+    caps are not swept); a cap at or above its budget cuts nothing, so it is left out there."""
+    if caps is None:
+        return [(int(b), None) for b in budgets]
+    out: list[tuple[int, int | None]] = []
+    for b in budgets:
+        useful = [int(c) for c in caps if c == 0 or c < b]
+        out += [(int(b), c) for c in (useful or [0])]
+    return out
+
+
+def _pair(w: Mapping[str, Any]) -> tuple[int, int]:
+    return int(w["budget"]), int(w.get("cap") or 0)
 
 
 # ---- figures ----------------------------------------------------------------------------------
@@ -151,6 +177,7 @@ def measured_windows(
         out.append(
             {
                 "budget": w.budget,
+                **({"cap": w.cap} if w.cap is not None else {}),
                 "start": w.start,
                 "end": w.end,
                 "measured_from": lo,
@@ -166,10 +193,10 @@ def attach_predictions(
     windows: list[dict[str, Any]], predicted: Sequence[Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
     """Add ``predicted_<figure>`` (and the relative error ``error_<figure>``) to each window
-    whose budget was predicted."""
-    by_budget = {int(p["budget"]): p for p in predicted if "budget" in p}
+    whose budget (and cap: 0 when absent) was predicted."""
+    by_pair = {_pair(p): p for p in predicted if "budget" in p}
     for w in windows:
-        p = by_budget.get(int(w["budget"]))
+        p = by_pair.get(_pair(w))
         if p is None:
             continue
         for key in PREDICTED_KEYS:
@@ -185,7 +212,11 @@ def attach_predictions(
 def predicted_windows(windows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The predicted figures of ``windows`` as windows of their own (for a recommendation)."""
     return [
-        {"budget": w["budget"], **{k: w.get(f"predicted_{k}") for k in PREDICTED_KEYS}}
+        {
+            "budget": w["budget"],
+            **({"cap": w["cap"]} if "cap" in w else {}),
+            **{k: w.get(f"predicted_{k}") for k in PREDICTED_KEYS},
+        }
         for w in windows
         if f"predicted_{PREDICTED_KEYS[0]}" in w
     ]
@@ -233,17 +264,25 @@ async def get_scheduler(session: aiohttp.ClientSession, base: str) -> dict[str, 
 
 
 async def set_budget(
-    session: aiohttp.ClientSession, base: str, budget: int, token: str | None
+    session: aiohttp.ClientSession,
+    base: str,
+    budget: int,
+    token: str | None,
+    cap: int | None = None,
 ) -> dict[str, Any]:
-    """``PUT /v1/scheduler {"token_budget": budget}``; the engine's answer, or SweepError."""
+    """``PUT /v1/scheduler {"token_budget": budget}`` (and ``long_prefill_token_threshold``
+    when ``cap`` is given); the engine's answer, or SweepError."""
+    body_out: dict[str, int] = {"token_budget": int(budget)}
+    if cap is not None:
+        body_out[CAP_KEY] = int(cap)
     async with session.put(
         base + "/v1/scheduler",
-        json={"token_budget": int(budget)},
+        json=body_out,
         headers=_control_headers(token),
     ) as r:
         text = await r.text()
         if r.status != 200:
-            raise SweepError(f"PUT /v1/scheduler token_budget={budget}: http {r.status}: {text}")
+            raise SweepError(f"PUT /v1/scheduler {body_out}: http {r.status}: {text}")
     try:
         body = json.loads(text)
     except ValueError as exc:
@@ -280,6 +319,8 @@ async def run_sweep(
     """Drive the traffic, change the budget at each window, measure; the result document."""
     base = args.url.rstrip("/")
     budgets: list[int] = args.budgets
+    caps: list[int] | None = getattr(args, "caps", None)
+    pairs = sweep_pairs(budgets, caps)
     info = await probe_server(base, args.api_key)
     if not info.reachable:
         raise SweepError(f"server not reachable: {info.error}")
@@ -289,13 +330,17 @@ async def run_sweep(
         top = before.get("max_token_budget")
         if isinstance(top, int) and max(budgets) > top:
             raise SweepError(f"budget {max(budgets)} is above the server's maximum {top}")
+        if caps is not None and CAP_KEY not in before:
+            raise SweepError(
+                f"GET {base}/v1/scheduler shows no {CAP_KEY}: this server cannot sweep caps"
+            )
         ctx = args.max_model_len or info.max_model_len or 8192
         model = args.model or info.model or "default"
-        total_s = len(budgets) * args.window_s
+        total_s = len(pairs) * args.window_s
         try:
             if args.same_traffic:
                 one, trace_info = _plan(_plan_args(args, args.window_s), profiles, ctx)
-                specs = repeat_plan(one, len(budgets), args.window_s)
+                specs = repeat_plan(one, len(pairs), args.window_s)
             else:
                 specs, trace_info = _plan(_plan_args(args, total_s), profiles, ctx)
         except (ValueError, OSError) as exc:
@@ -317,14 +362,15 @@ async def run_sweep(
         tokens = TokenSource((args.seed * 1_000_003 + salt) & 0x7FFFFFFF, lo, hi)
 
         windows: list[Window] = []
-        first = await set_budget(control, base, budgets[0], args.control_token)
+        b0, c0 = pairs[0]
+        first = await set_budget(control, base, b0, args.control_token, c0)
         t_start = time.time()
-        windows.append(Window(budgets[0], t_start, t_start, first.get("applied_at_step"), [first]))
+        windows.append(Window(b0, t_start, t_start, first.get("applied_at_step"), [first], c0))
         logger.info(
-            "sweep: %d requests over %.0f s, budgets %s, %.0f s windows (%.0f s warm-up)",
+            "sweep: %d requests over %.0f s, (budget, cap) %s, %.0f s windows (%.0f s warm-up)",
             len(specs),
             total_s,
-            budgets,
+            pairs,
             args.window_s,
             args.warmup_s,
         )
@@ -338,12 +384,12 @@ async def run_sweep(
             )
         )
         try:
-            for k, budget in enumerate(budgets[1:], start=1):
+            for k, (budget, cap) in enumerate(pairs[1:], start=1):
                 await _sleep_until(t_start + k * args.window_s, traffic)
-                ack = await set_budget(control, base, budget, args.control_token)
+                ack = await set_budget(control, base, budget, args.control_token, cap)
                 now = time.time()
                 windows[-1].end = now
-                windows.append(Window(budget, now, now, ack.get("applied_at_step"), [ack]))
+                windows.append(Window(budget, now, now, ack.get("applied_at_step"), [ack], cap))
             await _sleep_until(t_start + total_s, traffic)
             windows[-1].end = time.time()
             outcome = await traffic
@@ -352,9 +398,10 @@ async def run_sweep(
             raise
         finally:
             final = args.apply_budget if args.apply_budget is not None else before["token_budget"]
+            final_cap = None if caps is None else before.get(CAP_KEY)
             if final is not None:
                 try:
-                    await set_budget(control, base, int(final), args.control_token)
+                    await set_budget(control, base, int(final), args.control_token, final_cap)
                 except (SweepError, aiohttp.ClientError, TimeoutError) as exc:
                     logger.warning("could not set the budget back to %s: %s", final, exc)
 
@@ -381,7 +428,9 @@ async def run_sweep(
         "slo": {"itl_p99_ms": slo.itl_ms, "ttft_p99_ms": slo.ttft_ms},
         "windows": measured,
         "pareto_budgets": front_budgets(measured),
+        **({"pareto_pairs": front_pairs(measured)} if caps is not None else {}),
         "recommended_budget": rec.budget,
+        **({"recommended_cap": rec.cap} if caps is not None else {}),
         "recommendation_source": rec.source,
         "reason": rec.reason,
         "recommendation": rec.to_dict(),
@@ -431,6 +480,7 @@ def predict_now(args: argparse.Namespace) -> list[dict[str, Any]]:
     doc = predict_from_store(
         args.predict_db,
         args.budgets,
+        caps=getattr(args, "caps", None) or (0,),
         engine_id=args.predict_engine,
         since=since,
         until=until,
@@ -469,7 +519,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=_positive(float), default=1.0)
     p.add_argument("--trace-block-size", type=_positive(int), default=512)
     p.add_argument("--budgets", type=parse_budgets, default=parse_budgets(DEFAULT_BUDGETS))
-    p.add_argument("--window-s", type=_positive(float), default=60.0, help="seconds per budget")
+    p.add_argument(
+        "--caps",
+        type=parse_caps,
+        default=None,
+        help="long-prefill caps (long_prefill_token_threshold, 0 = off) to try beside each "
+        "budget, e.g. 0,256: one window per (budget, cap); the recommendation is then a pair",
+    )
+    p.add_argument("--window-s", type=_positive(float), default=60.0, help="seconds per window")
     p.add_argument(
         "--warmup-s",
         type=_non_negative,
@@ -574,8 +631,11 @@ def main(argv: list[str] | None = None) -> int:
             predicted = predict_now(args)
         doc = asyncio.run(run_sweep(args, profiles, predicted))
         if args.apply and doc["recommended_budget"] is not None:
-            asyncio.run(_apply(args, int(doc["recommended_budget"])))
+            cap = doc.get("recommended_cap")
+            asyncio.run(_apply(args, int(doc["recommended_budget"]), cap))
             doc["applied_budget"] = doc["recommended_budget"]
+            if cap is not None:
+                doc["applied_cap"] = cap
     except PlanError as exc:
         parser.error(str(exc))
     except SweepError as exc:
@@ -590,6 +650,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _apply(args: argparse.Namespace, budget: int) -> None:
+async def _apply(args: argparse.Namespace, budget: int, cap: int | None = None) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        await set_budget(s, args.url.rstrip("/"), budget, args.control_token)
+        await set_budget(s, args.url.rstrip("/"), budget, args.control_token, cap)

@@ -137,13 +137,20 @@ def run_control(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="python -m storage control",
-        description="Change an engine's token budget or policy through the collector; prints "
+        description="Change an engine's token budget, policy or long-prefill cap through the "
+        "collector; prints "
         "the engine's answer (JSON). Exit status 0 when applied, 1 when refused.",
     )
     p.add_argument("--url", default=DEFAULT_URL, help=f"collector URL (default {DEFAULT_URL})")
     p.add_argument("--engine", required=True, help="engine id (see `python -m storage engines`)")
     p.add_argument("--token-budget", type=int, default=None, help="new token budget per step")
     p.add_argument("--policy", default=None, help="new scheduling policy (chunked, unchunked)")
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="new cap on one request's prefill tokens per step while other prompts wait (0: off)",
+    )
     p.add_argument("--token", default=None, help="control token, when one is configured")
     p.add_argument(
         "--auth-token",
@@ -157,8 +164,12 @@ def run_control(argv: list[str]) -> int:
         changes["token_budget"] = args.token_budget
     if args.policy is not None:
         changes["policy"] = args.policy
+    if args.long_prefill_token_threshold is not None:
+        changes["long_prefill_token_threshold"] = args.long_prefill_token_threshold
     if not changes:
-        p.error("nothing to change: give --token-budget and/or --policy")
+        p.error(
+            "nothing to change: give --token-budget, --policy and/or --long-prefill-token-threshold"
+        )
     try:
         ack = send_control(
             args.url,

@@ -41,7 +41,8 @@ SCHEMA_VERSION = 1
 DEFAULT_PORT = 8765
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 DEFAULT_POLICIES = ("chunked", "unchunked")
-CONTROL_KEYS = ("token_budget", "policy")
+CONTROL_KEYS = ("token_budget", "policy", "long_prefill_token_threshold")
+CAP_KEY = "long_prefill_token_threshold"
 
 CLOSE_TOO_BIG = 1009
 CLOSE_BAD_INPUT = 4400
@@ -140,6 +141,7 @@ class IngestConn:
     max_token_budget: int | None = None
     token_budget: int | None = None
     policy: str | None = None
+    long_prefill_token_threshold: int | None = None  # None: an engine older than the cap
     policies: tuple[str, ...] = DEFAULT_POLICIES
     model: str | None = None
     engine_kind: str | None = None  # the hello's engine_kind ("vllm" for the vLLM bridge)
@@ -505,7 +507,14 @@ class Collector:
             for k in ("wall_ns", "mono_ns")
         ):
             return "hello needs clock {wall_ns, mono_ns} as integers"
-        for key in ("token_budget", "max_token_budget", "pid", "kv_blocks_total", "block_size"):
+        for key in (
+            "token_budget",
+            "max_token_budget",
+            CAP_KEY,
+            "pid",
+            "kv_blocks_total",
+            "block_size",
+        ):
             value = h.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 return f"hello {key} must be an integer, got {value!r}"
@@ -515,6 +524,7 @@ class Collector:
         conn.max_token_budget = h.get("max_token_budget")
         conn.token_budget = h.get("token_budget")
         conn.policy = h.get("policy")
+        conn.long_prefill_token_threshold = h.get(CAP_KEY)
         conn.model = h.get("model")
         policies = h.get("policies")
         if isinstance(policies, list) and all(isinstance(p, str) for p in policies):
@@ -531,6 +541,7 @@ class Collector:
             "token_budget": conn.token_budget,
             "max_token_budget": conn.max_token_budget,
             "policy": conn.policy,
+            CAP_KEY: conn.long_prefill_token_threshold,
             "policies": list(conn.policies),
             "engine_kind": conn.engine_kind,
             "last_step": conn.last_step,
@@ -656,6 +667,9 @@ class Collector:
                     conn.token_budget = budget
                 if isinstance(policy, str):
                     conn.policy = policy
+                cap = ev.get(CAP_KEY)
+                if isinstance(cap, int) and not isinstance(cap, bool):
+                    conn.long_prefill_token_threshold = cap
                 break
         for ev in events:
             if ev.get("type") == "control" and ev.get("accepted"):
@@ -663,6 +677,8 @@ class Collector:
                     conn.token_budget = ev["new_value"]
                 elif ev.get("key") == "policy" and isinstance(ev.get("new_value"), str):
                     conn.policy = ev["new_value"]
+                elif ev.get("key") == CAP_KEY and isinstance(ev.get("new_value"), int):
+                    conn.long_prefill_token_threshold = ev["new_value"]
         if self._by_run.get(conn.run_key) is conn:
             self._refresh_seen(conn, connected=True)
 
@@ -773,6 +789,13 @@ class Collector:
                 if value < 1 or (top is not None and value > top):
                     bound = f"from 1 to {top}" if top is not None else "at least 1"
                     return refuse(f"token_budget must be {bound}, got {value}", "bad_value")
+            if key == CAP_KEY:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    return refuse(f"{CAP_KEY} must be an integer, got {value!r}", "bad_value")
+                top = conn.max_token_budget
+                if value < 0 or (top is not None and value > top):
+                    bound = f"from 0 to {top}" if top is not None else "at least 0"
+                    return refuse(f"{CAP_KEY} must be {bound}, got {value}", "bad_value")
             if key == "policy" and value not in conn.policies:
                 return refuse(
                     f"policy must be one of {list(conn.policies)}, got {value!r}", "bad_value"

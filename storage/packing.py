@@ -5,7 +5,8 @@
     req   int32   the request's number inside its run (requests.req_no)
     start int32   first position scheduled
     n     int32   number of tokens scheduled
-    flags uint8   bit 0: decode (else prefill); bit 1: produced a token at the end of the step
+    flags uint8   bit 0: decode (else prefill); bit 1: produced a token at the end of the step;
+                  bit 2: the long-prefill cap kept this chunk smaller
 
 ``steps.tokens`` holds one 16-byte record per token the step produced (a chunk with the
 produced bit), in the same order::
@@ -25,6 +26,7 @@ CHUNK_DTYPE = np.dtype([("req", "<i4"), ("start", "<i4"), ("n", "<i4"), ("flags"
 TOKEN_DTYPE = np.dtype([("req", "<i4"), ("k", "<i4"), ("itl_ns", "<i8")])
 FLAG_DECODE = 1
 FLAG_PRODUCED = 2
+FLAG_CAPPED = 4
 
 
 def pack_chunks(rows: list[tuple[int, int, int, int]]) -> bytes:

@@ -23,10 +23,16 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import Engine, and_, func, or_, select
+from sqlalchemy import Engine, Integer, and_, func, inspect, literal, or_, select
 
 from storage import schema
-from storage.packing import FLAG_DECODE, FLAG_PRODUCED, unpack_chunks, unpack_tokens
+from storage.packing import (
+    FLAG_CAPPED,
+    FLAG_DECODE,
+    FLAG_PRODUCED,
+    unpack_chunks,
+    unpack_tokens,
+)
 
 ENGINES_COLUMNS = [
     "engine_id",
@@ -68,6 +74,7 @@ STEPS_COLUMNS = [
     "kv_blocks_total",
     "num_preemptions",
     "num_chunks",
+    "long_prefill_token_threshold",
 ]
 STEP_CHUNKS_COLUMNS = [
     "engine_id",
@@ -80,6 +87,7 @@ STEP_CHUNKS_COLUMNS = [
     "num_tokens",
     "produced_token",
     "traffic_class",
+    "capped",
 ]
 REQUESTS_COLUMNS = [
     "engine_id",
@@ -199,6 +207,13 @@ def _runs(conn: Any, engine_id: str | None, run_id: str | None) -> list[_Run]:
     if run_id is not None:
         q = q.where(r.c.run_id == run_id)
     return [_Run(row._mapping) for row in conn.execute(q.order_by(r.c.started, r.c.id))]
+
+
+def _has_cap_column(conn: Any) -> bool:
+    """Whether ``steps`` has revision 0002's ``long_prefill_token_threshold``."""
+    return any(
+        c["name"] == "long_prefill_token_threshold" for c in inspect(conn).get_columns("steps")
+    )
 
 
 def _fetch(conn: Any, stmt: Any) -> list[tuple[Any, ...]]:
@@ -341,6 +356,12 @@ def steps(
     ]
     frames = []
     with db.connect() as conn:
+        # a store not yet migrated to revision 0002 (read-only readers never migrate): NULL
+        cols.append(
+            s.c.long_prefill_token_threshold
+            if _has_cap_column(conn)
+            else literal(None, Integer).label("long_prefill_token_threshold")
+        )
         for run in _runs(conn, engine_id, run_id):
             conds = [s.c.run_key == run.key]
             conds += _window(s.c.start_ns, *run.bounds(since, until))
@@ -411,6 +432,7 @@ def step_chunks(
                         "num_tokens": chunks["n"].astype(np.int64),
                         "produced_token": (flags & FLAG_PRODUCED).astype(bool),
                         "traffic_class": classes,
+                        "capped": (flags & FLAG_CAPPED).astype(bool),
                     }
                 )
             )

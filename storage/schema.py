@@ -100,6 +100,8 @@ steps = Table(
     Column("num_tokens_out", Integer, nullable=False),
     Column("chunks", LargeBinary, nullable=False),
     Column("tokens", LargeBinary, nullable=False),
+    # revision 0002: the long-prefill cap in force (NULL: stored before the cap existed)
+    Column("long_prefill_token_threshold", Integer),
     PrimaryKeyConstraint("run_key", "seq", name="pk_steps"),
     Index("ix_steps_run_step", "run_key", "step"),
     Index("ix_steps_run_start", "run_key", "start_ns"),

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 
 from storage import schema
-from storage.packing import FLAG_DECODE, FLAG_PRODUCED, pack_chunks, pack_tokens
+from storage.packing import FLAG_CAPPED, FLAG_DECODE, FLAG_PRODUCED, pack_chunks, pack_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -544,8 +544,10 @@ class Store:
             rid = c["request_id"]
             if not isinstance(rid, str):
                 raise TypeError(f"chunk request_id must be a string, got {rid!r}")
-            flags = (FLAG_DECODE if c["kind"] == "decode" else 0) | (
-                FLAG_PRODUCED if c["produced_token"] else 0
+            flags = (
+                (FLAG_DECODE if c["kind"] == "decode" else 0)
+                | (FLAG_PRODUCED if c["produced_token"] else 0)
+                | (FLAG_CAPPED if c.get("capped") else 0)  # absent from older engines
             )
             start, n = _int(c["start"], "start"), _int(c["num_tokens"], "num_tokens")
             parsed.append((rid, start, n, flags))
@@ -558,6 +560,9 @@ class Store:
             "end_ns": end_ns,
             "token_budget": _opt_int(g("token_budget"), "token_budget"),
             "policy": _opt_str(g("policy")),
+            "long_prefill_token_threshold": _opt_int(
+                g("long_prefill_token_threshold"), "long_prefill_token_threshold"
+            ),
         }
         for name in _STEP_INTS:
             row[name] = _opt_int(g(name), name)

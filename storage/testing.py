@@ -62,6 +62,7 @@ class SyntheticEngine:
     token_budget: int = 512
     max_token_budget: int = 16384
     policy: str = "chunked"
+    long_prefill_token_threshold: int = 0
     concurrency: int = 16
     prompt_tokens: tuple[int, int] = (16, 400)
     output_tokens: tuple[int, int] = (4, 64)
@@ -96,6 +97,7 @@ class SyntheticEngine:
             "policy": self.policy,
             "token_budget": self.token_budget,
             "max_token_budget": self.max_token_budget,
+            "long_prefill_token_threshold": self.long_prefill_token_threshold,
             "kv_blocks_total": self.kv_blocks_total,
             "block_size": 16,
             "config": {"preset": "synthetic", "seed": self.seed},
@@ -225,6 +227,9 @@ class SyntheticEngine:
                 if self.policy == "unchunked" and r.prompt - r.computed > budget:
                     continue
                 n = min(budget, r.prompt - r.computed)
+                cap = self.long_prefill_token_threshold
+                capped = 0 < cap < n and self.policy == "chunked"
+                n = cap if capped else n
                 if not r.scheduled:
                     r.scheduled = True
                     out.append(self._request_event("first_scheduled", r, start, self.step))
@@ -235,6 +240,7 @@ class SyntheticEngine:
                         "start": r.computed,
                         "num_tokens": n,
                         "produced_token": r.computed + n == r.prompt,
+                        "capped": capped,
                     }
                 )
                 r.computed += n
@@ -251,6 +257,7 @@ class SyntheticEngine:
                     "forward_ns": (end - start) * 4 // 5,
                     "token_budget": self.token_budget,
                     "policy": self.policy,
+                    "long_prefill_token_threshold": self.long_prefill_token_threshold,
                     "num_decode_tokens": decode,
                     "num_prefill_tokens": prefill,
                     "num_scheduled_tokens": decode + prefill,
@@ -382,6 +389,9 @@ class FakeEngineClient:
                 why = f"token_budget must be from 1 to {eng.max_token_budget}, got {value!r}"
             elif key == "policy":
                 ok, why = value in ("chunked", "unchunked"), f"bad policy {value!r}"
+            elif key == "long_prefill_token_threshold":
+                ok = isinstance(value, int) and 0 <= value <= eng.max_token_budget
+                why = f"{key} must be from 0 to {eng.max_token_budget}, got {value!r}"
             else:
                 ok, why = False, f"unknown key {key!r}"
             if not ok:

@@ -1,4 +1,5 @@
-"""Control: the engine's budget and policy, changed through the collector; the history."""
+"""Control: the engine's budget, policy and long-prefill cap, changed through the collector;
+the history."""
 
 from __future__ import annotations
 
@@ -108,6 +109,39 @@ with right:
                 st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
             data.controls.clear()
             ui.collector_engines.clear()
+
+# The long-prefill cap: how many prefill tokens one request may take in a step while other
+# prompts wait (0 = off). Older engines do not report it (None) and would refuse a change.
+cap = info.get("long_prefill_token_threshold")
+cap_known = isinstance(cap, int | float) and cap == cap
+cap_col, cap_form = st.columns([1, 2])
+cap_col.metric("Long-prefill cap", (int(cap) or "off") if cap_known else "—")
+with cap_form:
+    cap_value = st.number_input(
+        "Long-prefill cap (long_prefill_token_threshold; 0 = off)",
+        value=int(cap) if cap_known else 0,
+        min_value=0,
+        step=64,
+        key="cap_input",
+        help="most prefill tokens one request may take in a step while other prompts wait for "
+        "budget; budget nobody else can use still goes to it. A whole number from 0 to "
+        f"{max_budget or 'the engine maximum'}",
+    )
+    if st.button("Apply cap"):
+        try:
+            n = control.validate_cap(cap_value, max_budget)
+            res = control.set_scheduler(
+                ctx.collector_url or "",
+                engine_id,
+                long_prefill_token_threshold=n,
+                token=ctx.settings.control_token,
+            )
+            kind = "applied" if res.ok else "refused"
+            st.session_state["control_answer"] = (kind, f"Engine {engine_id}: {res.describe()}")
+        except (control.CollectorUnavailable, ValueError) as exc:
+            st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
+        data.controls.clear()
+        ui.collector_engines.clear()
 
 answer = st.session_state.get("control_answer")
 if answer:

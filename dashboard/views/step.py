@@ -68,7 +68,7 @@ if this.empty:
     st.caption("Budget, duration and queue numbers are shown for steps of the last 30 s.")
 else:
     r = this.iloc[0]
-    cols = st.columns(5)
+    cols = st.columns(6)
     cols[0].metric("budget", int(r["token_budget"]))
     cols[1].metric(
         "decode / prefill", f"{int(r['num_decode_tokens'])} / {int(r['num_prefill_tokens'])}"
@@ -76,6 +76,12 @@ else:
     cols[2].metric("duration", f"{r['duration_ms']:.1f} ms")
     cols[3].metric("running / waiting", f"{int(r['num_running'])} / {int(r['num_waiting'])}")
     cols[4].metric("KV blocks", f"{int(r['kv_blocks_used'])} / {int(r['kv_blocks_total'])}")
+    cap = r.get("long_prefill_token_threshold")
+    cols[5].metric(
+        "long-prefill cap",
+        "—" if cap is None or cap != cap else (int(cap) or "off"),
+        help="long_prefill_token_threshold in force; hatched chunks were kept smaller by it",
+    )
 st.subheader(f"Chunks of step {step}")
 st.dataframe(
     chunks[chunks["step"] == step].drop(columns=["engine_id", "run_id"], errors="ignore"),

@@ -104,7 +104,10 @@ if live_prediction:
 
 rec = recommend_from(measured or None, predicted or None, slo)
 if rec.budget is not None:
-    st.success(f"Recommended token budget: **{rec.budget}** — {rec.reason}")
+    what = f"**{rec.budget}**" + (
+        f" with cap **{rec.cap or 'off'}**" if rec.cap is not None else ""
+    )
+    st.success(f"Recommended token budget: {what} — {rec.reason}")
 elif measured or predicted:
     st.warning(rec.reason)
 else:
@@ -117,6 +120,7 @@ fig = sweep_charts.pareto_figure(
     slo_ttft_ms=slo.ttft_ms,
     recommended_budget=rec.chosen,
     recommendation_source=rec.source,
+    recommended_cap=rec.chosen_cap,
 )
 st.plotly_chart(fig, key="sweep_pareto")
 if measured or predicted:
@@ -125,12 +129,15 @@ if measured or predicted:
 engine_id = ctx.engine_id
 if rec.chosen is not None and engine_id is not None:
     label = f"Apply budget {rec.chosen} to {engine_id}"
+    if rec.chosen_cap is not None:
+        label = f"Apply budget {rec.chosen} with cap {rec.chosen_cap or 'off'} to {engine_id}"
     if st.button(label, type="primary", key="sweep_apply"):
         try:
             res = control.set_scheduler(
                 ctx.collector_url or "",
                 engine_id,
                 token_budget=int(rec.chosen),
+                long_prefill_token_threshold=rec.chosen_cap,
                 token=ctx.settings.control_token,
             )
             kind = "applied" if res.ok else "refused"

@@ -33,6 +33,11 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--policy", {"choices": ("chunked", "unchunked"), "default": "chunked",
                   "help": "chunked splits long prompts across steps; unchunked prefills a "
                   "prompt in one step"}),
+    ("--long-prefill-token-threshold", {"type": int, "default": None,
+                                        "help": "most prefill tokens one request may take in a "
+                                        "step while other prompts wait for budget; 0: no cap "
+                                        "(default: EngineConfig's; change live: PUT "
+                                        "/v1/scheduler)"}),
     ("--max-model-len", {"type": int, "default": None,
                          "help": "context length, prompt plus output (default: the model's)"}),
     ("--block-size", {"type": int, "default": 16, "help": "tokens per KV cache block"}),
@@ -113,6 +118,11 @@ def config_from_args(args: argparse.Namespace) -> Any:
         token_budget=args.token_budget,
         max_token_budget=args.max_token_budget,
         policy=args.policy,
+        **(
+            {}
+            if args.long_prefill_token_threshold is None
+            else {"long_prefill_token_threshold": args.long_prefill_token_threshold}
+        ),
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         num_kv_blocks=args.kv_blocks,

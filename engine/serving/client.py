@@ -65,6 +65,7 @@ class EngineClient:
         self._stats = info.stats
         self._token_budget = info.stats.token_budget
         self._policy = info.stats.policy
+        self._cap = info.stats.long_prefill_token_threshold
         self._lock = threading.Lock()
         self._pending_adds = 0  # sent, not yet counted in a step batch's stats
         self._calls: dict[int, Future[Any]] = {}
@@ -144,6 +145,10 @@ class EngineClient:
     @property
     def policy(self) -> str:
         return self._policy
+
+    @property
+    def long_prefill_token_threshold(self) -> int:
+        return self._cap
 
     def stats(self) -> EngineStats:
         """The latest batch's snapshot (counts as of the last step)."""
@@ -264,6 +269,7 @@ class EngineClient:
             self._pending_adds -= sum(1 for a in batch.admissions if a.refusal is not None)
             self._stats = batch.stats
         self._token_budget, self._policy = batch.token_budget, batch.policy
+        self._cap = batch.long_prefill_token_threshold
         for event in batch.events:
             for fn in self._listeners:
                 try:

@@ -21,7 +21,17 @@ from engine.events import ControlEvent
 
 logger = logging.getLogger(__name__)
 
-CONTROL_KEYS = ("token_budget", "policy")
+CONTROL_KEYS = ("token_budget", "policy", "long_prefill_token_threshold")
+CAP_KEY = "long_prefill_token_threshold"
+_HOW = (
+    'send {"token_budget": N}, {"policy": "chunked" | "unchunked"} and/or '
+    '{"long_prefill_token_threshold": N}'
+)
+_SETTERS = {
+    "token_budget": "set_token_budget",
+    "policy": "set_policy",
+    CAP_KEY: "set_long_prefill_token_threshold",
+}
 
 
 class ControlRefused(ValueError):
@@ -55,7 +65,7 @@ def check_changes(changes: Mapping[str, object], max_token_budget: int) -> dict[
             param=str(unknown[0]),
         )
     if not changes:
-        raise ControlRefused('send {"token_budget": N} and/or {"policy": "chunked" | "unchunked"}')
+        raise ControlRefused(_HOW)
     if "token_budget" in changes:
         value = changes["token_budget"]
         if isinstance(value, bool) or not isinstance(value, int):
@@ -67,6 +77,16 @@ def check_changes(changes: Mapping[str, object], max_token_budget: int) -> dict[
                 f"token_budget must be from 1 to max_token_budget ({max_token_budget}), "
                 f"got {value}",
                 param="token_budget",
+            )
+    if CAP_KEY in changes:
+        value = changes[CAP_KEY]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ControlRefused(f"{CAP_KEY} must be an integer, got {value!r}", param=CAP_KEY)
+        if not 0 <= value <= max_token_budget:
+            raise ControlRefused(
+                f"{CAP_KEY} must be from 0 (off) to max_token_budget ({max_token_budget}), "
+                f"got {value}",
+                param=CAP_KEY,
             )
     if "policy" in changes and changes["policy"] not in POLICIES:
         raise ControlRefused(
@@ -83,7 +103,9 @@ def apply_changes(
     checked = check_changes(changes, int(engine.max_token_budget))
     events = []
     for key, value in checked.items():
-        setter = engine.set_token_budget if key == "token_budget" else engine.set_policy
+        setter = getattr(engine, _SETTERS[key], None)
+        if setter is None:
+            raise ControlRefused(f"this engine cannot change {key}", param=key)
         kwargs: dict[str, object] = {"source": source}
         if request_id is not None and takes_keyword(setter, "request_id"):
             kwargs["request_id"] = request_id
@@ -98,7 +120,7 @@ async def apply_scheduler_update(
     source: str,
     request_id: str | None = None,
 ) -> SchedulerChange:
-    """Check, then apply ``changes`` (``token_budget`` and/or ``policy``) to ``engine``.
+    """Check, then apply ``changes`` (any of ``CONTROL_KEYS``) to ``engine``.
 
     ``engine`` is the server's ``EngineClient`` (the change is a round trip to the engine core,
     awaited without blocking the loop, with no timeout that could misreport an applied change)

@@ -106,6 +106,7 @@ class CoreBatch:
     num_added: int = 0  # adds admitted since the last step batch (they count as waiting)
     error: str | None = None  # a step raised: its description
     error_request_id: str | None = None
+    long_prefill_token_threshold: int = 0
 
 
 def core_info(engine: Any, tokenizer_folder: str | None) -> CoreInfo:
@@ -317,6 +318,7 @@ class EngineCore:
             stats=engine.stats(),
             token_budget=engine.token_budget,
             policy=engine.policy,
+            long_prefill_token_threshold=engine.long_prefill_token_threshold,
             outputs=outputs or [],
             events=self.events[:],
             admissions=self.admissions[:],

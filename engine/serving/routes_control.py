@@ -94,6 +94,7 @@ def _scheduler_view(state: ServerState) -> dict[str, Any]:
     return {
         "token_budget": engine.token_budget,
         "policy": engine.policy,
+        "long_prefill_token_threshold": engine.long_prefill_token_threshold,
         "max_token_budget": engine.max_token_budget,
         "step": stats.step,
         "num_running": stats.num_running,
@@ -107,7 +108,8 @@ async def _apply_scheduler_update(state: ServerState, body: object) -> dict[str,
     if not isinstance(body, dict):
         raise APIError(
             400,
-            'send a JSON object: {"token_budget": N} and/or {"policy": "chunked" | "unchunked"}',
+            'send a JSON object: {"token_budget": N}, {"policy": "chunked" | "unchunked"} '
+            'and/or {"long_prefill_token_threshold": N}',
             code="invalid_value",
         )
     try:

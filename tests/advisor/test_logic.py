@@ -114,3 +114,50 @@ def test_itl_falls_back_to_all_classes_without_chat() -> None:
     assert f["itl_class"] == "all" and f["itl_max_ms"] == pytest.approx(30.0)
     empty = latency_figures({}, {}, 0, 0.0)
     assert empty["itl_p99_ms"] is None and empty["tokens_per_s"] is None
+
+
+def test_a_cap_makes_the_recommendation_a_pair() -> None:
+    from advisor.pareto import front_pairs
+    from advisor.text import pairs_of, parse_caps
+
+    rows = [
+        {**w(512, 110.0, 2400.0, 120.0), "cap": 0},
+        {**w(512, 112.0, 300.0, 119.5), "cap": 256},  # a throughput tie, far lower TTFT
+        {**w(256, 60.0, 3000.0, 100.0), "cap": 0},
+        {**w(256, 61.0, 500.0, 100.0), "cap": 128},
+    ]
+    rec = recommend(rows, Slo(itl_ms=120.0), "measured")
+    assert (rec.budget, rec.cap) == (512, 256) and rec.chosen_cap == 256
+    assert "budget 512 with cap 256" in rec.reason
+    rec = recommend(rows, Slo(itl_ms=120.0, ttft_ms=400.0), "measured")
+    assert (rec.budget, rec.cap) == (512, 256)
+    rec = recommend(rows, Slo(itl_ms=10.0), "measured")
+    assert rec.budget is None and rec.closest_budget == 256 and rec.closest_cap in (0, 128)
+    assert rec.chosen_cap == rec.closest_cap
+    assert [512, 256] in front_pairs(rows) and [512, 0] not in front_pairs(rows)
+    # a cap at or above its budget cuts nothing: not tried there
+    assert pairs_of([256, 512], [0, 256]) == [(256, 0), (512, 0), (512, 256)]
+    assert parse_caps("0,256,256") == [0, 256]
+    assert recommend([w(512, 1.0, 1.0, 1.0)], Slo(), "measured").cap is None  # no cap swept
+
+
+def test_predicted_pairs_simulate_the_cap() -> None:
+    from advisor.simulate import EngineShape, SimRequest, predict_budgets
+
+    reqs = [SimRequest("rag", 0, tuple(range(1, 3001)), 2, "rag")]
+    reqs += [
+        SimRequest(f"c{i}", 1_000_000 + i * 7_000_000, (1, 2, 3, i + 4), 4, "chat")
+        for i in range(10)
+    ]
+    shape = EngineShape(num_kv_blocks=1024, block_size=16)
+    rows = predict_budgets(
+        reqs,
+        shape,
+        [256],
+        caps=[0, 64],
+        window_ns=(0, 10**12),
+        timing=lambda: ((lambda plan: 5_000_000 + 20_000 * plan.num_scheduled_tokens), 0),
+    )
+    assert [(r["budget"], r["cap"]) for r in rows] == [(256, 0), (256, 64)]
+    off, on = (r["ttft_by_class"]["chat"]["ttft_p99_ms"] for r in rows)
+    assert on < off / 2  # chat stops waiting for the RAG prompt's last chunk

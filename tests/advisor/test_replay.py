@@ -4,9 +4,10 @@ A real ``tiny`` ``LLMEngine`` runs in-process on this thread: requests (some sha
 so the prefix cache hits; a small KV cache, so requests are preempted) arrive between chosen
 steps, and the budget changes live three times. A listener records every event. The simulator
 then gets the same requests, each arriving right before the step the engine admitted it at, the
-same budget changes at the steps they applied at, and a constant step time; every simulated step
-must equal the recorded one chunk by chunk, in order (request, kind, start, tokens, whether it
-produced a token), with the same budget and the same number of preemptions.
+same budget and long-prefill cap changes at the steps they applied at, and a constant step time;
+every simulated step must equal the recorded one chunk by chunk, in order (request, kind, start,
+tokens, whether it produced a token, whether the cap cut it), with the same budget, the same cap
+and the same number of preemptions.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _record(policy: str, seed: int) -> tuple[list[Any], dict[str, tuple[list[int
         prompt += [rng.randrange(256) for _ in range(rng.randrange(5, 120))]
         arrivals.setdefault(at, []).append((f"r{i}", prompt, rng.randrange(1, 40)))
     budgets = {10: 16, 25: 100, 40: 7}
+    caps = {3: 12, 18: 0, 27: 30}  # the long-prefill cap, changed live too
     sent: dict[str, tuple[list[int], int]] = {}
     count = 0
     while True:
@@ -58,6 +60,8 @@ def _record(policy: str, seed: int) -> tuple[list[Any], dict[str, tuple[list[int
             engine.add_request(prompt, params, request_id=rid)
         if count in budgets:
             engine.set_token_budget(budgets[count])
+        if count in caps:
+            engine.set_long_prefill_token_threshold(caps[count])
         if not engine.has_unfinished_requests():
             assert not arrivals, "the engine went idle before every request arrived"
             break
@@ -70,7 +74,11 @@ def _plan(step: Any) -> tuple:
     return (
         step.step,
         step.token_budget,
-        [(c.request_id, c.kind, c.start, c.num_tokens, c.produced_token) for c in step.chunks],
+        step.long_prefill_token_threshold,
+        [
+            (c.request_id, c.kind, c.start, c.num_tokens, c.produced_token, c.capped)
+            for c in step.chunks
+        ],
         step.num_preemptions,
     )
 
@@ -93,6 +101,12 @@ def test_simulated_step_plans_equal_the_engines(policy: str, seed: int) -> None:
         if isinstance(e, ControlEvent) and e.accepted and e.key == "token_budget"
     ]
     assert len(changes) == 3
+    cap_changes = [
+        (e.applied_at_step * STEP_NS - 1, e.new_value)
+        for e in events
+        if isinstance(e, ControlEvent) and e.accepted and e.key == "long_prefill_token_threshold"
+    ]
+    assert len(cap_changes) == 3
     reqs = [
         SimRequest(rid, admitted_at[rid] * STEP_NS - 1, tuple(prompt), n_out, None)
         for rid, (prompt, n_out) in sent.items()
@@ -110,6 +124,7 @@ def test_simulated_step_plans_equal_the_engines(policy: str, seed: int) -> None:
         token_budget=48,
         step_ns=lambda plan: STEP_NS,
         budget_changes=changes,
+        cap_changes=cap_changes,
         record_steps=True,
     )
     assert result.unfinished == 0
@@ -122,6 +137,8 @@ def test_simulated_step_plans_equal_the_engines(policy: str, seed: int) -> None:
     assert sum(s.num_preemptions for s in steps) > 0 or policy == "unchunked"
     assert any(c.start > 0 and c.kind == "prefill" for s in steps for c in s.chunks)
     assert {s.token_budget for s in steps} == {48, 16, 100, 7}
+    assert {s.long_prefill_token_threshold for s in steps} == {0, 12, 30}
+    assert any(c.capped for s in steps for c in s.chunks) or policy == "unchunked"
     # every request produced its tokens at the same steps
     real_tokens = {rid: [] for rid in sent}
     for s in steps:

@@ -152,7 +152,16 @@ def test_chunk_layout_one_row_per_step_segments_by_kind() -> None:
     assert list(prefill.y) == ["4", "<b>5</b>", "6"]
     assert list(fig.layout.yaxis.categoryarray) == ["4", "<b>5</b>", "6"]
     # hover: request, class (untagged when None), first and last position
-    assert list(prefill.customdata[1]) == ["rag-0", "untagged", 256, 511]
+    assert list(prefill.customdata[1]) == ["rag-0", "untagged", 256, 511, ""]
+    assert list(prefill.marker.pattern.shape) == ["", "", ""]  # none capped (older stores)
+
+
+def test_chunk_layout_hatches_capped_chunks() -> None:
+    chunks = chunks_frame()
+    chunks["capped"] = (chunks["kind"] == "prefill") & (chunks["step"] == 5)
+    prefill = _trace(charts.chunk_layout_figure(chunks), "prefill")
+    assert list(prefill.marker.pattern.shape) == ["", "/", ""]
+    assert "long_prefill_token_threshold" in prefill.customdata[1][4]
 
 
 def test_waterfall_times_are_ms_since_arrival() -> None:

@@ -181,3 +181,30 @@ def test_validate_policy() -> None:
     assert control.validate_policy("unchunked") == "unchunked"
     with pytest.raises(ValueError, match="chunked, unchunked"):
         control.validate_policy("fifo")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(0, 0), ("0", 0), (0.0, 0), (256, 256), (" 64 ", 64), (8192, 8192)]
+)
+def test_validate_cap_accepts_zero_and_budgets(value: object, expected: int) -> None:
+    assert control.validate_cap(value, 8192) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (-1, "long-prefill cap must be from 0 to 8192, got -1"),
+        (8193, "long-prefill cap must be from 0 to 8192, got 8193"),
+        (True, "long-prefill cap must be a whole number"),
+        ("x", "long-prefill cap must be a whole number, got 'x'"),
+        (2.5, "whole number, got 2.5"),
+    ],
+)
+def test_validate_cap_refuses_like_the_budget(value: object, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        control.validate_cap(value, 8192)
+
+
+def test_set_cap_sends_the_cap_key(collector: FakeCollector) -> None:
+    control.set_scheduler(collector.url, "e1", long_prefill_token_threshold=256)
+    assert collector.received[-1]["set"] == {"long_prefill_token_threshold": 256}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dashboard.sweep_charts import FIGURES as FIGS
 from dashboard.sweep_charts import pareto_figure, split_windows, sweep_table
 
 
@@ -81,3 +82,36 @@ def test_sweep_table_side_by_side() -> None:
     assert table["predicted itl_p99_ms"].isna().tolist() == [False, False, False, True]
     only = sweep_table([], split_windows(PREDICTION)[1])
     assert "itl_p99_ms" not in only.columns and "predicted itl_p99_ms" in only.columns
+
+
+def test_pairs_one_line_per_cap_labels_and_recommendation() -> None:
+    doc = {
+        "tool": "chunkscope-loadgen-sweep",
+        "windows": [
+            w(512, 110.0, 2400.0, cap=0),
+            w(512, 112.0, 300.0, cap=256, predicted_itl_p99_ms=100.0),
+            w(2048, 480.0, 900.0, cap=0),
+            w(2048, 470.0, 450.0, cap=256),
+        ],
+    }
+    measured, predicted = split_windows(doc)
+    assert predicted == [
+        {"budget": 512, "cap": 256, **{k: None for k in FIGS}, "itl_p99_ms": 100.0}
+    ]
+    fig = pareto_figure(measured, [], recommended_budget=512, recommended_cap=256)
+    names = [t.name for t in fig.data]
+    assert names[:2] == ["measured, cap off", "measured, cap 256"]
+    capped = fig.data[1]
+    assert list(capped.text) == ["512/256", "2048/256"]
+    assert list(capped.x) == [300.0, 450.0]
+    assert list(fig.data[0].marker.size) == [14, 9]  # 2048 cap off is dominated by 2048/256
+    ring = fig.data[-1]
+    assert ring.name == "recommended: 512/256" and list(ring.x) == [300.0]
+    table = sweep_table(measured, predicted)
+    assert list(table.columns[:2]) == ["budget", "cap"]
+    assert table[["budget", "cap"]].values.tolist() == [
+        [512, 0],
+        [512, 256],
+        [2048, 0],
+        [2048, 256],
+    ]

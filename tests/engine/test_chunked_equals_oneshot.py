@@ -56,3 +56,29 @@ def test_one_shot_step_layout(make_engine) -> None:
 
 
 # Prefix-cache hits: tests/engine/test_prefix_cache.py (logits against a cold run).
+
+
+def test_capped_chunks_match_one_shot(make_engine) -> None:
+    """The long-prefill cap changes how prompts share a step, never what they compute: a long
+    prompt and short ones prefilled together under a cap give the tokens and last-prompt
+    logits of each prompt run alone in one shot."""
+    prompts = [_prompt(600, seed=3), _prompt(40, seed=4), _prompt(9, seed=5), _prompt(300, 6)]
+    engine = make_engine(token_budget=1000, max_token_budget=1000, enable_prefix_caching=False)
+    ref = [_run(engine, p) for p in prompts]
+    assert engine.set_token_budget(64).accepted
+    assert engine.set_long_prefill_token_threshold(16).accepted
+    engine.runner.keep_logits = True
+    engine.runner.kept_logits.clear()
+    rids = [engine.add_request(p, GREEDY) for p in prompts]
+    tokens: dict[str, list[int]] = {r: [] for r in rids}
+    capped = 0
+    while engine.has_unfinished_requests():
+        out = engine.step()
+        assert out.event is not None and out.event.long_prefill_token_threshold == 16
+        capped += sum(c.capped for c in out.event.chunks)
+        for o in out.outputs:
+            tokens[o.request_id].extend(o.new_token_ids)
+    assert capped > 0  # the cap did cut chunks
+    for rid, (ref_logits, ref_tokens) in zip(rids, ref, strict=True):
+        torch.testing.assert_close(engine.runner.kept_logits[rid][0], ref_logits, atol=1e-4, rtol=0)
+        assert tokens[rid] == ref_tokens

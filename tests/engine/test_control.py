@@ -30,16 +30,46 @@ def engine() -> LLMEngine:
         ({"token_budget": 129}, "token_budget"),
         ({"policy": "fastest"}, "policy"),
         ({"token_budget": 32, "policy": "fastest"}, "policy"),  # a good and a bad value
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+        ({"long_prefill_token_threshold": 129}, "long_prefill_token_threshold"),
+        ({"long_prefill_token_threshold": "8"}, "long_prefill_token_threshold"),
+        ({"long_prefill_token_threshold": False}, "long_prefill_token_threshold"),
         ({}, None),
     ],
 )
 def test_refusals_change_nothing(engine: LLMEngine, changes: dict, param: str | None) -> None:
-    before = (engine.token_budget, engine.policy)
+    before = (engine.token_budget, engine.policy, engine.long_prefill_token_threshold)
     with pytest.raises(ControlRefused) as info:
         asyncio.run(apply_scheduler_update(engine, changes, source="test"))
     assert info.value.param == param and isinstance(info.value, ValueError)
     assert len(info.value.reason) > 10
-    assert (engine.token_budget, engine.policy) == before
+    assert (engine.token_budget, engine.policy, engine.long_prefill_token_threshold) == before
+
+
+def test_cap_refusal_reads_like_the_budgets(engine: LLMEngine) -> None:
+    refusals = []
+    for key, bad in (("token_budget", 129), ("long_prefill_token_threshold", 129)):
+        with pytest.raises(ControlRefused) as info:
+            check_changes({key: bad}, 128)
+        refusals.append(info.value.reason)
+    assert refusals[0].endswith("max_token_budget (128), got 129")
+    assert refusals[1].endswith("max_token_budget (128), got 129")
+    assert refusals[1].startswith("long_prefill_token_threshold must be from 0 (off) to")
+
+
+def test_cap_applies_at_a_step_and_is_reported(engine: LLMEngine) -> None:
+    key = "long_prefill_token_threshold"
+    step = engine.scheduler.next_step
+    change = asyncio.run(apply_scheduler_update(engine, {key: 32}, source="test"))
+    assert change.applied_at_step == step and change.old == {key: 0} and change.new == {key: 32}
+    [event] = change.events
+    assert event.key == key and event.accepted and event.applied_at_step == step
+    assert (
+        engine.long_prefill_token_threshold == 32
+        and engine.stats().long_prefill_token_threshold == 32
+    )
+    asyncio.run(apply_scheduler_update(engine, {key: 0}, source="test"))
+    assert engine.long_prefill_token_threshold == 0
 
 
 def test_applies_and_reports(engine: LLMEngine) -> None:

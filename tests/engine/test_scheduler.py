@@ -137,15 +137,19 @@ arrival = st.tuples(
     budgets=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 48)), max_size=6),
     blocks=st.integers(20, 60),
     policy=st.sampled_from(["chunked", "unchunked"]),
+    caps=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 24)), min_size=1, max_size=4),
 )
-def test_schedule_properties(arrivals, budgets, blocks, policy) -> None:
+def test_schedule_properties(arrivals, budgets, blocks, policy, caps) -> None:
     outputs, prefill_tokens = _simulate(arrivals, budgets, blocks, policy, caching=False)
     cached_outputs, cached_prefill = _simulate(arrivals, budgets, blocks, policy, caching=True)
     assert cached_outputs == outputs  # prefix caching changes no output
     assert cached_prefill <= prefill_tokens
+    # the long-prefill cap, changed live, changes no output either (and keeps every property)
+    capped_outputs, _ = _simulate(arrivals, budgets, blocks, policy, caching=True, caps=caps)
+    assert capped_outputs == outputs
 
 
-def _simulate(arrivals, budgets, blocks, policy, caching):
+def _simulate(arrivals, budgets, blocks, policy, caching, caps=()):
     block_size = 4
     s = make_scheduler(
         budget=16, blocks=blocks, block_size=block_size, policy=policy, caching=caching
@@ -157,6 +161,7 @@ def _simulate(arrivals, budgets, blocks, policy, caching):
     )
     pending = [p for p in pending if len(p[2]) + p[3] <= blocks * block_size]
     changes = dict(budgets)
+    cap_changes = dict(caps)
     reqs: dict[str, Request] = {}
     computed: dict[str, int] = {}
     prefill_total = 0
@@ -170,12 +175,16 @@ def _simulate(arrivals, budgets, blocks, policy, caching):
         if step in changes:
             res = s.set_token_budget(changes[step])
             assert res.accepted and res.applied_at_step == s.next_step
+        if step in cap_changes:
+            res = s.set_long_prefill_token_threshold(cap_changes[step])
+            assert res.accepted and res.applied_at_step == s.next_step
         if not s.has_unfinished() and not pending:
             break
         decodes_before = [r for r in s.running if not r.is_prefill]
         budget = s.token_budget
         plan = s.schedule()
         assert plan.token_budget == budget  # a change applies at the next step
+        assert plan.long_prefill_token_threshold == s.long_prefill_token_threshold
         # the budget is never exceeded (unchunked: only by one whole prompt)
         if policy == "chunked":
             assert plan.num_scheduled_tokens <= budget

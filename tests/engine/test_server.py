@@ -228,6 +228,32 @@ def test_scheduler_put_applies_at_next_step(
     assert r.status_code == 200
 
 
+def test_scheduler_put_sets_the_cap_live(
+    server: ServerHandle, http: httpx.Client, client: openai.OpenAI
+) -> None:
+    key = "long_prefill_token_threshold"
+    auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    assert http.get("/v1/scheduler").json()[key] == 0
+    bad = http.put("/v1/scheduler", json={key: 10**6}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == key
+    r = http.put("/v1/scheduler", json={key: 16}, headers=auth)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body[key] == 16 and [c["key"] for c in body["changes"]] == [key]
+    applied = body["applied_at_step"]
+    client.completions.create(
+        model="tiny", prompt="y" * 300, max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    log: StepLog = server.step_log  # type: ignore[attr-defined]
+    after = [e for e in log.steps if e.step >= applied]
+    assert after and all(e.long_prefill_token_threshold == 16 for e in after)
+    assert http.get("/v1/scheduler").json()[key] == 16
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    [sample] = families["chunkscope:" + key].samples
+    assert sample.value == 16
+    assert http.put("/v1/scheduler", json={key: 0}, headers=auth).status_code == 200
+
+
 def test_metrics_parse(http: httpx.Client, client: openai.OpenAI) -> None:
     client.completions.create(
         model="tiny", prompt="metrics", max_tokens=4, extra_body={"ignore_eos": True},

@@ -295,3 +295,36 @@ def test_predict_db_runs_the_advisor_on_the_store(tmp_path: Path) -> None:
     windows = predict_now(args)
     assert [w["budget"] for w in windows] == [32, 256]
     assert all(w["itl_p99_ms"] > 0 and w["tokens_per_s"] > 0 for w in windows)
+
+
+def test_cap_pairs_and_their_predictions() -> None:
+    from loadgen.sweep import sweep_pairs
+
+    assert sweep_pairs([512, 128], None) == [(512, None), (128, None)]
+    assert sweep_pairs([512, 128], [0, 256]) == [(512, 0), (512, 256), (128, 0)]
+    windows = [
+        {"budget": 512, "cap": 0, "itl_p99_ms": 50.0},
+        {"budget": 512, "cap": 256, "itl_p99_ms": 60.0},
+    ]
+    predicted = [
+        {"budget": 512, "cap": 256, "itl_p99_ms": 66.0},
+        {"budget": 512, "itl_p99_ms": 55.0},  # no cap: the cap-off prediction
+    ]
+    attach_predictions(windows, predicted)
+    assert [w["predicted_itl_p99_ms"] for w in windows] == [55.0, 66.0]
+    assert [(p["budget"], p["cap"]) for p in predicted_windows(windows)] == [(512, 0), (512, 256)]
+
+
+def test_sweep_over_caps_against_the_tiny_engine(server: ServerHandle, tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    argv = ["sweep", "--url", server.base_url, "--profile", "chat", "--rate", "6", "--seed", "4"]
+    argv += ["--budgets", "64", "--caps", "0,16,64", "--window-s", "2", "--warmup-s", "0.5"]
+    argv += ["--control-token", TOKEN, "--apply", "--out", str(out), *SMALL_CHAT]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert [(w["budget"], w["cap"]) for w in doc["windows"]] == [(64, 0), (64, 16)]
+    assert doc["recommended_cap"] in (0, 16) and doc["pareto_pairs"]
+    assert doc["applied_cap"] == doc["recommended_cap"]
+    log: Log = server.log  # type: ignore[attr-defined]
+    caps = [e.new_value for e in log.controls if e.key == "long_prefill_token_threshold"]
+    assert caps[:2] == [0, 16] and caps[-1] == doc["recommended_cap"]

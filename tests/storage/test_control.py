@@ -83,6 +83,9 @@ REFUSALS = [
     ({"token_budget": 0}, "from 1 to 2048"),
     ({"token_budget": 2049}, "from 1 to 2048"),
     ({"token_budget": 64, "policy": "fastest"}, "policy must be one of"),
+    ({"long_prefill_token_threshold": "64"}, "must be an integer"),
+    ({"long_prefill_token_threshold": -1}, "from 0 to 2048"),
+    ({"long_prefill_token_threshold": 2049}, "from 0 to 2048"),
     ({"temperature": 1}, "unknown key"),
     ({}, "non-empty object"),
 ]
@@ -223,3 +226,28 @@ def test_control_cli(tmp_path: Any) -> None:
         client.close()
     finally:
         assert proc.stop() == 0
+
+
+def test_cap_relayed_stored_and_listed(collector: Any, db_url: str) -> None:
+    """The long-prefill cap goes the budget's way: relayed, applied at a step, listed by the
+    collector, stored as a control event and on every step after it with its capped chunks."""
+    key = "long_prefill_token_threshold"
+    eng, client = _engine(collector, prompt_tokens=(600, 900))
+    assert list_engines(collector.url)[0][key] == 0
+    ack = send_control(collector.url, "engine-ctl", {key: 64}, control_id="cap1")
+    assert ack["ok"] is True and ack["new"] == {key: 64} and ack["applied_at_step"] == 3
+    client.send_events(eng.steps(3))
+    client.wait_ack(eng.seq)
+    assert list_engines(collector.url)[0][key] == 64
+    client.close()
+    [row] = _controls(db_url).itertuples()
+    assert (row.key, row.new_value, row.applied_at_step) == (key, 64, 3)
+    db = dbm.connect(db_url, readonly=True)
+    try:
+        steps = queries.steps(db)
+        chunks = queries.step_chunks(db, step_from=0, step_to=5)
+    finally:
+        db.dispose()
+    assert steps.set_index("step")[key].to_dict() == {0: 0, 1: 0, 2: 0, 3: 64, 4: 64, 5: 64}
+    capped = chunks[chunks.capped]
+    assert len(capped) and (capped.step >= 3).all() and (capped.num_tokens == 64).all()

@@ -66,6 +66,7 @@ EXPECTED = {
         "num_tokens_out",
         "chunks",
         "tokens",
+        "long_prefill_token_threshold",
     ],
     "requests": [
         "run_key",
@@ -157,7 +158,7 @@ def test_migrate_empty_store_gives_expected_tables(db_url: str) -> None:
     db = dbm.connect(db_url)
     try:
         dbm.migrate(db)
-        assert dbm.current_revision(db) == "0001"
+        assert dbm.current_revision(db) == "0002"
         insp = inspect(db)
         layout = {t: [c["name"] for c in insp.get_columns(t)] for t in insp.get_table_names()}
         assert layout.pop("alembic_version") == ["version_num"]
@@ -181,7 +182,7 @@ def test_migrate_twice_is_a_no_op(db_url: str) -> None:
         before = _layout(db_url)
         dbm.migrate(db)
         assert _layout(db_url) == before
-        assert dbm.current_revision(db) == "0001"
+        assert dbm.current_revision(db) == "0002"
     finally:
         db.dispose()
 
@@ -238,3 +239,53 @@ def test_storage_never_imports_torch() -> None:
         "import sys; assert 'torch' not in sys.modules, 'storage imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _store_at_0001_with_a_step(url: str) -> None:
+    """A store as revision 0001 wrote it: one run with one step (no cap column)."""
+    from alembic import command
+    from sqlalchemy import text
+
+    db = dbm.connect(url)
+    try:
+        cfg = dbm.alembic_config(db)
+        with db.begin() as connection:
+            cfg.attributes["connection"] = connection
+            command.upgrade(cfg, "0001")
+        with db.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO runs (id, engine_id, run_id, clock_wall_ns, clock_mono_ns, "
+                    "started, ended_without_goodbye, connected, last_seq, num_steps, num_events, "
+                    "num_gap_events, next_req_no) "
+                    "VALUES (1, 'e', 'r', 0, 0, 0, false, false, 1, 1, 1, 0, 0)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO steps (run_key, seq, step, start_ns, end_ns, token_budget, "
+                    "num_chunks, num_tokens_out, chunks, tokens) "
+                    "VALUES (1, 1, 0, 1000, 2000, 512, 0, 0, :b, :b)"
+                ),
+                {"b": b""},
+            )
+    finally:
+        db.dispose()
+
+
+def test_store_written_before_the_cap_reads_and_migrates(db_url: str) -> None:
+    from storage import queries
+
+    _store_at_0001_with_a_step(db_url)
+    db = dbm.connect(db_url)
+    try:
+        before = queries.steps(db)  # a reader that never migrates
+        assert before["token_budget"].tolist() == [512]
+        assert before["long_prefill_token_threshold"].isna().all()
+        dbm.migrate(db)
+        assert dbm.current_revision(db) == "0002"
+        after = queries.steps(db)
+        assert after["step"].tolist() == [0]
+        assert after["long_prefill_token_threshold"].isna().all()
+    finally:
+        db.dispose()
