@@ -189,11 +189,11 @@ def bench_refresh(args: argparse.Namespace) -> dict[str, Any]:
 # --- 2. step end to Live page -------------------------------------------------------------------
 def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
     from dashboard.live import LiveWindow
-    from engine.events import ChunkRecord, RequestEvent, StepEvent
     from engine.telemetry.publisher import Publisher
     from storage import db
     from storage import queries as q
     from storage.testing import start_collector
+    from wire.events import ChunkRecord, RequestEvent, StepEvent
 
     tmp = Path(tempfile.mkdtemp(prefix="chunkscope-bench-dash-"))
     url = f"sqlite:///{tmp / 'live.db'}"

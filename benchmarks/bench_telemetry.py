@@ -153,8 +153,8 @@ def publisher_cost(num_chunks: int, num_steps: int) -> dict[str, Any]:
     acks), read from that thread's own CPU clock."""
     from websockets.asyncio.server import serve
 
-    from engine.events import ChunkRecord, RequestEvent, StepEvent
     from engine.telemetry import Publisher
+    from wire.events import ChunkRecord, RequestEvent, StepEvent
 
     port: list[int] = []
     started = threading.Event()

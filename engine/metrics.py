@@ -26,7 +26,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from engine.events import ControlEvent, RequestEvent, StepEvent
+from wire.events import ControlEvent, RequestEvent, StepEvent
 
 logger = logging.getLogger(__name__)
 

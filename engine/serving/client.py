@@ -26,13 +26,13 @@ from typing import Any
 
 from engine.admission import check_queue, check_request
 from engine.config import EngineConfig
-from engine.events import ControlEvent, Event
 from engine.outputs import EngineStats
 from engine.serving.control import ControlRefused
 from engine.serving.core import CoreBatch, CoreInfo
 from engine.serving.streams import RequestRefused, StreamRouter, engine_dead
 from engine.serving.transport import ProcessTransport, ThreadTransport
 from engine.tokenizer import make_tokenizer
+from wire.events import ControlEvent, Event
 
 logger = logging.getLogger(__name__)
 

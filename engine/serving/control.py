@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import POLICIES
-from engine.events import ControlEvent
+from wire.events import ControlEvent
 
 logger = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from typing import Any, Protocol
 
 from engine.admission import QueueFullError, RequestLimits
 from engine.config import EngineConfig
-from engine.events import ControlEvent, Event
 from engine.outputs import EngineStats, RequestOutput
 from engine.serving.control import ControlRefused, apply_changes, takes_keyword
 from engine.serving.steptrace import StepTracer
+from wire.events import ControlEvent, Event
 
 logger = logging.getLogger(__name__)
 

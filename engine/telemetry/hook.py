@@ -11,9 +11,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from engine.events import ClockAnchor
 from engine.telemetry.buffer import BufferLimits
 from engine.telemetry.publisher import ApplyControl, ControlRefused, Publisher
+from wire.events import ClockAnchor
 
 
 def engine_hello(client: Any, model_name: str, anchor: ClockAnchor) -> dict[str, Any]:

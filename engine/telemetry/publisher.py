@@ -32,13 +32,13 @@ from urllib.parse import urlsplit, urlunsplit
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, WebSocketException
 
-from engine.events import SCHEMA_VERSION
 from engine.telemetry.buffer import (
     BufferLimits,
     BufferStats,
     EventBuffer,
     encode_or_placeholder,
 )
+from wire.events import SCHEMA_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class Publisher:
 
     # --- engine side --------------------------------------------------------------------------
     def publish(self, event: Any) -> None:
-        """Queue one event (an ``engine.events`` event or a dict with ``type``); constant time,
+        """Queue one event (an ``wire.events`` event or a dict with ``type``); constant time,
         thread-safe, never blocks on the network. Usable as an engine listener."""
         if isinstance(event, dict) and not isinstance(event.get("type"), str):
             raise ValueError(f"an event needs a string 'type', got keys {sorted(event)[:10]}")

@@ -18,9 +18,9 @@ import pytest
 
 from advisor.simulate import EngineShape, SimRequest, simulate
 from engine.config import EngineConfig
-from engine.events import ControlEvent, RequestEvent, StepEvent
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from wire.events import ControlEvent, RequestEvent, StepEvent
 
 STEP_NS = 1_000
 BLOCKS, BLOCK_SIZE, MAX_SEQS = 40, 8, 6

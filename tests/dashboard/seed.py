@@ -17,7 +17,7 @@ from typing import Any
 
 from websockets.asyncio.client import connect
 
-from engine.events import ChunkRecord, ControlEvent, RequestEvent, StepEvent
+from wire.events import ChunkRecord, ControlEvent, RequestEvent, StepEvent
 
 
 @dataclass

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from engine.config import EngineConfig
-from engine.events import ControlEvent, RequestEvent, StepEvent, event_from_dict
 from engine.sampling_params import SamplingParams
+from wire.events import ControlEvent, RequestEvent, StepEvent, event_from_dict
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

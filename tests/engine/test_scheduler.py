@@ -116,7 +116,7 @@ def test_scheduler_imports_no_torch() -> None:
     import subprocess
 
     code = (
-        "import sys, engine.scheduler, engine.block_manager, engine.events, engine.config;"
+        "import sys, engine.scheduler, engine.block_manager, wire.events, engine.config;"
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

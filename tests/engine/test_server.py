@@ -23,11 +23,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
-from engine.events import RequestEvent
 from engine.llm_engine import LLMEngine
 from engine.multimodal import encode_data_url, num_image_tokens
 from engine.serving import ServerHandle, serve_in_thread
 from tests.engine.serving_helpers import StepLog
+from wire.events import RequestEvent
 
 CONTROL_TOKEN = "s3cret"
 MAX_MODEL_LEN = 512

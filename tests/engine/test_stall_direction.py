@@ -19,9 +19,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.cost_model import CostModel, StepWork, fit
-from engine.events import StepEvent
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from wire.events import StepEvent
 
 LARGE_BUDGET = 4096
 SMALL_BUDGET = 64

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.events import ChunkRecord, ControlEvent, RequestEvent, StepEvent
 from engine.telemetry.buffer import BufferLimits, EventBuffer, encode_event, event_dict
+from wire.events import ChunkRecord, ControlEvent, RequestEvent, StepEvent
 
 
 def _ev(i: int) -> dict[str, object]:
