@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from wire.ready import ENGINE_READY, ready_url
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUICK_DIR = Path(tempfile.gettempdir()) / "chunkscope-bench-quick"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -348,8 +350,9 @@ def start_engine_server(
         for line in proc.stderr:
             tail.append(line)
             del tail[:-50]
-            if not found and line.startswith("chunkscope engine listening on "):
-                found.append(line.strip().rsplit(" ", 1)[-1])
+            url = ready_url(line, ENGINE_READY)
+            if not found and url:
+                found.append(url)
                 ready.set()
         ready.set()
 

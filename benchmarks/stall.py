@@ -57,9 +57,10 @@ from _common import (  # noqa: E402
     write_json,
 )
 
+from wire.ready import ENGINE_READY  # noqa: E402
+
 SCRIPT = "stall.py"
 logger = logging.getLogger("stall")
-READY_RE = re.compile(r"listening on (http://\S+)")
 
 
 # --- the workload ---------------------------------------------------------------------------------
@@ -418,7 +419,7 @@ def run_served(
         cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
     )
     try:
-        url = _wait_line(proc, READY_RE, 300)
+        url = _wait_line(proc, ENGINE_READY, 300)
         pids = {"server": proc.pid, "collector": collector.process.pid, "client": os.getpid()}
         for child in child_pids(proc.pid):
             pids["core"] = child

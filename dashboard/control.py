@@ -4,8 +4,9 @@ A few short websocket exchanges (websockets' new asyncio API), each bounded by a
 ``list_engines`` and ``control`` -> ``control_ack``. The dashboard never talks to an engine
 directly: the collector relays, and stores every change (accepted or refused).
 
-Values are validated here first (:func:`validate_budget`), so a non-numeric or out-of-range budget
-is refused in the UI with its reason and never sent.
+Values are validated here first (:func:`validate_budget`: the user's text parsed, then the wire's
+one rule), so a non-numeric or out-of-range budget is refused in the UI with its reason and never
+sent.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from urllib.parse import urlsplit, urlunsplit
 from websockets.asyncio.client import connect
 from websockets.exceptions import WebSocketException
 
+from wire.control import refusal
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -32,7 +35,6 @@ T = TypeVar("T")
 LIST_TIMEOUT_S = 3.0
 # The collector waits up to 15 s for the engine's answer; leave room for its refusal to arrive.
 CONTROL_TIMEOUT_S = 20.0
-POLICIES = ("chunked", "unchunked")
 _ids = itertools.count(1)
 
 
@@ -71,8 +73,9 @@ def control_url(collector_url: str) -> str:
 def validate_budget(value: object, max_budget: int | None) -> int:
     """A token budget the engine will accept, or ValueError saying why not.
 
-    Accepts an int, a float with no fraction, or a string of digits; refuses bools, fractions,
-    text, and values outside 1..``max_budget`` (when the maximum is known).
+    Accepts an int, a float with no fraction, or a string of digits (the UI's text); refuses
+    bools, fractions and text, then applies the wire's rule (``wire.control.refusal``): values
+    outside 1..``max_budget`` (when the maximum is known).
     """
     if isinstance(value, bool):
         raise ValueError(f"token budget must be a whole number, got {value!r}")
@@ -88,15 +91,16 @@ def validate_budget(value: object, max_budget: int | None) -> int:
         value = int(value)
     if not isinstance(value, int):
         raise ValueError(f"token budget must be a whole number, got {value!r}")
-    if value < 1 or (max_budget is not None and value > max_budget):
-        hi = f" to {max_budget}" if max_budget is not None else " or more"
-        raise ValueError(f"token budget must be from 1{hi}, got {value}")
+    reason = refusal("token_budget", value, max_token_budget=max_budget, name="token budget")
+    if reason is not None:
+        raise ValueError(reason)
     return value
 
 
 def validate_policy(value: object) -> str:
-    if value not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {value!r}")
+    reason = refusal("policy", value, max_token_budget=None)
+    if reason is not None:
+        raise ValueError(reason)
     return str(value)
 
 

@@ -26,8 +26,8 @@ import threading
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.config import POLICIES
 from engine.request import Request, RequestStatus
+from wire.control import refusal
 
 logger = logging.getLogger(__name__)
 
@@ -127,21 +127,17 @@ class Scheduler:
     def set_token_budget(self, value: object) -> ControlResult:
         with self._lock:
             old = self._token_budget
-            if isinstance(value, bool) or not isinstance(value, int):
-                reason = f"token_budget must be an int, got {value!r}"
-            elif not 1 <= value <= self.max_token_budget:
-                reason = f"token_budget must be from 1 to {self.max_token_budget}, got {value}"
-            else:
-                self._token_budget = value
+            reason = refusal("token_budget", value, max_token_budget=self.max_token_budget)
+            if reason is None:
+                self._token_budget = value  # type: ignore[assignment]
                 return ControlResult("token_budget", True, old, value, self._next_step)
         return ControlResult("token_budget", False, old, value, None, reason)
 
     def set_policy(self, value: object) -> ControlResult:
         with self._lock:
             old = self._policy
-            if value not in POLICIES:
-                reason = f"policy must be one of {list(POLICIES)}, got {value!r}"
-            else:
+            reason = refusal("policy", value, max_token_budget=self.max_token_budget)
+            if reason is None:
                 self._policy = str(value)
                 return ControlResult("policy", True, old, value, self._next_step)
         return ControlResult("policy", False, old, value, None, reason)

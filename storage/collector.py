@@ -34,14 +34,13 @@ from websockets.http11 import Request, Response
 from storage import db as dbm
 from storage.store import CollectorControl, Disconnect, Events, EventsResult, Hello, RunInfo
 from storage.writer import Writer
+from wire.control import CONTROL_KEYS, POLICIES, ControlRefused, check_changes
+from wire.events import SCHEMA_VERSION
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
 DEFAULT_PORT = 8765
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
-DEFAULT_POLICIES = ("chunked", "unchunked")
-CONTROL_KEYS = ("token_budget", "policy")
 
 CLOSE_TOO_BIG = 1009
 CLOSE_BAD_INPUT = 4400
@@ -140,7 +139,7 @@ class IngestConn:
     max_token_budget: int | None = None
     token_budget: int | None = None
     policy: str | None = None
-    policies: tuple[str, ...] = DEFAULT_POLICIES
+    policies: tuple[str, ...] = POLICIES
     model: str | None = None
     last_step: int | None = None
     last_seen_ns: int | None = None
@@ -754,24 +753,13 @@ class Collector:
             if engine_id in self._seen:
                 return refuse(f"engine {engine_id} is not connected", "disconnected")
             return refuse(f"unknown engine {engine_id!r}", "unknown_engine")
-        if not isinstance(new, dict) or not new:
-            return refuse(
-                'set must be a non-empty object, e.g. {"token_budget": 512}', "bad_request"
-            )
-        for key, value in new.items():
-            if key not in CONTROL_KEYS:
-                return refuse(f"unknown key {key!r}: use one of {list(CONTROL_KEYS)}", "bad_key")
-            if key == "token_budget":
-                if isinstance(value, bool) or not isinstance(value, int):
-                    return refuse(f"token_budget must be an integer, got {value!r}", "bad_value")
-                top = conn.max_token_budget
-                if value < 1 or (top is not None and value > top):
-                    bound = f"from 1 to {top}" if top is not None else "at least 1"
-                    return refuse(f"token_budget must be {bound}, got {value}", "bad_value")
-            if key == "policy" and value not in conn.policies:
-                return refuse(
-                    f"policy must be one of {list(conn.policies)}, got {value!r}", "bad_value"
-                )
+        try:
+            check_changes(new, conn.max_token_budget, conn.policies)
+        except ControlRefused as exc:
+            code = "bad_request" if exc.param is None else "bad_value"
+            if exc.param is not None and exc.param not in CONTROL_KEYS:
+                code = "bad_key"
+            return refuse(exc.reason, code)
         if cid in conn.pending:
             return refuse(f"a control with id {cid!r} is already pending", "bad_request")
         assert self._loop is not None

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -26,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA = 1
-_LISTEN_RE = re.compile(r"^collector listening on (ws://\S+)$")
-
+from wire.events import SCHEMA_VERSION
+from wire.ready import COLLECTOR_READY
 
 # ---- synthetic engine -------------------------------------------------------------------------
 
@@ -86,7 +84,7 @@ class SyntheticEngine:
 
     def hello(self, token: str | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "schema": SCHEMA,
+            "schema": SCHEMA_VERSION,
             "type": "hello",
             "engine_id": self.engine_id,
             "run_id": self.run_id,
@@ -288,7 +286,7 @@ def frames(
     """``events`` cut into ``events`` frames of at most ``per_frame`` events."""
     return [
         {
-            "schema": SCHEMA,
+            "schema": SCHEMA_VERSION,
             "type": "events",
             "engine_id": engine.engine_id,
             "run_id": engine.run_id,
@@ -513,7 +511,7 @@ def start_collector(
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
-            m = _LISTEN_RE.search(line)
+            m = COLLECTOR_READY.search(line)
             if m and not found:
                 found.append(m.group(1))
                 ready.set()

@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, control, data, ui
+from wire.control import POLICIES
 
 st.header("Control")
 ctx = ui.context()
@@ -75,9 +76,7 @@ with left:
             data.controls.clear()
             ui.collector_engines.clear()
 with right:
-    new_policy = st.radio(
-        "Policy", control.POLICIES, index=control.POLICIES.index(policy), horizontal=True
-    )
+    new_policy = st.radio("Policy", POLICIES, index=POLICIES.index(policy), horizontal=True)
     if st.button("Apply policy"):
         try:
             res = control.set_scheduler(

@@ -14,9 +14,9 @@ change; ``app`` wires them into FastAPI, ``serve`` runs the app on a background 
 from __future__ import annotations
 
 from engine.serving.app import build_app
-from engine.serving.cli import READY_LINE, build_parser, config_from_args, main
+from engine.serving.cli import build_parser, config_from_args, main
 from engine.serving.client import EngineClient, EngineStartError
-from engine.serving.control import ControlRefused, SchedulerChange, apply_scheduler_update
+from engine.serving.control import SchedulerChange, apply_scheduler_update
 from engine.serving.detokenize import IncrementalDetokenizer, TextAccumulator
 from engine.serving.serve import ServerHandle, serve_in_thread
 from engine.serving.state import DEFAULT_MAX_BODY_BYTES, ServerState
@@ -24,8 +24,6 @@ from engine.serving.streams import RequestFailed, RequestRefused
 
 __all__: list[str] = [
     "DEFAULT_MAX_BODY_BYTES",
-    "READY_LINE",
-    "ControlRefused",
     "EngineClient",
     "EngineStartError",
     "IncrementalDetokenizer",

@@ -18,8 +18,7 @@ from engine.serving.core import freeze_startup_objects
 from engine.serving.serve import bind_socket, uvicorn_server
 from engine.serving.state import DEFAULT_MAX_BODY_BYTES
 from engine.serving.transport import default_core_threads
-
-READY_LINE = "chunkscope engine listening on http://{host}:{port}"
+from wire.ready import engine_ready_line
 
 _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--model", {"default": "tiny", "help": "preset name (tiny, demo, llama3-8b, ...) or a "
@@ -181,7 +180,7 @@ def _serve(engine: EngineClient, args: argparse.Namespace) -> int:
         return 2
     port = int(sock.getsockname()[1])
     server = uvicorn_server(app, "warning" if args.log_level != "debug" else "debug")
-    _announce_when_started(server, READY_LINE.format(host=args.host, port=port))
+    _announce_when_started(server, engine_ready_line(args.host, port))
     freeze_startup_objects()  # this process only serves from here on: no full-GC pauses
     server.run(sockets=[sock])
     return 0

@@ -27,11 +27,11 @@ from typing import Any
 from engine.admission import check_queue, check_request
 from engine.config import EngineConfig
 from engine.outputs import EngineStats
-from engine.serving.control import ControlRefused
 from engine.serving.core import CoreBatch, CoreInfo
 from engine.serving.streams import RequestRefused, StreamRouter, engine_dead
 from engine.serving.transport import ProcessTransport, ThreadTransport
 from engine.tokenizer import make_tokenizer
+from wire.control import ControlRefused
 from wire.events import ControlEvent, Event
 
 logger = logging.getLogger(__name__)

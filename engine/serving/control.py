@@ -16,21 +16,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import POLICIES
+from wire.control import ControlRefused, check_changes
 from wire.events import ControlEvent
 
 logger = logging.getLogger(__name__)
-
-CONTROL_KEYS = ("token_budget", "policy")
-
-
-class ControlRefused(ValueError):
-    """A scheduler change refused before anything was applied; ``reason`` says why."""
-
-    def __init__(self, reason: str, param: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.param = param
 
 
 @dataclass
@@ -41,38 +30,6 @@ class SchedulerChange:
     old: dict[str, object] = field(default_factory=dict)
     new: dict[str, object] = field(default_factory=dict)
     events: list[ControlEvent] = field(default_factory=list)
-
-
-def check_changes(changes: Mapping[str, object], max_token_budget: int) -> dict[str, object]:
-    """The changes as a dict in ``CONTROL_KEYS`` order, or ``ControlRefused`` for the first
-    bad key or value. Pure: the server and the engine core run the very same checks."""
-    if not isinstance(changes, Mapping):
-        raise ControlRefused(f"changes must be an object of key: value, got {changes!r}")
-    unknown = [k for k in changes if k not in CONTROL_KEYS]
-    if unknown:
-        raise ControlRefused(
-            f"unknown scheduler key {unknown[0]!r}; the keys are {list(CONTROL_KEYS)}",
-            param=str(unknown[0]),
-        )
-    if not changes:
-        raise ControlRefused('send {"token_budget": N} and/or {"policy": "chunked" | "unchunked"}')
-    if "token_budget" in changes:
-        value = changes["token_budget"]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ControlRefused(
-                f"token_budget must be an integer, got {value!r}", param="token_budget"
-            )
-        if not 1 <= value <= max_token_budget:
-            raise ControlRefused(
-                f"token_budget must be from 1 to max_token_budget ({max_token_budget}), "
-                f"got {value}",
-                param="token_budget",
-            )
-    if "policy" in changes and changes["policy"] not in POLICIES:
-        raise ControlRefused(
-            f"policy must be one of {list(POLICIES)}, got {changes['policy']!r}", param="policy"
-        )
-    return {k: changes[k] for k in CONTROL_KEYS if k in changes}
 
 
 def apply_changes(

@@ -32,8 +32,9 @@ from typing import Any, Protocol
 from engine.admission import QueueFullError, RequestLimits
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput
-from engine.serving.control import ControlRefused, apply_changes, takes_keyword
+from engine.serving.control import apply_changes, takes_keyword
 from engine.serving.steptrace import StepTracer
+from wire.control import ControlRefused
 from wire.events import ControlEvent, Event
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.telemetry.buffer import BufferLimits
-from engine.telemetry.publisher import ApplyControl, ControlRefused, Publisher
+from engine.telemetry.publisher import ApplyControl, Publisher
+from wire.control import ControlRefused, check_changes
 from wire.events import ClockAnchor
 
 
@@ -40,19 +41,16 @@ def control_applier(client: Any) -> ApplyControl:
     """Relayed controls go through the one implementation ``PUT /v1/scheduler`` uses."""
 
     async def apply(changes: dict[str, Any], request_id: str | None) -> dict[str, Any]:
-        from engine.serving.control import ControlRefused as Refused
-        from engine.serving.control import apply_scheduler_update, check_changes
+        from engine.serving.control import apply_scheduler_update
 
-        try:  # refused here: no engine event, the publisher records it
-            check_changes(changes, int(client.max_token_budget))
-        except Refused as exc:
-            raise ControlRefused(str(exc)) from exc
+        # refused here: no engine event, the publisher records it
+        check_changes(changes, int(client.max_token_budget))
         try:
             change = await apply_scheduler_update(
                 client, changes, source="collector", request_id=request_id
             )
-        except Refused as exc:  # refused by the engine, which emitted its control events
-            raise ControlRefused(str(exc), recorded=True) from exc
+        except ControlRefused as exc:  # refused by the engine, which emitted its control events
+            raise ControlRefused(str(exc), exc.param, recorded=True) from exc
         return {"applied_at_step": change.applied_at_step, "old": change.old, "new": change.new}
 
     return apply

@@ -38,23 +38,12 @@ from engine.telemetry.buffer import (
     EventBuffer,
     encode_or_placeholder,
 )
+from wire.control import ControlRefused
 from wire.events import SCHEMA_VERSION
 
 logger = logging.getLogger(__name__)
 
 ApplyControl = Callable[[dict[str, Any], str | None], Awaitable[dict[str, Any]]]
-
-
-class ControlRefused(Exception):
-    """An ``apply_control`` function refuses a control; the message says why.
-
-    ``recorded``: the engine already emitted its refused ``control`` events; otherwise the
-    publisher records the refusal itself (one ``control`` event per key, ``accepted: false``).
-    """
-
-    def __init__(self, reason: str, *, recorded: bool = False) -> None:
-        super().__init__(reason)
-        self.recorded = recorded
 
 
 def normalize_collector_url(url: str) -> str:

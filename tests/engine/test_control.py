@@ -9,7 +9,8 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.serving.control import ControlRefused, apply_scheduler_update, check_changes
+from engine.serving.control import apply_scheduler_update
+from wire.control import ControlRefused, check_changes
 
 
 @pytest.fixture(scope="module")
