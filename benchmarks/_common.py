@@ -219,7 +219,7 @@ def make_engine(
     prefix_caching: bool = False,
     seed: int = 0,
 ):  # type: ignore[no-untyped-def]
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
     cfg = EngineConfig(
@@ -256,7 +256,7 @@ def drain(engine) -> None:  # type: ignore[no-untyped-def]
 def prefill_step(engine, rng: random.Random, n: int) -> tuple[Any, float]:  # type: ignore[no-untyped-def]
     """One request of exactly n prompt tokens, budget n: a single prefill-only step.
     Returns the step's event and the wall seconds of the ``engine.step()`` call."""
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     engine.set_token_budget(n)
     engine.add_request(
@@ -276,7 +276,7 @@ def decode_steps(  # type: ignore[no-untyped-def]
 ) -> list[tuple[Any, float]]:
     """`batch` requests of prompt_len tokens; after their prefills, discard `warm` steady decode
     steps and return the next `n` (event, wall seconds of engine.step())."""
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     engine.set_token_budget(budget)
     # the first requests start decoding while later ones still prefill: leave room for that

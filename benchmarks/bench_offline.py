@@ -51,7 +51,7 @@ from _common import (  # noqa: E402
     write_json,
 )
 
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
 
 PAD_ID = 259
 EOS_ID = 257

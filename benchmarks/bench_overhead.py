@@ -36,7 +36,7 @@ from _common import (  # noqa: E402
     write_json,
 )
 
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
 
 
 class _Timers:

@@ -77,9 +77,9 @@ class Offline:
     ``threads`` torch threads during a pass (None: the process's own setting)."""
 
     def __init__(self, a: argparse.Namespace) -> None:
-        from engine.config import EngineConfig
+        from engine.core.config import EngineConfig
+        from engine.core.sampling_params import SamplingParams
         from engine.llm_engine import LLMEngine
-        from engine.sampling_params import SamplingParams
 
         self.engine = LLMEngine(EngineConfig(**engine_args(a)))
         self.params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, seed=1)
@@ -247,8 +247,8 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     offline = Offline(a)
     offline.run(warm)
-    # the servers' engine cores step with every CPU but one (engine.serving.transport)
-    from engine.serving.transport import default_core_threads
+    # the servers' engine cores step with every CPU but one (engine.process.transport)
+    from engine.process.transport import default_core_threads
 
     core_threads = default_core_threads()
     offline.run(warm, core_threads)

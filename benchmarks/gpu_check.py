@@ -51,10 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import add_common_args, config_of, drain, setup, write_json  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model.arch import ModelArch  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
 
 # Cache block size per backend: flex's sparse KV block must be a multiple of its kernel's tile.
 BLOCK_SIZE = {"sdpa": 16, "flex": 128, "flash": 256}

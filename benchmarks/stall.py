@@ -14,11 +14,11 @@ Per window: chat ITL p50/p99/p99.9/max, chat TPOT p50/p99, RAG TTFT p50/p99, cha
 and output tokens/s.
 
 Before the served run the same traffic runs in this process on ``LLMEngine`` (same preset, same
-windows): its steps fit a step cost model (``engine.cost_model``) per window and step kind
+windows): its steps fit a step cost model (``engine.core.cost_model``) per window and step kind
 (decode-only, with prefill), and every served step's duration (from the store) is divided by
 that model's prediction: served/predicted p50 and p95, next to the in-process steps' own
 ratio to the fit. With ``CHUNKSCOPE_STEP_TRACE`` the core also records, per step, its CPU time,
-its threads' run-queue wait and GC time (``engine/serving/steptrace.py``); both runs report
+its threads' run-queue wait and GC time (``engine/process/steptrace.py``); both runs report
 them, so a slow served step can be told apart from a descheduled one.
 
 Run from the repo root:  .venv/bin/python benchmarks/stall.py [--quick]
@@ -145,10 +145,10 @@ def run_in_process(
     """The same traffic on ``LLMEngine`` in this process: every step event, per window."""
     import gc
 
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
+    from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from engine.serving.steptrace import StepTracer
+    from engine.process.steptrace import StepTracer
 
     engine = LLMEngine(
         EngineConfig(
@@ -206,7 +206,7 @@ def run_in_process(
                     due.append(time.monotonic() + args.turnaround_ms / 1e3)
     tracer.close()
     gc.unfreeze()
-    from engine.serving.steptrace import read_trace
+    from engine.process.steptrace import read_trace
 
     trace = read_trace(trace_path)
     trace_path.unlink()
@@ -441,7 +441,7 @@ def run_served(
         collector.lines[-5:],
     )
     if args.trace and trace_path.exists():
-        from engine.serving.steptrace import read_trace
+        from engine.process.steptrace import read_trace
 
         served["trace"] = read_trace(trace_path)
     return served
@@ -581,13 +581,13 @@ def engine_windows(
 
 
 def _works_from_events(events: list[Any]) -> list[Any]:
-    from engine.cost_model import StepWork
+    from engine.core.cost_model import StepWork
 
     return [StepWork.from_chunks(e.chunks) for e in events]
 
 
 def _works_from_store(chunks: Any) -> dict[int, Any]:
-    from engine.cost_model import StepWork
+    from engine.core.cost_model import StepWork
 
     out = {}
     for step, group in chunks.groupby("step"):
@@ -612,7 +612,7 @@ def cost_comparison(
     duration by its prediction. With ``*_wait`` (step -> seconds its threads waited for a CPU,
     from the step traces) that wait is taken off every duration first: what is left is the
     step's time on a CPU, which other processes on the machine cannot stretch."""
-    from engine.cost_model import fit
+    from engine.core.cost_model import fit
 
     iw = inproc_wait or {}
     sw = served_wait or {}
@@ -926,7 +926,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         apply_quick(args, parser)
-    from engine.serving.transport import default_core_threads
+    from engine.process.transport import default_core_threads
 
     core_threads = args.core_threads or default_core_threads()
     out_dir = setup(args)

@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import add_common_args, config_of, setup, table, write_json  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.core.config import EngineConfig
+from engine.core.request import ImageInput  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.multimodal import resize_image  # noqa: E402
-from engine.request import ImageInput  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.server.multimodal import resize_image  # noqa: E402
 
 
 def make_image(height: int, width: int, seed: int) -> ImageInput:

@@ -423,7 +423,7 @@ def load_predictions(path: str) -> list[dict[str, Any]]:
 
 def predict_now(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the advisor on the store's traffic from before the sweep (lazy import)."""
-    from advisor.predict import predict_from_store  # imports engine.scheduler: only when asked
+    from advisor.predict import predict_from_store  # imports engine.core.scheduler: only when asked
 
     now = time.time()
     since = args.predict_since if args.predict_since is not None else now - args.predict_lookback_s

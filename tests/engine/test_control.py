@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.serving.control import apply_scheduler_update
+from engine.server.control import apply_scheduler_update
 from wire.control import ControlRefused, check_changes
 
 

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
 from wire.events import ControlEvent, RequestEvent, StepEvent, event_from_dict
 
 

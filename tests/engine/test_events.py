@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from wire.events import (
     ChunkRecord,
     ClockAnchor,

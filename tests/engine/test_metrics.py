@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.metrics import EngineMetrics
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.server.metrics import EngineMetrics
 from wire.events import ChunkRecord, RequestEvent, StepEvent
 
 S = 1_000_000_000  # nanoseconds per second

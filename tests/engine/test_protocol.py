@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.protocol import (
+from engine.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

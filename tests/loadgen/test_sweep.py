@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.serving import ServerHandle, serve_in_thread
+from engine.core.config import EngineConfig
+from engine.server import ServerHandle, serve_in_thread
 from loadgen.cli import main
 from loadgen.record import RequestRecord
 from loadgen.spec import ImageRef, RequestSpec

@@ -464,9 +464,9 @@ def test_real_tiny_engine_events_export(tmp_path: Path) -> None:
     """Events of the real ``tiny`` engine, stored through the Store, export to a valid trace
     whose step slices carry the engine's own chunk layouts."""
     pytest.importorskip("torch")
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
+    from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(model="tiny", device="cpu", token_budget=64, max_token_budget=256))
     received: list[Any] = []

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dashboard import control as dashboard_control
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
 from wire.control import CONTROL_KEYS, POLICIES, ControlRefused, check_changes, refusal
 
 BAD = [

@@ -25,8 +25,8 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request, RequestStatus
 from wire.control import refusal
 
 logger = logging.getLogger(__name__)

@@ -76,7 +76,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from engine.attention import (
+from engine.model.attention.common import (
     AttentionMetadata,
     SeqSlice,
     block_table,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from engine.request import ImageInput
+    from engine.core.request import ImageInput
 
 logger = logging.getLogger(__name__)
 
@@ -242,8 +242,8 @@ def load_image_input(
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> ImageInput:
-    """Data URL → the engine's :class:`~engine.request.ImageInput`."""
-    from engine.request import ImageInput
+    """Data URL → the engine's :class:`~engine.core.request.ImageInput`."""
+    from engine.core.request import ImageInput
 
     pixels, digest = load_image_pixels(
         url, token_cap=token_cap, max_bytes=max_bytes, max_pixels=max_pixels

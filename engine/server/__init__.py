@@ -13,14 +13,14 @@ change; ``app`` wires them into FastAPI, ``serve`` runs the app on a background 
 
 from __future__ import annotations
 
-from engine.serving.app import build_app
-from engine.serving.cli import build_parser, config_from_args, main
-from engine.serving.client import EngineClient, EngineStartError
-from engine.serving.control import SchedulerChange, apply_scheduler_update
-from engine.serving.detokenize import IncrementalDetokenizer, TextAccumulator
-from engine.serving.serve import ServerHandle, serve_in_thread
-from engine.serving.state import DEFAULT_MAX_BODY_BYTES, ServerState
-from engine.serving.streams import RequestFailed, RequestRefused
+from engine.process.client import EngineClient, EngineStartError
+from engine.process.streams import RequestFailed, RequestRefused
+from engine.server.app import build_app
+from engine.server.cli import build_parser, config_from_args, main
+from engine.server.control import SchedulerChange, apply_scheduler_update
+from engine.server.detokenize import IncrementalDetokenizer, TextAccumulator
+from engine.server.serve import ServerHandle, serve_in_thread
+from engine.server.state import DEFAULT_MAX_BODY_BYTES, ServerState
 
 __all__: list[str] = [
     "DEFAULT_MAX_BODY_BYTES",

@@ -7,7 +7,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 IMAGE_PATCH_PIXELS = 28  # Qwen2-VL: one image token per 28x28 pixels after resizing
 

@@ -1,7 +1,7 @@
 """The server's handle on the engine core: one client for every transport.
 
 ``EngineClient`` checks requests with the limits the core reported at start-up
-(``engine.admission``, the very checks the engine runs), sends commands through a writer thread
+(``engine.core.admission``, the very checks the engine runs), sends commands through a writer thread
 (so the event loop never blocks on a full pipe), and a reader thread blocks on the results
 channel and, per batch, in order: feeds the events to the listeners (metrics, telemetry; one
 thread, event order), routes admissions and outputs to the per-request queues
@@ -24,12 +24,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from engine.admission import check_queue, check_request
-from engine.config import EngineConfig
-from engine.outputs import EngineStats
-from engine.serving.core import CoreBatch, CoreInfo
-from engine.serving.streams import RequestRefused, StreamRouter, engine_dead
-from engine.serving.transport import ProcessTransport, ThreadTransport
+from engine.core.admission import check_queue, check_request
+from engine.core.config import EngineConfig
+from engine.core.outputs import EngineStats
+from engine.process.core import CoreBatch, CoreInfo
+from engine.process.streams import RequestRefused, StreamRouter, engine_dead
+from engine.process.transport import ProcessTransport, ThreadTransport
 from engine.tokenizer import make_tokenizer
 from wire.control import ControlRefused
 from wire.events import ControlEvent, Event

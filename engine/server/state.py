@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.metrics import EngineMetrics
-from engine.multimodal import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
-from engine.serving.client import EngineClient
+from engine.process.client import EngineClient
+from engine.server.metrics import EngineMetrics
+from engine.server.multimodal import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 

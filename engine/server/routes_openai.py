@@ -6,30 +6,30 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from engine.chat import render_chat
-from engine.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    check_traffic_class,
-    parse_request,
-)
-from engine.serving.generation import GenerationRunner
-from engine.serving.prepare import (
+from engine.server.chat import render_chat
+from engine.server.generation import GenerationRunner
+from engine.server.prepare import (
     check_model,
     load_chat_images,
     read_body,
     resolve_max_tokens,
     sampling_params,
 )
-from engine.serving.responses import (
+from engine.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_traffic_class,
+    parse_request,
+)
+from engine.server.responses import (
     chat_body,
     chat_chunks,
     completion_body,
     completion_chunks,
     stream_response,
 )
-from engine.serving.state import ServerState
+from engine.server.state import ServerState
 
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:

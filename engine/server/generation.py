@@ -11,11 +11,11 @@ from typing import Any
 
 from fastapi import Request
 
-from engine.admission import QueueFullError
-from engine.protocol import APIError
-from engine.serving.detokenize import IncrementalDetokenizer, TextAccumulator
-from engine.serving.state import ServerState
-from engine.serving.streams import ADMITTED, RequestFailed, RequestRefused, engine_dead
+from engine.core.admission import QueueFullError
+from engine.process.streams import ADMITTED, RequestFailed, RequestRefused, engine_dead
+from engine.server.detokenize import IncrementalDetokenizer, TextAccumulator
+from engine.server.protocol import APIError
+from engine.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 def block_hash(parent: bytes, tokens: list[int], extra: tuple[str, ...] = ()) -> bytes:

@@ -41,7 +41,7 @@ def control_applier(client: Any) -> ApplyControl:
     """Relayed controls go through the one implementation ``PUT /v1/scheduler`` uses."""
 
     async def apply(changes: dict[str, Any], request_id: str | None) -> dict[str, Any]:
-        from engine.serving.control import apply_scheduler_update
+        from engine.server.control import apply_scheduler_update
 
         # refused here: no engine event, the publisher records it
         check_changes(changes, int(client.max_token_budget))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 
 class Sampler:

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from engine.attention import AttentionBackend, SeqSlice
+from engine.core.request import Request
+from engine.core.scheduler import StepPlan
+from engine.model.attention.common import AttentionBackend, SeqSlice
 from engine.model.llama import LlamaModel
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.scheduler import StepPlan
+from engine.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 

@@ -11,13 +11,13 @@ import threading
 import time
 from typing import Any
 
-from engine.multimodal import DEFAULT_MAX_IMAGE_BYTES
-from engine.serving.app import build_app
-from engine.serving.client import EngineClient, EngineStartError
-from engine.serving.core import freeze_startup_objects
-from engine.serving.serve import bind_socket, uvicorn_server
-from engine.serving.state import DEFAULT_MAX_BODY_BYTES
-from engine.serving.transport import default_core_threads
+from engine.process.client import EngineClient, EngineStartError
+from engine.process.core import freeze_startup_objects
+from engine.process.transport import default_core_threads
+from engine.server.app import build_app
+from engine.server.multimodal import DEFAULT_MAX_IMAGE_BYTES
+from engine.server.serve import bind_socket, uvicorn_server
+from engine.server.state import DEFAULT_MAX_BODY_BYTES
 from wire.ready import engine_ready_line
 
 _FLAGS: list[tuple[str, dict[str, Any]]] = [
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
 
     return EngineConfig(
         model=args.model,

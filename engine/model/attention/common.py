@@ -286,11 +286,11 @@ def flash_attn_available() -> bool:
 
 def select_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
     """``auto``: flash-attn on CUDA when it imports and the block size suits it, else SDPA.
-    ``flex``: FlexAttention over the paged cache (engine/attention_flex.py)."""
+    ``flex``: FlexAttention over the paged cache (engine/model/attention/flex.py)."""
     if name == "sdpa" or (name == "auto" and device.type != "cuda"):
         return SdpaBackend()
     if name == "flex":
-        from engine.attention_flex import FlexBackend  # imports torch.compile machinery
+        from engine.model.attention.flex import FlexBackend  # imports torch.compile machinery
 
         return FlexBackend(device, block_size)
     if name == "flash":

@@ -110,7 +110,7 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
-        """Keyword arguments for ``engine.sampling_params.SamplingParams``."""
+        """Keyword arguments for ``engine.core.sampling_params.SamplingParams``."""
         return {
             "max_tokens": max_tokens,
             "temperature": float(self.temperature),

@@ -6,10 +6,10 @@ from typing import Any
 
 from fastapi import Request
 
-from engine.chat import ChatInputError, turns_from_messages
-from engine.multimodal import ImageError, load_image_input
-from engine.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from engine.serving.state import ServerState
+from engine.server.chat import ChatInputError, turns_from_messages
+from engine.server.multimodal import ImageError, load_image_input
+from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from engine.server.state import ServerState
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -75,7 +75,7 @@ def resolve_max_tokens(
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> Any:
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     try:
         return SamplingParams(**req.sampling_kwargs(max_tokens))

@@ -10,10 +10,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from engine.config import EngineConfig
-from engine.serving.app import build_app
-from engine.serving.client import EngineClient
-from engine.serving.state import ServerState
+from engine.core.config import EngineConfig
+from engine.process.client import EngineClient
+from engine.server.app import build_app
+from engine.server.state import ServerState
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 
 class QueueFullError(RuntimeError):

@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
-from engine.admission import RequestLimits
-from engine.attention import select_backend
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.core.admission import RequestLimits
+from engine.core.block_manager import BlockManager
+from engine.core.config import EngineConfig
+from engine.core.scheduler import Scheduler
 from engine.model.arch import ModelArch
+from engine.model.attention.common import select_backend
 from engine.model.loader import load_model, resolve_model
-from engine.runner import ModelRunner
-from engine.scheduler import Scheduler
+from engine.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

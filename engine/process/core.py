@@ -29,11 +29,11 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.admission import QueueFullError, RequestLimits
-from engine.config import EngineConfig
-from engine.outputs import EngineStats, RequestOutput
-from engine.serving.control import apply_changes, takes_keyword
-from engine.serving.steptrace import StepTracer
+from engine.core.admission import QueueFullError, RequestLimits
+from engine.core.config import EngineConfig
+from engine.core.outputs import EngineStats, RequestOutput
+from engine.process.steptrace import StepTracer
+from engine.server.control import apply_changes, takes_keyword
 from wire.control import ControlRefused
 from wire.events import ControlEvent, Event
 

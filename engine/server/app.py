@@ -14,13 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.metrics import EngineMetrics
-from engine.multimodal import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
-from engine.protocol import APIError, error_body
-from engine.serving.client import EngineClient
-from engine.serving.routes_control import add_control_routes
-from engine.serving.routes_openai import add_openai_routes
-from engine.serving.state import DEFAULT_MAX_BODY_BYTES, ServerState
+from engine.process.client import EngineClient
+from engine.server.metrics import EngineMetrics
+from engine.server.multimodal import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
+from engine.server.protocol import APIError, error_body
+from engine.server.routes_control import add_control_routes
+from engine.server.routes_openai import add_openai_routes
+from engine.server.state import DEFAULT_MAX_BODY_BYTES, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from engine.telemetry.hook import start_for_state
+        from engine.server.publishing import start_for_state
 
         publisher = start_for_state(state, token=collector_token, spill_dir=telemetry_spill_dir)
         try:

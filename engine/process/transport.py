@@ -19,8 +19,8 @@ import signal
 import threading
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.serving.core import Channel, core_info, run_core_process, serve_engine
+from engine.core.config import EngineConfig
+from engine.process.core import Channel, core_info, run_core_process, serve_engine
 
 logger = logging.getLogger(__name__)
 

@@ -120,7 +120,7 @@ def turns_from_messages(
 ) -> tuple[list[ChatTurn], list[Any]]:
     """Protocol messages → (turns, images in order); ``load_image(url)`` decodes one image.
 
-    ``messages`` are :class:`engine.protocol.ChatMessage` objects (anything with ``role`` and
+    ``messages`` are :class:`engine.server.protocol.ChatMessage` objects (anything with ``role`` and
     ``parts()`` returning text parts with ``.text`` and image parts with ``.image_url.url``).
     """
     turns: list[ChatTurn] = []
