@@ -32,8 +32,8 @@ from typing import Any, Protocol
 from engine.core.admission import QueueFullError, RequestLimits
 from engine.core.config import EngineConfig
 from engine.core.outputs import EngineStats, RequestOutput
+from engine.process.control import apply_changes, takes_keyword
 from engine.process.steptrace import StepTracer
-from engine.server.control import apply_changes, takes_keyword
 from wire.control import ControlRefused
 from wire.events import ControlEvent, Event
 

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from engine.server.protocol import APIError
+from engine.process.errors import APIError
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.process.client import EngineClient
+from engine.process.errors import APIError, error_body
 from engine.server.metrics import EngineMetrics
 from engine.server.multimodal import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
-from engine.server.protocol import APIError, error_body
 from engine.server.routes_control import add_control_routes
 from engine.server.routes_openai import add_openai_routes
 from engine.server.state import DEFAULT_MAX_BODY_BYTES, ServerState

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.process.control import apply_changes
 from wire.control import ControlRefused, check_changes
 from wire.events import ControlEvent
 
@@ -30,22 +30,6 @@ class SchedulerChange:
     old: dict[str, object] = field(default_factory=dict)
     new: dict[str, object] = field(default_factory=dict)
     events: list[ControlEvent] = field(default_factory=list)
-
-
-def apply_changes(
-    engine: Any, changes: Mapping[str, object], source: str, request_id: str | None
-) -> list[ControlEvent]:
-    """Apply checked changes to an ``LLMEngine`` (on the thread that owns the call): its
-    ``ControlEvent`` per key. Used by the engine core and by embedders without a core."""
-    checked = check_changes(changes, int(engine.max_token_budget))
-    events = []
-    for key, value in checked.items():
-        setter = engine.set_token_budget if key == "token_budget" else engine.set_policy
-        kwargs: dict[str, object] = {"source": source}
-        if request_id is not None and takes_keyword(setter, "request_id"):
-            kwargs["request_id"] = request_id
-        events.append(setter(value, **kwargs))
-    return events
 
 
 async def apply_scheduler_update(
@@ -89,11 +73,3 @@ async def apply_scheduler_update(
         change.applied_at_step,
     )
     return change
-
-
-def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
-    """Whether ``fn`` has a parameter ``name`` (engines older or newer than this server)."""
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False

@@ -12,9 +12,9 @@ from typing import Any
 from fastapi import Request
 
 from engine.core.admission import QueueFullError
+from engine.process.errors import APIError
 from engine.process.streams import ADMITTED, RequestFailed, RequestRefused, engine_dead
 from engine.server.detokenize import IncrementalDetokenizer, TextAccumulator
-from engine.server.protocol import APIError
 from engine.server.state import ServerState
 
 logger = logging.getLogger(__name__)

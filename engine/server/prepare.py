@@ -6,9 +6,10 @@ from typing import Any
 
 from fastapi import Request
 
+from engine.process.errors import APIError
 from engine.server.chat import ChatInputError, turns_from_messages
 from engine.server.multimodal import ImageError, load_image_input
-from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.state import ServerState
 
 

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from engine.process.errors import APIError
+
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
@@ -20,42 +22,6 @@ M = TypeVar("M", bound=BaseModel)
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 256
 TRAFFIC_CLASS_MAX_LEN = 32
-
-
-class APIError(Exception):
-    """An error to send back as OpenAI-style JSON with HTTP status ``status``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = dict(headers or {})
-
-    def to_dict(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
-def error_body(
-    message: str,
-    *,
-    type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-) -> dict[str, Any]:
-    """The OpenAI error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 # --- request models -------------------------------------------------------------------------

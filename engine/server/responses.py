@@ -9,9 +9,10 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from engine.process.errors import APIError, error_body
 from engine.process.streams import RequestFailed
 from engine.server.generation import ClientGone, Delta, Generation
-from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
 _SSE_DONE = b"data: [DONE]\n\n"
 _TEXT_MARK = "\u0000TEXT\u0000"

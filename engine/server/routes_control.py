@@ -11,9 +11,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.process.errors import APIError
 from engine.server.control import apply_scheduler_update
 from engine.server.prepare import read_body
-from engine.server.protocol import APIError, parse_json_body
+from engine.server.protocol import parse_json_body
 from engine.server.state import ServerState
 from wire.control import ControlRefused
 

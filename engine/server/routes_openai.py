@@ -6,6 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from engine.process.errors import APIError
 from engine.server.chat import render_chat
 from engine.server.generation import GenerationRunner
 from engine.server.prepare import (
@@ -16,7 +17,6 @@ from engine.server.prepare import (
     sampling_params,
 )
 from engine.server.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     check_traffic_class,

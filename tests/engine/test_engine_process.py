@@ -84,8 +84,8 @@ def test_killed_core_fails_requests_and_health_503() -> None:
 def test_control_pending_when_the_core_dies_is_engine_dead() -> None:
     """A scheduler change whose answer never comes (the core was killed first) ends with
     engine_dead: no hang, and no timeout that could misreport a change the core applied."""
+    from engine.process.errors import APIError
     from engine.server.control import apply_scheduler_update
-    from engine.server.protocol import APIError
 
     client = EngineClient.spawn(_config())
     try:

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
+from engine.process.errors import APIError
 from engine.process.streams import ADMITTED, RequestFailed, RequestRefused, StreamRouter
-from engine.server.protocol import APIError
 
 
 def test_open_after_close_is_engine_dead() -> None:
