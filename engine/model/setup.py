@@ -15,7 +15,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.model.arch import ModelArch
-from engine.model.attention.common import select_backend
+from engine.model.attention.select import select_backend
 from engine.model.loader import load_model, resolve_model
 from engine.model.runner import ModelRunner
 

@@ -27,8 +27,10 @@ import engine.model.attention.flex as af
 from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.model.attention.common import SdpaBackend, SeqSlice, select_backend
+from engine.model.attention.common import SeqSlice
 from engine.model.attention.flex import FlexBackend, bucket, kernel_options_for
+from engine.model.attention.sdpa import SdpaBackend
+from engine.model.attention.select import select_backend
 
 CPU = torch.device("cpu")
 HQ, HKV = 4, 2
