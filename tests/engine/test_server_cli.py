@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.cli import main as chunkscope_main
+from chunkscope.cli import main as chunkscope_main
 from engine.server import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -429,7 +429,7 @@ _NO_TORCH = "import sys; from {mod} import main; rc = main(sys.argv[1:]); " + (
 
 
 @pytest.mark.parametrize(
-    ("mod", "prefix"), [("engine.cli", ["export"]), ("storage.cli", ["export"])]
+    ("mod", "prefix"), [("chunkscope.cli", ["export"]), ("storage.cli", ["export"])]
 )
 def test_cli_entry_points_without_torch(
     seeded: tuple[str, dict[str, SyntheticEngine]], tmp_path: Path, mod: str, prefix: list[str]
