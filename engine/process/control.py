@@ -8,12 +8,13 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from engine.process.interface import SteppedEngine
 from wire.control import check_changes
 from wire.events import ControlEvent
 
 
 def apply_changes(
-    engine: Any, changes: Mapping[str, object], source: str, request_id: str | None
+    engine: SteppedEngine, changes: Mapping[str, object], source: str, request_id: str | None
 ) -> list[ControlEvent]:
     """Apply checked changes to an ``LLMEngine`` (on the thread that owns the call): its
     ``ControlEvent`` per key. Used by the engine core and by embedders without a core."""

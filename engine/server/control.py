@@ -10,12 +10,11 @@ telemetry relay to a ``control_ack`` with ``ok: false``. It may be awaited on an
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.process.control import apply_changes
+from engine.process.interface import ServedEngine, SteppedEngine
 from wire.control import ControlRefused, check_changes
 from wire.events import ControlEvent
 
@@ -33,7 +32,7 @@ class SchedulerChange:
 
 
 async def apply_scheduler_update(
-    engine: Any,
+    engine: ServedEngine | SteppedEngine,
     changes: dict[str, object],
     *,
     source: str,
@@ -48,9 +47,8 @@ async def apply_scheduler_update(
     ``engine_dead`` error if the core is gone.
     """
     checked = check_changes(changes, int(engine.max_token_budget))
-    control = getattr(engine, "control", None)
-    if control is not None and inspect.iscoroutinefunction(control):
-        events: list[ControlEvent] = await control(checked, source=source, request_id=request_id)
+    if isinstance(engine, ServedEngine):
+        events = await engine.control(checked, source=source, request_id=request_id)
     else:
         events = await asyncio.to_thread(apply_changes, engine, checked, source, request_id)
     refused = [e for e in events if not e.accepted]

@@ -11,13 +11,14 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from engine.process.interface import ServedEngine
 from engine.telemetry.buffer import BufferLimits
 from engine.telemetry.publisher import ApplyControl, Publisher
 from wire.control import ControlRefused, check_changes
 from wire.events import ClockAnchor
 
 
-def engine_hello(client: Any, model_name: str, anchor: ClockAnchor) -> dict[str, Any]:
+def engine_hello(client: ServedEngine, model_name: str, anchor: ClockAnchor) -> dict[str, Any]:
     """The engine's fields of the ``hello``, read afresh at each connect (budget, policy)."""
     stats = client.stats()
     config = client.config
@@ -25,8 +26,8 @@ def engine_hello(client: Any, model_name: str, anchor: ClockAnchor) -> dict[str,
         "model": model_name,
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "core_pid": getattr(client, "pid", None),
-        "engine_mode": getattr(client, "mode", None),
+        "core_pid": client.pid,
+        "engine_mode": client.mode,
         "policy": client.policy,
         "token_budget": client.token_budget,
         "max_token_budget": client.max_token_budget,
@@ -37,7 +38,7 @@ def engine_hello(client: Any, model_name: str, anchor: ClockAnchor) -> dict[str,
     }
 
 
-def control_applier(client: Any) -> ApplyControl:
+def control_applier(client: ServedEngine) -> ApplyControl:
     """Relayed controls go through the one implementation ``PUT /v1/scheduler`` uses."""
 
     async def apply(changes: dict[str, Any], request_id: str | None) -> dict[str, Any]:
@@ -57,7 +58,7 @@ def control_applier(client: Any) -> ApplyControl:
 
 
 def start_server_publisher(
-    client: Any,
+    client: ServedEngine,
     url: str,
     *,
     engine_id: str,
@@ -71,10 +72,8 @@ def start_server_publisher(
     """Start publishing ``client``'s events to the collector at ``url`` (``ws://host:port``,
     ``/ingest`` appended when there is no path): listener, ``/metrics`` counters (when
     ``registry`` is given) and the control relay. Raises ValueError for a bad URL."""
-    anchor = getattr(client, "clock_anchor", None)  # the core's, as its token times use
-    if not isinstance(anchor, ClockAnchor):  # an in-thread core: the engine's own
-        anchor = getattr(getattr(client, "engine", None), "clock_anchor", None)
-    if not isinstance(anchor, ClockAnchor):
+    anchor = client.clock_anchor  # the core's, as its token times use
+    if anchor is None:
         # Same host, same CLOCK_MONOTONIC (Linux): an anchor read here maps the core's times.
         anchor = ClockAnchor.now()
     publisher_kw.setdefault("limits", BufferLimits(spill_dir=spill_dir))
