@@ -4,7 +4,7 @@
    row, new steps by ``after_step``, new token ITLs by ``after_time``, the window's budget
    changes and latency summary, the four figures built and serialised to JSON) on a SQLite store
    of ``--steps`` steps (default one million, built once through ``storage.store.Store`` from
-   ``storage.testing.SyntheticEngine`` and kept in ``--store``), after each second of new data.
+   ``testkit.engines.SyntheticEngine`` and kept in ``--store``), after each second of new data.
    Target: under 300 ms.
 2. Step end to Live page: a collector subprocess, ``engine.telemetry.Publisher`` publishing a
    step every ``--step-ms`` in real time (16 streams decoding), and two readers running the Live
@@ -58,7 +58,7 @@ def build_store(path: Path, num_steps: int, *, batch_steps: int = 5000) -> dict[
     100,000 steps), reused when the file already holds them."""
     from storage import db, queries
     from storage.store import Events, Hello, Store
-    from storage.testing import SyntheticEngine
+    from testkit.engines import SyntheticEngine
 
     url = f"sqlite:///{path}"
     if path.exists():
@@ -140,7 +140,7 @@ def bench_refresh(args: argparse.Namespace) -> dict[str, Any]:
     from storage import db
     from storage import queries as q
     from storage.store import Events, Hello, Store
-    from storage.testing import SyntheticEngine
+    from testkit.engines import SyntheticEngine
 
     built = build_store(Path(args.store), args.steps)
     url = built["url"]
@@ -192,7 +192,7 @@ def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
     from engine.telemetry.publisher import Publisher
     from storage import db
     from storage import queries as q
-    from storage.testing import start_collector
+    from testkit.engines import start_collector
     from wire.events import ChunkRecord, RequestEvent, StepEvent
 
     tmp = Path(tempfile.mkdtemp(prefix="chunkscope-bench-dash-"))

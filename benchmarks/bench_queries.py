@@ -2,7 +2,7 @@
 
 Builds (or reuses, ``--db``) a SQLite store holding one engine run of ``--steps`` steps written
 through the collector's own write path (``storage.store.Store``, the code the writer thread
-runs), from the seeded synthetic engine of ``storage.testing``: ``--concurrency`` requests in
+runs), from the seeded synthetic engine of ``testkit.engines``: ``--concurrency`` requests in
 flight (so about that many chunks per step, decode plus prompt chunks), ~20 ms steps, traffic
 classes chat / rag / vlm. Then times, on a read-only connection as the dashboard opens it:
 
@@ -42,7 +42,7 @@ from _common import add_common_args, config_of, git_state, setup, write_json  # 
 from storage import db as dbm  # noqa: E402
 from storage import queries  # noqa: E402
 from storage.store import Events, Hello, Store  # noqa: E402
-from storage.testing import SyntheticEngine  # noqa: E402
+from testkit.engines import SyntheticEngine  # noqa: E402
 
 SCRIPT = "bench_queries.py"
 TARGET_MS = 300.0

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from storage.testing import PostgresServer, PostgresUnavailable, collector_in_thread
+from testkit.engines import PostgresServer, PostgresUnavailable, collector_in_thread
 
 BACKENDS = ["sqlite", "postgresql"]
 

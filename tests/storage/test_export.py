@@ -20,7 +20,7 @@ import pytest
 from storage import export, queries
 from storage.db import connect, migrate
 from storage.store import Events, Hello, Store
-from storage.testing import SyntheticEngine
+from testkit.engines import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 WALL_NS = 1_790_000_000_000_000_000  # a fixed wall clock: times are reproducible
