@@ -219,7 +219,7 @@ def replay(
 def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, Any]:
     from advisor.predict import predict_from_store
     from advisor.recommend import Slo
-    from testkit.engines import start_collector
+    from testkit.collector import start_collector
 
     rate, overrides = PROFILES[profile]
     rate = a.rate_scale * rate

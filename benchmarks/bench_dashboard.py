@@ -192,7 +192,7 @@ def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
     from engine.telemetry.publisher import Publisher
     from storage import db
     from storage import queries as q
-    from testkit.engines import start_collector
+    from testkit.collector import start_collector
     from wire.events import ChunkRecord, RequestEvent, StepEvent
 
     tmp = Path(tempfile.mkdtemp(prefix="chunkscope-bench-dash-"))

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import add_common_args, config_of, setup, write_json  # noqa: E402
 
-from testkit.engines import SyntheticEngine, start_collector  # noqa: E402
+from testkit.collector import start_collector
+from testkit.engines import SyntheticEngine
 
 SCRIPT = "bench_ingest.py"
 
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         db_url = f"sqlite:///{tmp}/ingest.db"
         if args.backend == "postgresql":
-            from testkit.engines import PostgresServer
+            from testkit.postgres import PostgresServer
 
             pg = PostgresServer.start()
             db_url = pg.create_database("ingest")

@@ -42,7 +42,7 @@ from _common import add_common_args, config_of, git_state, setup, write_json  # 
 from storage import db as dbm  # noqa: E402
 from storage import queries  # noqa: E402
 from storage.store import Events, Hello, Store  # noqa: E402
-from testkit.engines import SyntheticEngine  # noqa: E402
+from testkit.engines import SyntheticEngine
 
 SCRIPT = "bench_queries.py"
 TARGET_MS = 300.0

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['publish_cpu_us_per_step']:.1f} us/step on the caller's thread, "
               f"{c['publisher_thread_cpu_us_per_step']:.1f} us/step on its own thread")  # fmt: skip
 
-    from testkit.engines import start_collector
+    from testkit.collector import start_collector
 
     rng = random.Random(a.seed)
     prompts = [random_prompt(rng, a.prompt_len) for _ in range(a.num_requests)]

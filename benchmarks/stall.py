@@ -379,7 +379,7 @@ async def _drive(
 def run_served(
     args: argparse.Namespace, traffic: Traffic, windows: list[Window], workdir: Path
 ) -> dict[str, Any]:
-    from testkit.engines import start_collector
+    from testkit.collector import start_collector
 
     db_url = f"sqlite:///{workdir / 'stall.db'}"
     collector = start_collector(db_url, args=["--log-level", "WARNING"])

@@ -4,29 +4,23 @@
   order, realistic chunk layouts), with the exact token times it produced kept as ground truth.
 - ``FakeEngineClient``: a websockets client that speaks the ingest side of the contract (hello,
   event frames, acks, answering controls like the engine does).
-- ``start_collector`` / ``CollectorProcess``: ``python -m storage --port 0`` as a subprocess on a
-  given database, its URL read back from its first line; ``stop()`` ends it.
-- ``collector_in_thread``: the same collector inside this process (faster for unit tests).
+
+The collector to talk to is ``testkit.collector``'s; a PostgreSQL server, ``testkit.postgres``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from wire.events import SCHEMA_VERSION
-from wire.ready import COLLECTOR_READY
+from wire.control import refusal
+from wire.events import SCHEMA_VERSION, ChunkRecord, ControlEvent, RequestEvent, StepEvent
 
 # ---- synthetic engine -------------------------------------------------------------------------
 
@@ -113,19 +107,18 @@ class SyntheticEngine:
 
     def _request_event(self, kind: str, r: _Req, t_ns: int, step: int | None) -> dict[str, Any]:
         return self._event(
-            {
-                "type": "request",
-                "kind": kind,
-                "request_id": r.request_id,
-                "time_ns": t_ns,
-                "traffic_class": r.traffic_class,
-                "num_prompt_tokens": r.prompt,
-                "num_image_tokens": r.prompt // 2 if r.traffic_class == "vlm" else 0,
-                "num_output_tokens": r.produced,
-                "num_cached_tokens": 0,
-                "finish_reason": "length" if kind == "finished" else None,
-                "step": step,
-            }
+            RequestEvent(
+                kind=kind,
+                request_id=r.request_id,
+                time_ns=t_ns,
+                traffic_class=r.traffic_class,
+                num_prompt_tokens=r.prompt,
+                num_image_tokens=r.prompt // 2 if r.traffic_class == "vlm" else 0,
+                num_output_tokens=r.produced,
+                num_cached_tokens=0,
+                finish_reason="length" if kind == "finished" else None,
+                step=step,
+            ).to_dict()
         )
 
     def control(
@@ -143,18 +136,17 @@ class SyntheticEngine:
         if accepted:
             setattr(self, key, new_value)
         ev = self._event(
-            {
-                "type": "control",
-                "key": key,
-                "old_value": old,
-                "new_value": new_value,
-                "accepted": accepted,
-                "time_ns": self.mono_ns,
-                "source": source,
-                "applied_at_step": self.step if accepted else None,
-                "reason": reason,
-                "request_id": request_id,
-            }
+            ControlEvent(
+                key=key,
+                old_value=old,
+                new_value=new_value,
+                accepted=accepted,
+                time_ns=self.mono_ns,
+                source=source,
+                applied_at_step=self.step if accepted else None,
+                reason=reason,
+                request_id=request_id,
+            ).to_dict()
         )
         self._pending.append(ev)
         return ev
@@ -241,24 +233,23 @@ class SyntheticEngine:
         num_running = sum(1 for r in self._reqs if r.scheduled)
         out.append(
             self._event(
-                {
-                    "type": "step",
-                    "step": self.step,
-                    "start_ns": start,
-                    "end_ns": end,
-                    "forward_ns": (end - start) * 4 // 5,
-                    "token_budget": self.token_budget,
-                    "policy": self.policy,
-                    "num_decode_tokens": decode,
-                    "num_prefill_tokens": prefill,
-                    "num_scheduled_tokens": decode + prefill,
-                    "num_running": num_running,
-                    "num_waiting": len(self._reqs) - num_running,
-                    "kv_blocks_used": min(self.kv_blocks_total, num_running * 8),
-                    "kv_blocks_total": self.kv_blocks_total,
-                    "num_preemptions": 0,
-                    "chunks": chunks,
-                }
+                StepEvent(
+                    step=self.step,
+                    start_ns=start,
+                    end_ns=end,
+                    forward_ns=(end - start) * 4 // 5,
+                    token_budget=self.token_budget,
+                    policy=self.policy,
+                    num_decode_tokens=decode,
+                    num_prefill_tokens=prefill,
+                    num_scheduled_tokens=decode + prefill,
+                    num_running=num_running,
+                    num_waiting=len(self._reqs) - num_running,
+                    kv_blocks_used=min(self.kv_blocks_total, num_running * 8),
+                    kv_blocks_total=self.kv_blocks_total,
+                    num_preemptions=0,
+                    chunks=[ChunkRecord(**c) for c in chunks],
+                ).to_dict()
             )
         )
         done: list[_Req] = []
@@ -375,14 +366,8 @@ class FakeEngineClient:
         cid = msg.get("id")
         new = dict(msg.get("set") or {})
         for key, value in new.items():
-            if key == "token_budget":
-                ok = isinstance(value, int) and 1 <= value <= eng.max_token_budget
-                why = f"token_budget must be from 1 to {eng.max_token_budget}, got {value!r}"
-            elif key == "policy":
-                ok, why = value in ("chunked", "unchunked"), f"bad policy {value!r}"
-            else:
-                ok, why = False, f"unknown key {key!r}"
-            if not ok:
+            why = refusal(key, value, max_token_budget=eng.max_token_budget)
+            if why is not None:
                 eng.control(
                     key, value, accepted=False, reason=why, source="collector", request_id=cid
                 )
@@ -441,268 +426,3 @@ class FakeEngineClient:
             self._ws.close()
         if self._reader is not None:
             self._reader.join(10)
-
-
-# ---- a collector to talk to -------------------------------------------------------------------
-
-
-@dataclass
-class CollectorProcess:
-    """A collector subprocess: ``url`` (ws://127.0.0.1:PORT), ``db_url`` and the process."""
-
-    url: str
-    db_url: str
-    process: subprocess.Popen[str]
-    lines: list[str] = field(default_factory=list)
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
-    @property
-    def http_url(self) -> str:
-        return "http" + self.url[2:]
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown, no last commit."""
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
-
-    def stop(self, timeout: float = 15.0) -> int:
-        """SIGTERM (a clean shutdown that writes what is queued), then SIGKILL if needed."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        return int(self.process.returncode)
-
-
-def start_collector(
-    db_url: str,
-    *,
-    args: list[str] | None = None,
-    timeout: float = 30.0,
-    env: dict[str, str] | None = None,
-    cwd: str | Path | None = None,
-) -> CollectorProcess:
-    """``python -m storage --port 0 --db DB_URL [args]``; returns once it listens."""
-    cmd = [sys.executable, "-m", "storage", "--port", "0", "--db", db_url, *(args or [])]
-    root = Path(__file__).resolve().parent.parent
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(root), full_env.get("PYTHONPATH", "")) if p
-    )
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=full_env,
-        cwd=str(cwd or root),
-    )
-    lines: list[str] = []
-    found: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            m = COLLECTOR_READY.search(line)
-            if m and not found:
-                found.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    ready.wait(timeout)
-    if not found:
-        proc.kill()
-        proc.wait(10)
-        raise RuntimeError(
-            f"collector did not start within {timeout} s: {cmd}\n" + "\n".join(lines[-30:])
-        )
-    return CollectorProcess(url=found[0], db_url=db_url, process=proc, lines=lines)
-
-
-@contextlib.contextmanager
-def collector_in_thread(db_url: str, **options: Any) -> Iterator[Any]:
-    """A ``storage.collector.Collector`` on 127.0.0.1 port 0 in a background thread's event
-    loop; yields it (``.url``, ``.port``). Options are ``CollectorConfig`` fields."""
-    import asyncio
-
-    from storage.collector import Collector, CollectorConfig
-
-    config = CollectorConfig(db_url=db_url, host="127.0.0.1", port=0, **options)
-    collector = Collector(config)
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(collector.start())
-        except BaseException as exc:  # surfaced to the caller below
-            errors.append(exc)
-            started.set()
-            return
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, name="collector", daemon=True)
-    thread.start()
-    if not started.wait(60) or errors:
-        raise RuntimeError(f"collector did not start: {errors[:1]}")
-    try:
-        yield collector
-    finally:
-        fut = asyncio.run_coroutine_threadsafe(collector.stop(), loop)
-        fut.result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
-
-
-# ---- a private PostgreSQL server --------------------------------------------------------------
-
-
-class PostgresUnavailable(RuntimeError):
-    """No PostgreSQL server could be started here (the message says why)."""
-
-
-@dataclass
-class PostgresServer:
-    """A throwaway PostgreSQL server (``initdb`` + ``pg_ctl`` from Debian's packages) on
-    127.0.0.1, trust authentication, data in a temporary folder; as the ``postgres`` OS user
-    when running as root. ``create_database()`` returns a ``postgresql+psycopg://`` URL."""
-
-    bindir: Path
-    datadir: Path
-    port: int
-    as_user: str | None
-    _count: int = 0
-
-    @classmethod
-    def start(cls, timeout: float = 60.0) -> PostgresServer:
-        import shutil
-        import socket
-        import tempfile
-
-        candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
-        if not candidates:
-            found = shutil.which("initdb")
-            if found is None:
-                raise PostgresUnavailable(
-                    "no initdb: install Debian's postgresql package (apt-get install postgresql)"
-                )
-            candidates = [Path(found)]
-        bindir = candidates[-1].parent
-        as_user = None
-        if os.geteuid() == 0:
-            import pwd
-
-            try:
-                pw = pwd.getpwnam("postgres")
-            except KeyError as exc:
-                raise PostgresUnavailable("running as root and there is no postgres user") from exc
-            as_user = "postgres"
-        root = Path(tempfile.mkdtemp(prefix="chunkscope-pg-"))
-        datadir = root / "data"
-        if as_user is not None:
-            os.chown(root, pw.pw_uid, pw.pw_gid)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = cls(bindir=bindir, datadir=datadir, port=port, as_user=as_user)
-        try:
-            server._run(
-                [
-                    str(bindir / "initdb"),
-                    "-D",
-                    str(datadir),
-                    "-A",
-                    "trust",
-                    "-U",
-                    "postgres",
-                    "--no-sync",
-                    "-E",
-                    "UTF8",
-                ],
-                timeout,
-            )
-            opts = (
-                f"-p {port} -c listen_addresses=127.0.0.1 -k {root} -c fsync=off "
-                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
-            )
-            server._run(
-                [
-                    str(bindir / "pg_ctl"),
-                    "-D",
-                    str(datadir),
-                    "-o",
-                    opts,
-                    "-l",
-                    str(root / "server.log"),
-                    "-w",
-                    "-t",
-                    str(int(timeout)),
-                    "start",
-                ],
-                timeout + 10,
-            )
-        except PostgresUnavailable:
-            shutil.rmtree(root, ignore_errors=True)
-            raise
-        return server
-
-    def _run(self, cmd: list[str], timeout: float) -> None:
-        if self.as_user is not None:
-            cmd = ["runuser", "-u", self.as_user, "--", *cmd]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise PostgresUnavailable(f"{cmd[0]} failed: {exc}") from exc
-        if proc.returncode != 0:
-            log = self.datadir.parent / "server.log"
-            tail = log.read_text()[-2000:] if log.exists() else ""
-            raise PostgresUnavailable(
-                f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout}{proc.stderr}{tail}"
-            )
-
-    @property
-    def admin_url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-
-    def create_database(self, name: str | None = None) -> str:
-        import psycopg
-
-        self._count += 1
-        name = name or f"chunkscope_{os.getpid()}_{self._count}"
-        with psycopg.connect(
-            f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres", autocommit=True
-        ) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{name}"
-
-    def stop(self) -> None:
-        import shutil
-
-        try:
-            self._run(
-                [
-                    str(self.bindir / "pg_ctl"),
-                    "-D",
-                    str(self.datadir),
-                    "-m",
-                    "immediate",
-                    "-w",
-                    "stop",
-                ],
-                60,
-            )
-        finally:
-            shutil.rmtree(self.datadir.parent, ignore_errors=True)

@@ -44,7 +44,7 @@ def live_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
     """A real collector and a real ``tiny`` engine server publishing to it (free ports)."""
     from dashboard import control
     from dashboard.processes import ManagedProcess, python_argv
-    from testkit.engines import start_collector
+    from testkit.collector import start_collector
     from wire.ready import ENGINE_READY
 
     tmp = tmp_path_factory.mktemp("live")
