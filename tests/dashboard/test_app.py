@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from tests.dashboard.seed import SynthRun, send_run
+from testkit.seed import SynthRun, send_run
 
 APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "streamlit_app.py")
 PAGES = ["views/live.py", "views/step.py", "views/requests.py", "views/control.py",
