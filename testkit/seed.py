@@ -1,5 +1,7 @@
 """A synthetic but causally correct event stream, sent to a real collector as contract frames
-(docs/telemetry.md), to seed stores for the dashboard tests and benchmark.
+(docs/telemetry.md), to seed stores for the dashboard tests: a scripted stall story (chat streams,
+RAG prefills, one budget change), where ``testkit.engines.SyntheticEngine`` is seeded random
+traffic with its true token times kept for the storage tests.
 
 The simulated engine: chat requests decode one token per step; RAG prompts are prefilled in
 chunks of whatever budget is left; a step lasts 4 ms plus 1 ms per 8 prefill tokens, so a
@@ -17,7 +19,7 @@ from typing import Any
 
 from websockets.asyncio.client import connect
 
-from wire.events import ChunkRecord, ControlEvent, RequestEvent, StepEvent
+from wire.events import SCHEMA_VERSION, ChunkRecord, ControlEvent, RequestEvent, StepEvent
 
 
 @dataclass
@@ -46,7 +48,8 @@ class SynthRun:
 
     def hello(self) -> dict[str, Any]:
         return {
-            "schema": 1, "type": "hello", "engine_id": self.engine_id, "run_id": self.run_id,
+            "schema": SCHEMA_VERSION, "type": "hello", "engine_id": self.engine_id,
+            "run_id": self.run_id,
             "model": "synthetic", "host": "localhost", "pid": 1, "policy": "chunked",
             "token_budget": self.budget, "max_token_budget": self.max_budget,
             "kv_blocks_total": 1024, "block_size": 16, "config": {"model": "synthetic"},
@@ -139,7 +142,7 @@ class SynthRun:
         evs = self.events()
         return [
             {
-                "schema": 1,
+                "schema": SCHEMA_VERSION,
                 "type": "events",
                 "engine_id": self.engine_id,
                 "run_id": self.run_id,
@@ -170,7 +173,7 @@ async def _send(collector_url: str, run: SynthRun, goodbye: bool, timeout: float
                 await ws.send(
                     json.dumps(
                         {
-                            "schema": 1,
+                            "schema": SCHEMA_VERSION,
                             "type": "events",
                             "engine_id": run.engine_id,
                             "run_id": run.run_id,
