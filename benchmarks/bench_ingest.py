@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, config_of, setup, write_json  # noqa: E402
 
 from testkit.collector import start_collector
-from testkit.engines import SyntheticEngine
+from testkit.engines import SyntheticEngine, frames
 
 SCRIPT = "bench_ingest.py"
 
@@ -72,13 +72,7 @@ def _make_frames(
         events = eng.steps(k)
         done += k
         n_events += len(events)
-        frame = {
-            "schema": 1,
-            "type": "events",
-            "engine_id": eng.engine_id,
-            "run_id": eng.run_id,
-            "events": events,
-        }
+        (frame,) = frames(eng, events, per_frame=len(events))
         out.append((events[-1]["seq"], json.dumps(frame, separators=(",", ":"))))
     return out, n_steps, n_events, eng, per_frame / rate
 
