@@ -26,10 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _common import add_common_args, config_of, setup, write_json  # noqa: E402
+from benchmarks._common import add_common_args, config_of, setup, write_json  # noqa: E402
 
 SCRIPT = "bench_dashboard.py"
 

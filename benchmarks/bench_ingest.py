@@ -12,7 +12,7 @@ double from ``--start-rate`` until one is not sustained in ``--tries`` tries (2:
 shared, and a busy neighbour can stall a try; every try is recorded with the load average); the
 highest sustained rate is reported per chunk count, along with the collector's CPU use.
 
-Run from the repo root:  .venv/bin/python benchmarks/bench_ingest.py [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.bench_ingest [--quick]
 Writes benchmarks/results/ingest.json (configuration and git state included).
 """
 
@@ -23,17 +23,12 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import add_common_args, config_of, setup, write_json  # noqa: E402
-
+from benchmarks._common import add_common_args, config_of, setup, write_json  # noqa: E402
 from testkit.collector import start_collector
 from testkit.engines import SyntheticEngine, frames
 

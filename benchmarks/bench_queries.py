@@ -17,7 +17,7 @@ Each query runs at the end of the run (the live case) and at a window in the mid
 run is reported apart (cold) and the rest as median and max of ``--repeats``; the target is
 judged on the median (the machine is shared; the load average is recorded).
 
-Run from the repo root:  .venv/bin/python benchmarks/bench_queries.py [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.bench_queries [--quick]
 Writes benchmarks/results/queries.json (configuration and git state included).
 """
 
@@ -27,18 +27,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import add_common_args, config_of, git_state, setup, write_json  # noqa: E402
-
+from benchmarks._common import add_common_args, config_of, git_state, setup, write_json  # noqa: E402
 from storage import db as dbm  # noqa: E402
 from storage import queries  # noqa: E402
 from storage.store import Events, Hello, Store  # noqa: E402

@@ -18,7 +18,7 @@ Also measured, in this process and far less sensitive to other load: the publish
 time per step (publish on the caller's thread, encoding and sending on its thread) for steps of
 8, 64 and 256 chunks, against a sink that acks every frame.
 
-Run from the repo root:  .venv/bin/python benchmarks/bench_telemetry.py [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.bench_telemetry [--quick]
 Writes benchmarks/results/telemetry_overhead.json (provenance and configuration included).
 """
 
@@ -40,11 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import aiohttp  # noqa: E402
-from _common import (  # noqa: E402
+
+from benchmarks._common import (  # noqa: E402
     add_common_args,
     config_of,
     random_prompt,

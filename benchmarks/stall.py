@@ -21,7 +21,7 @@ ratio to the fit. With ``CHUNKSCOPE_STEP_TRACE`` the core also records, per step
 its threads' run-queue wait and GC time (``engine/process/steptrace.py``); both runs report
 them, so a slow served step can be told apart from a descheduled one.
 
-Run from the repo root:  .venv/bin/python benchmarks/stall.py [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.stall [--quick]
 Writes benchmarks/results/stall.json and stall.png (--quick: the tiny preset, short windows,
 short prompts, results to a temporary folder).
 """
@@ -44,11 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np  # noqa: E402
-from _common import (  # noqa: E402
+
+from benchmarks._common import (  # noqa: E402
     REPO_ROOT,
     add_common_args,
     config_of,
@@ -56,7 +54,6 @@ from _common import (  # noqa: E402
     setup,
     write_json,
 )
-
 from wire.ready import ENGINE_READY  # noqa: E402
 
 SCRIPT = "stall.py"
@@ -1090,7 +1087,7 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    from _common import table
+    from benchmarks._common import table
 
     for side in ("client", "engine"):
         rows = [

@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-SCRIPTS = sorted(p for p in BENCH.glob("*.py") if p.name != "_common.py")
+SCRIPTS = sorted(p for p in BENCH.glob("*.py") if p.name not in ("_common.py", "__init__.py"))
 
 
 def _load(path: Path) -> ModuleType:

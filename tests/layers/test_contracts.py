@@ -16,7 +16,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("chunkscope", "dashboard", "loadgen", "advisor", "engine", "storage", "wire")
+PACKAGES = (
+    "chunkscope",
+    "benchmarks",
+    "dashboard",
+    "loadgen",
+    "advisor",
+    "engine",
+    "testkit",
+    "storage",
+    "wire",
+)
 LINT = Path(sys.executable).with_name("lint-imports")
 
 PLANTS = {
@@ -29,7 +39,9 @@ PLANTS = {
 
 def _copy(tmp: Path) -> None:
     for pkg in PACKAGES:
-        shutil.copytree(ROOT / pkg, tmp / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            ROOT / pkg, tmp / pkg, ignore=shutil.ignore_patterns("__pycache__", "results")
+        )
     shutil.copy(ROOT / "pyproject.toml", tmp / "pyproject.toml")
 
 
