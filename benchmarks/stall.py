@@ -33,7 +33,6 @@ import logging
 import os
 import pickle
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -47,14 +46,13 @@ from typing import Any
 import numpy as np  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
-    REPO_ROOT,
     add_common_args,
     config_of,
     contention_probe,
     setup,
+    start_engine_server,
     write_json,
 )
-from wire.ready import ENGINE_READY  # noqa: E402
 
 SCRIPT = "stall.py"
 logger = logging.getLogger("stall")
@@ -234,31 +232,6 @@ def child_pids(pid: int) -> list[int]:
         return []
 
 
-def _wait_line(proc: subprocess.Popen[str], pattern: re.Pattern[str], timeout: float) -> str:
-    found: list[str] = []
-    ready = threading.Event()
-    lines: list[str] = []
-
-    def pump() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if len(lines) > 200:
-                del lines[:100]
-            m = pattern.search(line)
-            if m and not found:
-                found.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    ready.wait(timeout)
-    if not found:
-        proc.kill()
-        raise RuntimeError("the engine did not start:\n" + "".join(lines[-40:]))
-    return found[0]
-
-
 async def _stream(
     session: Any, url: str, model: str, prompt: list[int], max_tokens: int, cls: str
 ) -> ClientRequest:
@@ -412,11 +385,8 @@ def run_served(
     ]
     if args.core_threads is not None:
         cmd += ["--cpu-threads", str(args.core_threads)]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
-    )
+    proc, url = start_engine_server(cmd, env=env, timeout=300, stdout=subprocess.DEVNULL)
     try:
-        url = _wait_line(proc, ENGINE_READY, 300)
         pids = {"server": proc.pid, "collector": collector.process.pid, "client": os.getpid()}
         for child in child_pids(proc.pid):
             pids["core"] = child

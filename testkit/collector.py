@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wire.ready import COLLECTOR_READY
+from wire.ready import COLLECTOR_READY, ReadyWatch
 
 # ---- a collector to talk to -------------------------------------------------------------------
 
@@ -80,29 +80,14 @@ def start_collector(
         env=full_env,
         cwd=str(cwd or root),
     )
-    lines: list[str] = []
-    found: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            m = COLLECTOR_READY.search(line)
-            if m and not found:
-                found.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    ready.wait(timeout)
-    if not found:
+    assert proc.stdout is not None
+    watch = ReadyWatch(proc.stdout, COLLECTOR_READY)
+    url = watch.wait(timeout)
+    if url is None:
         proc.kill()
         proc.wait(10)
-        raise RuntimeError(
-            f"collector did not start within {timeout} s: {cmd}\n" + "\n".join(lines[-30:])
-        )
-    return CollectorProcess(url=found[0], db_url=db_url, process=proc, lines=lines)
+        raise RuntimeError(f"collector did not start within {timeout} s: {cmd}\n" + watch.tail(30))
+    return CollectorProcess(url=url, db_url=db_url, process=proc, lines=watch.lines)
 
 
 @contextlib.contextmanager
