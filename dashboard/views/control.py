@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, control, data, ui
+from storage.control import CollectorUnavailable
 from wire.control import POLICIES
 
 st.header("Control")
@@ -71,7 +72,7 @@ with left:
                 )
                 kind = "applied" if res.ok else "refused"
                 st.session_state["control_answer"] = (kind, f"Engine {engine_id}: {res.describe()}")
-            except (control.CollectorUnavailable, ValueError) as exc:
+            except (CollectorUnavailable, ValueError) as exc:
                 st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
             data.controls.clear()
             ui.collector_engines.clear()
@@ -87,7 +88,7 @@ with right:
             )
             kind = "applied" if res.ok else "refused"
             st.session_state["control_answer"] = (kind, f"Engine {engine_id}: {res.describe()}")
-        except (control.CollectorUnavailable, ValueError) as exc:
+        except (CollectorUnavailable, ValueError) as exc:
             st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
         data.controls.clear()
         ui.collector_engines.clear()
