@@ -11,9 +11,8 @@ import sys
 
 from loadgen import __version__
 from loadgen.arrivals import ARRIVALS
-from loadgen.options import id_range, non_negative, positive
+from loadgen.options import id_range, non_negative, positive, setup
 from loadgen.orchestrate import PlanError, run_from_args
-from loadgen.profiles import Profiles, apply_override, validate
 from loadgen.traces import FORMATS
 from loadgen.workload import PROFILES
 
@@ -180,19 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return sweep_main(args_in[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=args.log_level,
-            stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
-    profiles = Profiles()
-    try:
-        for item in args.overrides:
-            apply_override(profiles, item)
-        validate(profiles)
-    except ValueError as exc:
-        parser.error(str(exc))
+    profiles = setup(parser, args)
     if args.show_profiles:
         print(json.dumps(profiles.as_dict(), indent=2))
         return 0

@@ -4,8 +4,12 @@ planning a run reads (``orchestrate.plan``), built from the ``run`` flags or by 
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
+
+from loadgen.profiles import Profiles, apply_override, validate
 
 
 def positive(kind: type) -> Any:
@@ -41,6 +45,25 @@ def id_range(text: str) -> tuple[int, int]:
     if not 0 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"need 0 <= LO <= HI, got {text!r}")
     return lo, hi
+
+
+def setup(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Profiles:
+    """What ``run`` and ``sweep`` do first with their parsed flags: logging at ``--log-level``,
+    then the profiles with every ``--set`` override applied (a bad one is a usage error)."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=args.log_level,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+    profiles = Profiles()
+    try:
+        for item in args.overrides:
+            apply_override(profiles, item)
+        validate(profiles)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return profiles
 
 
 @dataclass(frozen=True)

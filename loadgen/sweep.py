@@ -49,9 +49,9 @@ from loadgen import __version__
 from loadgen.arrivals import ARRIVALS
 from loadgen.client import ClientConfig
 from loadgen.metrics import stats_ms
-from loadgen.options import TrafficOptions, id_range, non_negative, positive
+from loadgen.options import TrafficOptions, id_range, non_negative, positive, setup
 from loadgen.orchestrate import PlanError, plan
-from loadgen.profiles import Profiles, apply_override, validate
+from loadgen.profiles import Profiles
 from loadgen.record import RequestRecord
 from loadgen.report import write_json
 from loadgen.runner import execute, prefetch_images, probe_prompt_format, probe_server
@@ -428,16 +428,6 @@ def predict_now(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ---- command line -----------------------------------------------------------------------------
 
 
-def _non_negative(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loadgen sweep",
@@ -529,19 +519,7 @@ def table(doc: Mapping[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=args.log_level,
-            stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
-    profiles = Profiles()
-    try:
-        for item in args.overrides:
-            apply_override(profiles, item)
-        validate(profiles)
-    except ValueError as exc:
-        parser.error(str(exc))
+    profiles = setup(parser, args)
     if not args.url.startswith(("http://", "https://")):
         parser.error(f"--url must start with http:// or https://, got {args.url!r}")
     if args.trace and not os.path.isfile(args.trace):
