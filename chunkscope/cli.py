@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "engine":
-        from engine.server import main as engine_main
+        from engine.server.cli import main as engine_main
 
         return engine_main(rest)
     if command == "loadgen":

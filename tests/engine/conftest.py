@@ -8,7 +8,7 @@ import pytest
 
 from engine.core.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.server import ServerHandle
+from engine.server.serve import ServerHandle
 
 
 @pytest.fixture

@@ -13,10 +13,11 @@ import pytest
 
 from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
+from engine.process.client import EngineClient
 from engine.process.core import freeze_startup_objects
 from engine.process.steptrace import ENV_VAR, StepTracer, read_trace
 from engine.process.transport import default_core_threads, usable_cpus
-from engine.server import EngineClient, build_parser, config_from_args
+from engine.server.cli import build_parser, config_from_args
 
 
 def _config(**kw: object) -> EngineConfig:

@@ -21,7 +21,9 @@ import httpx
 import pytest
 
 from engine.core.config import EngineConfig
-from engine.server import EngineClient, EngineStartError, build_parser, serve_in_thread
+from engine.process.client import EngineClient, EngineStartError
+from engine.server.cli import build_parser
+from engine.server.serve import serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 512

@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.server import ServerHandle, serve_in_thread
 from engine.server.multimodal import encode_data_url, num_image_tokens
+from engine.server.serve import ServerHandle, serve_in_thread
 from tests.engine.serving_helpers import StepLog
 from wire.events import RequestEvent
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from chunkscope.cli import main as chunkscope_main
-from engine.server import build_parser
+from engine.server.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ def test_parser_defaults() -> None:
 
 
 def test_bad_config_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.server import main
+    from engine.server.cli import main
 
     with pytest.raises(SystemExit) as info:
         main(["--token-budget", "0"])

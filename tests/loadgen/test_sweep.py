@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.core.config import EngineConfig
-from engine.server import ServerHandle, serve_in_thread
+from engine.server.serve import ServerHandle, serve_in_thread
 from loadgen.cli import main
 from loadgen.record import RequestRecord
 from loadgen.spec import ImageRef, RequestSpec
