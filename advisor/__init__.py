@@ -4,7 +4,7 @@ SLOs with the highest throughput (``python -m advisor predict``). No torch.
 
 The package imports nothing on its own: ``advisor.recommend`` and ``advisor.pareto`` are plain
 Python (the load generator's sweep uses them); ``advisor.fit``, ``advisor.traffic`` and
-``advisor.simulate`` read the store and drive ``engine.scheduler`` (torch-free modules).
+``advisor.simulate`` read the store and drive ``engine.core.scheduler`` (torch-free modules).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fit-method",
         choices=("ols", "relative"),
         default="ols",
-        help="ordinary least squares (engine.cost_model.fit, the default) or least squares on "
+        help="ordinary least squares (engine.core.cost_model.fit, the default) or least squares on "
         "relative errors (short steps count as much as long ones)",
     )
     pr.add_argument(

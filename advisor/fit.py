@@ -1,9 +1,9 @@
-"""Fit the step cost model (``engine.cost_model``) to the steps recorded in the store.
+"""Fit the step cost model (``engine.core.cost_model``) to the steps recorded in the store.
 
 Each stored step gives its chunk layout (``storage.queries.step_chunks``) and its duration
 (``end_ns - start_ns``, ``storage.queries.steps``); the work of a step is
 ``StepWork(prefill tokens, decode tokens, attention pairs)`` exactly as ``StepWork.from_chunks``
-counts it, and ``engine.cost_model.fit`` solves the least squares. The report carries the fit's
+counts it, and ``engine.core.cost_model.fit`` solves the least squares. The report carries the fit's
 own error (relative error p50/p95 and R^2 on the steps it was fitted on) and the engine's pause
 between steps while it has work (the time from one step's end to the next step's start: event
 emission, the inbox, telemetry), which the simulator adds after every step.
@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
-from engine.cost_model import FEATURES, CostModel, StepWork, fit
+from engine.core.cost_model import FEATURES, CostModel, StepWork, fit
 from storage import queries
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ TRIM_ROUNDS = 4
 
 
 def relative_fit(works: list[StepWork], measured: Any) -> CostModel:
-    """``engine.cost_model.fit``'s model, solved for the least squared *relative* error
+    """``engine.core.cost_model.fit``'s model, solved for the least squared *relative* error
     (each step weighted by 1 / its duration): a 5 ms decode step then counts as much as a 500 ms
     prefill step, instead of a 10,000th of it - and the inter-token latency is made of the
     short steps. Coefficients kept non-negative the same way (a negative one fixed at zero and
@@ -287,7 +287,7 @@ def fit_from_store(
     method: str = "ols",
 ) -> FitReport:
     """Fit the cost model to the steps of the selection (see ``storage.queries`` for filters);
-    ``method`` "ols" (``engine.cost_model.fit``) or "relative" (:func:`relative_fit`)."""
+    ``method`` "ols" (``engine.core.cost_model.fit``) or "relative" (:func:`relative_fit`)."""
     steps = load_steps(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     selection = {"engine_id": engine_id, "run_id": run_id, "since": since, "until": until}
     return fit_steps(steps, {**selection, "method": method}, method)

@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from engine.block_manager import BlockManager
-from engine.cost_model import StepWork
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, StepPlan
+from engine.core.block_manager import BlockManager
+from engine.core.cost_model import StepWork
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, StepPlan
 
 logger = logging.getLogger(__name__)
 

@@ -23,10 +23,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from wire.ready import ENGINE_READY, ReadyWatch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUICK_DIR = Path(tempfile.gettempdir()) / "chunkscope-bench-quick"
@@ -217,7 +218,7 @@ def make_engine(
     prefix_caching: bool = False,
     seed: int = 0,
 ):  # type: ignore[no-untyped-def]
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
     cfg = EngineConfig(
@@ -254,7 +255,7 @@ def drain(engine) -> None:  # type: ignore[no-untyped-def]
 def prefill_step(engine, rng: random.Random, n: int) -> tuple[Any, float]:  # type: ignore[no-untyped-def]
     """One request of exactly n prompt tokens, budget n: a single prefill-only step.
     Returns the step's event and the wall seconds of the ``engine.step()`` call."""
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     engine.set_token_budget(n)
     engine.add_request(
@@ -274,7 +275,7 @@ def decode_steps(  # type: ignore[no-untyped-def]
 ) -> list[tuple[Any, float]]:
     """`batch` requests of prompt_len tokens; after their prefills, discard `warm` steady decode
     steps and return the next `n` (event, wall seconds of engine.step())."""
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     engine.set_token_budget(budget)
     # the first requests start decoding while later ones still prefill: leave room for that
@@ -332,29 +333,23 @@ def _fmt(c: Any) -> str:
 
 # --- engine servers -----------------------------------------------------------------------------
 def start_engine_server(
-    cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 180.0
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 180.0,
+    stdout: int | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
     """Start ``python -m engine ... --port 0`` and return it with its URL, read from the line it
     prints when it listens. Its stderr is drained for as long as it runs (so it never blocks on
     a full pipe); when it does not start, the error carries its last 50 lines."""
     env = env if env is not None else {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    ready = threading.Event()
-    found: list[str] = []
-    tail: list[str] = []
-
-    def pump() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            tail.append(line)
-            del tail[:-50]
-            if not found and line.startswith("chunkscope engine listening on "):
-                found.append(line.strip().rsplit(" ", 1)[-1])
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(timeout) or not found:
+    proc = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, stdout=stdout, text=True
+    )
+    assert proc.stderr is not None
+    watch = ReadyWatch(proc.stderr, ENGINE_READY, keep=50)
+    url = watch.wait(timeout)
+    if url is None:
         proc.kill()
-        raise RuntimeError(f"the engine server did not start: {cmd}\n" + "".join(tail))
-    return proc, found[0]
+        raise RuntimeError(f"the engine server did not start: {cmd}\n" + watch.tail(50))
+    return proc, url

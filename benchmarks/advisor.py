@@ -22,7 +22,7 @@ A replay diagnostic separates the model's error from the sampling of the traffic
 own requests (from the store) are simulated with the sweep's budget schedule and the baseline's
 fit, and the same windows are measured on the simulated clock (``replay_*`` keys).
 
-Run from the repo root:  .venv/bin/python benchmarks/advisor.py [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.advisor [--quick]
 Writes benchmarks/results/advisor.json (provenance and full configuration included; --quick:
 two budgets, short windows, results to a temporary folder).
 """
@@ -42,11 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-_BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(_BENCH.parent))
-sys.path.insert(0, str(_BENCH))
-
-from _common import (  # noqa: E402
+from benchmarks._common import (  # noqa: E402
     REPO_ROOT,
     add_common_args,
     config_of,
@@ -54,11 +50,6 @@ from _common import (  # noqa: E402
     start_engine_server,
     write_json,
 )
-
-# This file is benchmarks/advisor.py: with its folder on the path, `import advisor` would find it
-# instead of the advisor package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-
 from dashboard.services import CHAT_OVERRIDES, RAG_OVERRIDES, VLM_OVERRIDES  # noqa: E402
 
 logger = logging.getLogger("bench_advisor")
@@ -219,7 +210,7 @@ def replay(
 def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, Any]:
     from advisor.predict import predict_from_store
     from advisor.recommend import Slo
-    from storage.testing import start_collector
+    from testkit.collector import start_collector
 
     rate, overrides = PROFILES[profile]
     rate = a.rate_scale * rate

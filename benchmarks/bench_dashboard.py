@@ -4,7 +4,7 @@
    row, new steps by ``after_step``, new token ITLs by ``after_time``, the window's budget
    changes and latency summary, the four figures built and serialised to JSON) on a SQLite store
    of ``--steps`` steps (default one million, built once through ``storage.store.Store`` from
-   ``storage.testing.SyntheticEngine`` and kept in ``--store``), after each second of new data.
+   ``testkit.engines.SyntheticEngine`` and kept in ``--store``), after each second of new data.
    Target: under 300 ms.
 2. Step end to Live page: a collector subprocess, ``engine.telemetry.Publisher`` publishing a
    step every ``--step-ms`` in real time (16 streams decoding), and two readers running the Live
@@ -26,10 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _common import add_common_args, config_of, setup, write_json  # noqa: E402
+from benchmarks._common import add_common_args, config_of, setup, write_json  # noqa: E402
 
 SCRIPT = "bench_dashboard.py"
 
@@ -58,7 +55,7 @@ def build_store(path: Path, num_steps: int, *, batch_steps: int = 5000) -> dict[
     100,000 steps), reused when the file already holds them."""
     from storage import db, queries
     from storage.store import Events, Hello, Store
-    from storage.testing import SyntheticEngine
+    from testkit.engines import SyntheticEngine
 
     url = f"sqlite:///{path}"
     if path.exists():
@@ -140,7 +137,7 @@ def bench_refresh(args: argparse.Namespace) -> dict[str, Any]:
     from storage import db
     from storage import queries as q
     from storage.store import Events, Hello, Store
-    from storage.testing import SyntheticEngine
+    from testkit.engines import SyntheticEngine
 
     built = build_store(Path(args.store), args.steps)
     url = built["url"]
@@ -189,11 +186,11 @@ def bench_refresh(args: argparse.Namespace) -> dict[str, Any]:
 # --- 2. step end to Live page -------------------------------------------------------------------
 def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
     from dashboard.live import LiveWindow
-    from engine.events import ChunkRecord, RequestEvent, StepEvent
     from engine.telemetry.publisher import Publisher
     from storage import db
     from storage import queries as q
-    from storage.testing import start_collector
+    from testkit.collector import start_collector
+    from wire.events import ChunkRecord, RequestEvent, StepEvent
 
     tmp = Path(tempfile.mkdtemp(prefix="chunkscope-bench-dash-"))
     url = f"sqlite:///{tmp / 'live.db'}"

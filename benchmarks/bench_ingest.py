@@ -12,7 +12,7 @@ double from ``--start-rate`` until one is not sustained in ``--tries`` tries (2:
 shared, and a busy neighbour can stall a try; every try is recorded with the load average); the
 highest sustained rate is reported per chunk count, along with the collector's CPU use.
 
-Run from the repo root:  .venv/bin/python benchmarks/bench_ingest.py [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.bench_ingest [--quick]
 Writes benchmarks/results/ingest.json (configuration and git state included).
 """
 
@@ -23,18 +23,14 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import add_common_args, config_of, setup, write_json  # noqa: E402
-
-from storage.testing import SyntheticEngine, start_collector  # noqa: E402
+from benchmarks._common import add_common_args, config_of, setup, write_json  # noqa: E402
+from testkit.collector import start_collector
+from testkit.engines import SyntheticEngine, frames
 
 SCRIPT = "bench_ingest.py"
 
@@ -71,13 +67,7 @@ def _make_frames(
         events = eng.steps(k)
         done += k
         n_events += len(events)
-        frame = {
-            "schema": 1,
-            "type": "events",
-            "engine_id": eng.engine_id,
-            "run_id": eng.run_id,
-            "events": events,
-        }
+        (frame,) = frames(eng, events, per_frame=len(events))
         out.append((events[-1]["seq"], json.dumps(frame, separators=(",", ":"))))
     return out, n_steps, n_events, eng, per_frame / rate
 
@@ -232,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         db_url = f"sqlite:///{tmp}/ingest.db"
         if args.backend == "postgresql":
-            from storage.testing import PostgresServer
+            from testkit.postgres import PostgresServer
 
             pg = PostgresServer.start()
             db_url = pg.create_database("ingest")

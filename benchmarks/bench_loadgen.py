@@ -9,7 +9,7 @@ minimal raw-socket baseline (an asyncio Protocol that stamps in `data_received` 
 nothing): loadgen's own overhead is the difference. Target (issue): >= 200 concurrent streams and
 >= 2,000 chunks/s with timing error <= 1 ms; a second rate at twice that shows the headroom.
 
-Run: .venv/bin/python benchmarks/bench_loadgen.py [--quick]  (~45 s; writes
+Run: .venv/bin/python -m benchmarks.bench_loadgen [--quick]  (~45 s; writes
 benchmarks/results/loadgen_overhead.json with provenance and the full configuration; --quick:
 2-second runs, results to a temporary folder)
 """
@@ -30,11 +30,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import add_common_args, config_of, setup, write_json  # noqa: E402
-
+from benchmarks._common import add_common_args, config_of, setup, write_json  # noqa: E402
 from loadgen.client import ClientConfig
 from loadgen.runner import execute
 from loadgen.spec import RequestSpec

@@ -16,7 +16,7 @@ against a plain forward of the same model (contiguous causal SDPA, one prompt pe
 transformers' forward; then single chunks of 512 / 2,048 / 8,192 tokens.
 -> results/offline_throughput.json
 
-Run from the repo root:  .venv/bin/python benchmarks/bench_offline.py [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.bench_offline [--quick]
 """
 
 from __future__ import annotations
@@ -33,12 +33,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _common import (  # noqa: E402
+
+from benchmarks._common import (  # noqa: E402
     add_common_args,
     config_of,
     contention_probe,
@@ -50,8 +48,7 @@ from _common import (  # noqa: E402
     table,
     write_json,
 )
-
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
 
 PAD_ID = 259
 EOS_ID = 257

@@ -4,7 +4,7 @@ Overhead = step time minus the model's forward pass and logits (``StepEvent.forw
 steady decode steps; plus an instrumented run that splits a step into scheduling, metadata,
 tensor building, sampling and the rest. Target: < 3 ms.  -> results/engine_overhead.json
 
-Run from the repo root:  .venv/bin/python benchmarks/bench_overhead.py [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.bench_overhead [--quick]
 """
 
 from __future__ import annotations
@@ -12,15 +12,10 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import (  # noqa: E402
+from benchmarks._common import (  # noqa: E402
     add_common_args,
     config_of,
     contention_probe,
@@ -35,8 +30,7 @@ from _common import (  # noqa: E402
     table,
     write_json,
 )
-
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
 
 
 class _Timers:

@@ -2,7 +2,7 @@
 
 Builds (or reuses, ``--db``) a SQLite store holding one engine run of ``--steps`` steps written
 through the collector's own write path (``storage.store.Store``, the code the writer thread
-runs), from the seeded synthetic engine of ``storage.testing``: ``--concurrency`` requests in
+runs), from the seeded synthetic engine of ``testkit.engines``: ``--concurrency`` requests in
 flight (so about that many chunks per step, decode plus prompt chunks), ~20 ms steps, traffic
 classes chat / rag / vlm. Then times, on a read-only connection as the dashboard opens it:
 
@@ -17,7 +17,7 @@ Each query runs at the end of the run (the live case) and at a window in the mid
 run is reported apart (cold) and the rest as median and max of ``--repeats``; the target is
 judged on the median (the machine is shared; the load average is recorded).
 
-Run from the repo root:  .venv/bin/python benchmarks/bench_queries.py [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.bench_queries [--quick]
 Writes benchmarks/results/queries.json (configuration and git state included).
 """
 
@@ -27,22 +27,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import add_common_args, config_of, git_state, setup, write_json  # noqa: E402
-
+from benchmarks._common import add_common_args, config_of, git_state, setup, write_json  # noqa: E402
 from storage import db as dbm  # noqa: E402
 from storage import queries  # noqa: E402
 from storage.store import Events, Hello, Store  # noqa: E402
-from storage.testing import SyntheticEngine  # noqa: E402
+from testkit.engines import SyntheticEngine
 
 SCRIPT = "bench_queries.py"
 TARGET_MS = 300.0

@@ -18,7 +18,7 @@ warm-up pass first; measured passes alternate offline / thread / process ``--rep
 (so load from other processes hits all alike); best and median are reported, with the 1-minute
 load average before and after.
 
-Run from the repo root:  .venv/bin/python benchmarks/bench_server.py [--models tiny,demo] [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.bench_server [--models tiny,demo] [--quick]
 Writes benchmarks/results/server_throughput.json (provenance and full configuration included;
 --quick: tiny only, 8 requests x 16 tokens, one pass, results to a temporary folder).
 """
@@ -36,14 +36,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import aiohttp  # noqa: E402
-from _common import (  # noqa: E402
+
+from benchmarks._common import (  # noqa: E402
     add_common_args,
     config_of,
     random_prompt,
@@ -77,9 +74,9 @@ class Offline:
     ``threads`` torch threads during a pass (None: the process's own setting)."""
 
     def __init__(self, a: argparse.Namespace) -> None:
-        from engine.config import EngineConfig
+        from engine.core.config import EngineConfig
+        from engine.core.sampling_params import SamplingParams
         from engine.llm_engine import LLMEngine
-        from engine.sampling_params import SamplingParams
 
         self.engine = LLMEngine(EngineConfig(**engine_args(a)))
         self.params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, seed=1)
@@ -247,8 +244,8 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     offline = Offline(a)
     offline.run(warm)
-    # the servers' engine cores step with every CPU but one (engine.serving.transport)
-    from engine.serving.transport import default_core_threads
+    # the servers' engine cores step with every CPU but one (engine.process.transport)
+    from engine.process.transport import default_core_threads
 
     core_threads = default_core_threads()
     offline.run(warm, core_threads)

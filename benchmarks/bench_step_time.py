@@ -5,7 +5,7 @@ running requests; median step time from the StepEvents. For the demo preset also
 ratio (8,000-token prefill step) / (decode step of 8 streams), target >= 20x with a decode step
 <= 40 ms.  -> results/step_time.json
 
-Run from the repo root:  .venv/bin/python benchmarks/bench_step_time.py [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.bench_step_time [--quick]
 Torch threads are left at torch's default unless --threads is given (recorded either way).
 """
 
@@ -14,15 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import (  # noqa: E402
+from benchmarks._common import (  # noqa: E402
     add_common_args,
     config_of,
     contention_probe,

@@ -18,7 +18,7 @@ Also measured, in this process and far less sensitive to other load: the publish
 time per step (publish on the caller's thread, encoding and sending on its thread) for steps of
 8, 64 and 256 chunks, against a sink that acks every frame.
 
-Run from the repo root:  .venv/bin/python benchmarks/bench_telemetry.py [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.bench_telemetry [--quick]
 Writes benchmarks/results/telemetry_overhead.json (provenance and configuration included).
 """
 
@@ -40,11 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import aiohttp  # noqa: E402
-from _common import (  # noqa: E402
+
+from benchmarks._common import (  # noqa: E402
     add_common_args,
     config_of,
     random_prompt,
@@ -153,8 +151,8 @@ def publisher_cost(num_chunks: int, num_steps: int) -> dict[str, Any]:
     acks), read from that thread's own CPU clock."""
     from websockets.asyncio.server import serve
 
-    from engine.events import ChunkRecord, RequestEvent, StepEvent
     from engine.telemetry import Publisher
+    from wire.events import ChunkRecord, RequestEvent, StepEvent
 
     port: list[int] = []
     started = threading.Event()
@@ -244,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['publish_cpu_us_per_step']:.1f} us/step on the caller's thread, "
               f"{c['publisher_thread_cpu_us_per_step']:.1f} us/step on its own thread")  # fmt: skip
 
-    from storage.testing import start_collector
+    from testkit.collector import start_collector
 
     rng = random.Random(a.seed)
     prompts = [random_prompt(rng, a.prompt_len) for _ in range(a.num_requests)]

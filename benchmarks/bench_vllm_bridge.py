@@ -27,9 +27,9 @@ import numpy as np  # noqa: E402
 from _common import add_common_args, config_of, setup, write_json  # noqa: E402
 
 from chunkscope.integrations.vllm_events import ScheduledChunk, StepTranslator  # noqa: E402
-from engine.events import ClockAnchor  # noqa: E402
-from engine.telemetry.publisher import Publisher  # noqa: E402
-from storage.testing import collector_in_thread  # noqa: E402
+from engine.telemetry.publisher import Publisher
+from testkit.collector import collector_in_thread
+from wire.events import ClockAnchor  # noqa: E402
 
 SCRIPT = "bench_vllm_bridge.py"
 

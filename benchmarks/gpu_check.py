@@ -24,8 +24,8 @@ compile of flex cannot cost the SDPA numbers. ``comparison`` puts them side by s
 
 ``--device cpu`` runs every part with tiny stand-in shapes: it checks the script, not a GPU.
 
-    python benchmarks/gpu_check.py --out-dir "$OUT"            # on the GPU machine
-    python benchmarks/gpu_check.py --device cpu --quick        # the dry run the tests use
+    python -m benchmarks.gpu_check --out-dir "$OUT"            # on the GPU machine
+    python -m benchmarks.gpu_check --device cpu --quick        # the dry run the tests use
 """
 
 from __future__ import annotations
@@ -41,20 +41,15 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import add_common_args, config_of, drain, setup, write_json  # noqa: E402
-
-from engine.config import EngineConfig  # noqa: E402
+from benchmarks._common import add_common_args, config_of, drain, setup, write_json  # noqa: E402
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model.arch import ModelArch  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
 
 # Cache block size per backend: flex's sparse KV block must be a multiple of its kernel's tile.
 BLOCK_SIZE = {"sdpa": 16, "flex": 128, "flash": 256}

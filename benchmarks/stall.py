@@ -14,14 +14,14 @@ Per window: chat ITL p50/p99/p99.9/max, chat TPOT p50/p99, RAG TTFT p50/p99, cha
 and output tokens/s.
 
 Before the served run the same traffic runs in this process on ``LLMEngine`` (same preset, same
-windows): its steps fit a step cost model (``engine.cost_model``) per window and step kind
+windows): its steps fit a step cost model (``engine.core.cost_model``) per window and step kind
 (decode-only, with prefill), and every served step's duration (from the store) is divided by
 that model's prediction: served/predicted p50 and p95, next to the in-process steps' own
 ratio to the fit. With ``CHUNKSCOPE_STEP_TRACE`` the core also records, per step, its CPU time,
-its threads' run-queue wait and GC time (``engine/serving/steptrace.py``); both runs report
+its threads' run-queue wait and GC time (``engine/process/steptrace.py``); both runs report
 them, so a slow served step can be told apart from a descheduled one.
 
-Run from the repo root:  .venv/bin/python benchmarks/stall.py [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.stall [--quick]
 Writes benchmarks/results/stall.json and stall.png (--quick: the tiny preset, short windows,
 short prompts, results to a temporary folder).
 """
@@ -33,7 +33,6 @@ import logging
 import os
 import pickle
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -44,22 +43,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np  # noqa: E402
-from _common import (  # noqa: E402
-    REPO_ROOT,
+
+from benchmarks._common import (  # noqa: E402
     add_common_args,
     config_of,
     contention_probe,
     setup,
+    start_engine_server,
     write_json,
 )
 
 SCRIPT = "stall.py"
 logger = logging.getLogger("stall")
-READY_RE = re.compile(r"listening on (http://\S+)")
 
 
 # --- the workload ---------------------------------------------------------------------------------
@@ -144,10 +140,10 @@ def run_in_process(
     """The same traffic on ``LLMEngine`` in this process: every step event, per window."""
     import gc
 
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
+    from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from engine.serving.steptrace import StepTracer
+    from engine.process.steptrace import StepTracer
 
     engine = LLMEngine(
         EngineConfig(
@@ -205,7 +201,7 @@ def run_in_process(
                     due.append(time.monotonic() + args.turnaround_ms / 1e3)
     tracer.close()
     gc.unfreeze()
-    from engine.serving.steptrace import read_trace
+    from engine.process.steptrace import read_trace
 
     trace = read_trace(trace_path)
     trace_path.unlink()
@@ -234,31 +230,6 @@ def child_pids(pid: int) -> list[int]:
             return [int(x) for x in f.read().split()]
     except OSError:
         return []
-
-
-def _wait_line(proc: subprocess.Popen[str], pattern: re.Pattern[str], timeout: float) -> str:
-    found: list[str] = []
-    ready = threading.Event()
-    lines: list[str] = []
-
-    def pump() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if len(lines) > 200:
-                del lines[:100]
-            m = pattern.search(line)
-            if m and not found:
-                found.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    ready.wait(timeout)
-    if not found:
-        proc.kill()
-        raise RuntimeError("the engine did not start:\n" + "".join(lines[-40:]))
-    return found[0]
 
 
 async def _stream(
@@ -378,7 +349,7 @@ async def _drive(
 def run_served(
     args: argparse.Namespace, traffic: Traffic, windows: list[Window], workdir: Path
 ) -> dict[str, Any]:
-    from storage.testing import start_collector
+    from testkit.collector import start_collector
 
     db_url = f"sqlite:///{workdir / 'stall.db'}"
     collector = start_collector(db_url, args=["--log-level", "WARNING"])
@@ -414,11 +385,8 @@ def run_served(
     ]
     if args.core_threads is not None:
         cmd += ["--cpu-threads", str(args.core_threads)]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
-    )
+    proc, url = start_engine_server(cmd, env=env, timeout=300, stdout=subprocess.DEVNULL)
     try:
-        url = _wait_line(proc, READY_RE, 300)
         pids = {"server": proc.pid, "collector": collector.process.pid, "client": os.getpid()}
         for child in child_pids(proc.pid):
             pids["core"] = child
@@ -440,7 +408,7 @@ def run_served(
         collector.lines[-5:],
     )
     if args.trace and trace_path.exists():
-        from engine.serving.steptrace import read_trace
+        from engine.process.steptrace import read_trace
 
         served["trace"] = read_trace(trace_path)
     return served
@@ -580,13 +548,13 @@ def engine_windows(
 
 
 def _works_from_events(events: list[Any]) -> list[Any]:
-    from engine.cost_model import StepWork
+    from engine.core.cost_model import StepWork
 
     return [StepWork.from_chunks(e.chunks) for e in events]
 
 
 def _works_from_store(chunks: Any) -> dict[int, Any]:
-    from engine.cost_model import StepWork
+    from engine.core.cost_model import StepWork
 
     out = {}
     for step, group in chunks.groupby("step"):
@@ -611,7 +579,7 @@ def cost_comparison(
     duration by its prediction. With ``*_wait`` (step -> seconds its threads waited for a CPU,
     from the step traces) that wait is taken off every duration first: what is left is the
     step's time on a CPU, which other processes on the machine cannot stretch."""
-    from engine.cost_model import fit
+    from engine.core.cost_model import fit
 
     iw = inproc_wait or {}
     sw = served_wait or {}
@@ -925,7 +893,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         apply_quick(args, parser)
-    from engine.serving.transport import default_core_threads
+    from engine.process.transport import default_core_threads
 
     core_threads = args.core_threads or default_core_threads()
     out_dir = setup(args)
@@ -1089,7 +1057,7 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    from _common import table
+    from benchmarks._common import table
 
     for side in ("client", "engine"):
         rows = [

@@ -40,7 +40,7 @@ from _common import add_common_args, config_of, setup, write_json  # noqa: E402
 from storage import queries  # noqa: E402
 from storage.control import send_control  # noqa: E402
 from storage.db import connect  # noqa: E402
-from storage.testing import start_collector  # noqa: E402
+from testkit.collector import start_collector
 from tests.chunkscope.integrations.vllm_helpers import (  # noqa: E402
     VllmServer,
     build_llama_folder,

@@ -8,7 +8,7 @@ band with the chunks, see ``engine/model/vision.py``), their ratio (the spike a 
 the number of steps, and the image request's TTFT. Each case runs ``--repeats`` times (median
 reported, all kept); budgets alternate within a repeat so background load hits them alike.
 
-    .venv/bin/python benchmarks/vlm_stall.py [--budgets 16384,512,256] [--quick]
+    .venv/bin/python -m benchmarks.vlm_stall [--budgets 16384,512,256] [--quick]
 
 Writes benchmarks/results/vlm_stall.json (provenance and full configuration included).
 """
@@ -18,23 +18,17 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import add_common_args, config_of, setup, table, write_json  # noqa: E402
-
-from engine.config import EngineConfig  # noqa: E402
+from benchmarks._common import add_common_args, config_of, setup, table, write_json  # noqa: E402
+from engine.core.config import EngineConfig
+from engine.core.request import ImageInput  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.multimodal import resize_image  # noqa: E402
-from engine.request import ImageInput  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.server.multimodal import resize_image  # noqa: E402
 
 
 def make_image(height: int, width: int, seed: int) -> ImageInput:

@@ -1,1 +1,2 @@
-"""chunkscope: a chunked-prefill serving engine you can watch and steer, and bridges to others."""
+"""chunkscope: the `chunkscope` command (cli.py) above the packages it dispatches to, and the
+bridges to other engines (integrations/)."""

@@ -1,43 +1,32 @@
-"""Control client for the collector's ``/control`` endpoint (docs/telemetry.md).
-
-A few short websocket exchanges (websockets' new asyncio API), each bounded by a timeout:
-``list_engines`` and ``control`` -> ``control_ack``. The dashboard never talks to an engine
+"""The dashboard's side of control: its checks and wording over ``storage.control``, the one
+client of the collector's ``/control`` endpoint (docs/telemetry.md): ``list_engines`` and
+``control`` -> ``control_ack``, each bounded by a timeout. The dashboard never talks to an engine
 directly: the collector relays, and stores every change (accepted or refused).
 
-Values are validated here first (:func:`validate_budget`), so a non-numeric or out-of-range budget
-is refused in the UI with its reason and never sent.
+Values are validated here first (:func:`validate_budget`: the user's text parsed, then the wire's
+one rule), so a non-numeric or out-of-range budget is refused in the UI with its reason and never
+sent.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import itertools
-import json
 import logging
 import os
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any
 
-from websockets.asyncio.client import connect
-from websockets.exceptions import WebSocketException
+from storage.control import CollectorUnavailable, exchange
+from wire.control import refusal
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 LIST_TIMEOUT_S = 3.0
 # The collector waits up to 15 s for the engine's answer; leave room for its refusal to arrive.
 CONTROL_TIMEOUT_S = 20.0
-POLICIES = ("chunked", "unchunked")
 _ids = itertools.count(1)
-
-
-class CollectorUnavailable(ConnectionError):
-    """The collector did not answer (down, wrong address, or too slow)."""
 
 
 @dataclass(frozen=True)
@@ -60,19 +49,12 @@ class ControlResult:
         return f"applied at step {self.applied_at_step}" + (f" ({changes})" if changes else "")
 
 
-def control_url(collector_url: str) -> str:
-    """``ws://host:port`` (or ``.../ingest``) -> ``ws://host:port/control``."""
-    parts = urlsplit(collector_url.strip())
-    if parts.scheme not in ("ws", "wss") or not parts.netloc:
-        raise ValueError(f"collector URL must look like ws://HOST:PORT, got {collector_url!r}")
-    return urlunsplit((parts.scheme, parts.netloc, "/control", "", ""))
-
-
 def validate_budget(value: object, max_budget: int | None) -> int:
     """A token budget the engine will accept, or ValueError saying why not.
 
-    Accepts an int, a float with no fraction, or a string of digits; refuses bools, fractions,
-    text, and values outside 1..``max_budget`` (when the maximum is known).
+    Accepts an int, a float with no fraction, or a string of digits (the UI's text); refuses
+    bools, fractions and text, then applies the wire's rule (``wire.control.refusal``): values
+    outside 1..``max_budget`` (when the maximum is known).
     """
     if isinstance(value, bool):
         raise ValueError(f"token budget must be a whole number, got {value!r}")
@@ -88,9 +70,9 @@ def validate_budget(value: object, max_budget: int | None) -> int:
         value = int(value)
     if not isinstance(value, int):
         raise ValueError(f"token budget must be a whole number, got {value!r}")
-    if value < 1 or (max_budget is not None and value > max_budget):
-        hi = f" to {max_budget}" if max_budget is not None else " or more"
-        raise ValueError(f"token budget must be from 1{hi}, got {value}")
+    reason = refusal("token_budget", value, max_token_budget=max_budget, name="token budget")
+    if reason is not None:
+        raise ValueError(reason)
     return value
 
 
@@ -109,14 +91,15 @@ def validate_cap(value: object, max_budget: int | None) -> int:
 
 
 def validate_policy(value: object) -> str:
-    if value not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {value!r}")
+    reason = refusal("policy", value, max_token_budget=None)
+    if reason is not None:
+        raise ValueError(reason)
     return str(value)
 
 
 def list_engines(collector_url: str, *, timeout: float = LIST_TIMEOUT_S) -> list[dict[str, Any]]:
     """The engines the collector knows (``connected`` says which are live)."""
-    reply = _run(_exchange(collector_url, {"type": "list_engines"}, "engines", None, timeout))
+    reply = exchange(collector_url, {"type": "list_engines"}, "engines", timeout=timeout)
     engines = reply.get("engines")
     if not isinstance(engines, list):
         raise CollectorUnavailable(f"collector sent no engine list: {reply!r}")
@@ -154,7 +137,9 @@ def set_scheduler(
     token = token if token is not None else os.environ.get("CHUNKSCOPE_CONTROL_TOKEN")
     if token:
         message["token"] = token
-    reply = _run(_exchange(collector_url, message, "control_ack", msg_id, timeout))
+    reply = exchange(collector_url, message, "control_ack", msg_id, timeout=timeout)
+    if reply.get("type") == "error":  # the collector rejected the message whole
+        reply = {"ok": False, "error": reply.get("message") or reply.get("code")}
     step = reply.get("applied_at_step")
     return ControlResult(
         id=msg_id,
@@ -164,42 +149,3 @@ def set_scheduler(
         old=reply.get("old") or {},
         new=reply.get("new") or {},
     )
-
-
-async def _exchange(
-    collector_url: str, message: dict[str, Any], want: str, msg_id: str | None, timeout: float
-) -> dict[str, Any]:
-    url = control_url(collector_url)
-    try:
-        async with asyncio.timeout(timeout):
-            async with connect(url, open_timeout=timeout, proxy=None, close_timeout=1) as ws:
-                await ws.send(json.dumps(message))
-                while True:
-                    reply = json.loads(await ws.recv())
-                    if not isinstance(reply, dict):
-                        continue
-                    if reply.get("type") == "error":
-                        return {
-                            "type": want,
-                            "ok": False,
-                            "error": reply.get("message") or reply.get("code"),
-                        }
-                    if reply.get("type") == want and (msg_id is None or reply.get("id") == msg_id):
-                        return reply
-    except TimeoutError as exc:
-        raise CollectorUnavailable(
-            f"no answer from the collector at {url} in {timeout:g} s"
-        ) from exc
-    except (OSError, WebSocketException, json.JSONDecodeError) as exc:
-        raise CollectorUnavailable(f"collector at {url} unreachable: {exc}") from exc
-
-
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine from synchronous code (a Streamlit script thread has no event loop; if
-    one is running in this thread, use a worker thread instead)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()

@@ -38,8 +38,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
-COLLECTOR_READY = re.compile(r"collector listening on (wss?://[^\s,]+)")
-ENGINE_READY = re.compile(r"chunkscope engine listening on (https?://[^\s,]+)")
 STOP_GRACE_S = 5.0
 
 

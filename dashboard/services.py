@@ -17,13 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dashboard.processes import (
-    COLLECTOR_READY,
-    ENGINE_READY,
-    ManagedProcess,
-    python_argv,
-)
+from dashboard.processes import ManagedProcess, python_argv
 from dashboard.settings import Settings
+from wire.ready import COLLECTOR_READY, ENGINE_READY
 
 logger = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ import streamlit as st
 from dashboard import control, data
 from dashboard.services import DEFAULT_DURATION_S, PROFILES, Stack, TrafficLauncher
 from dashboard.settings import Settings, parse_settings
+from storage.control import CollectorUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def collector_engines(url: str | None) -> tuple[list[dict[str, Any]] | None, str
         return None, "no collector configured"
     try:
         return control.list_engines(url), None
-    except control.CollectorUnavailable as exc:
+    except CollectorUnavailable as exc:
         return None, str(exc)
 
 

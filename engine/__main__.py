@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.serving import main
+from engine.server.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -13,9 +13,9 @@ import random
 import statistics
 import sys
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 
 
 def _bar(ev_decode: int, ev_prefill: int, budget: int, width: int = 32) -> str:

@@ -17,14 +17,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.admission import QueueFullError, check_queue, check_request
-from engine.config import EngineConfig
-from engine.engine_setup import build_parts, resolve_device, resolve_dtype  # resolve_*: re-export
-from engine.events import ClockAnchor, ControlEvent, StepEvent
-from engine.outputs import EngineStats, RequestOutput
-from engine.request import ImageInput, Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ControlResult, StepPlan
+from engine.core.admission import QueueFullError, check_queue, check_request
+from engine.core.config import EngineConfig
+from engine.core.outputs import EngineStats, RequestOutput
+from engine.core.request import ImageInput, Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ControlResult, StepPlan
+from engine.model.setup import build_parts, resolve_device, resolve_dtype  # resolve_*: re-export
 from engine.step_events import (
     EventBus,
     Listener,
@@ -33,6 +32,7 @@ from engine.step_events import (
     request_output,
     step_event,
 )
+from wire.events import ClockAnchor, ControlEvent, StepEvent
 
 logger = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from engine.events import ChunkRecord, ClockAnchor, ControlEvent, Event, RequestEvent, StepEvent
-from engine.outputs import EngineStats, RequestOutput
-from engine.request import Request
-from engine.scheduler import StepPlan
+from engine.core.outputs import EngineStats, RequestOutput
+from engine.core.request import Request
+from engine.core.scheduler import StepPlan
+from wire.events import ChunkRecord, ClockAnchor, ControlEvent, Event, RequestEvent, StepEvent
 
 logger = logging.getLogger(__name__)
 

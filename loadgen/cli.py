@@ -8,12 +8,11 @@ import json
 import logging
 import os
 import sys
-from typing import Any
 
 from loadgen import __version__
 from loadgen.arrivals import ARRIVALS
+from loadgen.options import id_range, non_negative, positive, setup
 from loadgen.orchestrate import PlanError, run_from_args
-from loadgen.profiles import Profiles, apply_override, validate
 from loadgen.traces import FORMATS
 from loadgen.workload import PROFILES
 
@@ -32,39 +31,6 @@ budget sweep (chunkscope): python -m loadgen sweep --url ... --budgets 128,512,2
 """
 
 
-def _positive(kind: type) -> Any:
-    def conv(text: str) -> Any:
-        try:
-            v = kind(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return v
-
-    return conv
-
-
-def _non_negative(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def _id_range(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(v) for v in text.split(","))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"want LO,HI, got {text!r}") from exc
-    if not 0 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"need 0 <= LO <= HI, got {text!r}")
-    return lo, hi
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loadgen",
@@ -75,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--profile", choices=PROFILES, default="chat")
-    p.add_argument("--rate", type=_positive(float), help="total req/s (default: the profile's)")
+    p.add_argument("--rate", type=positive(float), help="total req/s (default: the profile's)")
     p.add_argument(
         "--arrival",
         choices=ARRIVALS,
@@ -84,34 +50,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--burstiness",
-        type=_positive(float),
+        type=positive(float),
         help="gamma shape: 1 = Poisson, < 1 burstier (CV = 1/sqrt(shape))",
     )
     p.add_argument(
         "--ramp",
-        type=_non_negative,
+        type=non_negative,
         default=0.0,
         metavar="SECONDS",
         help="rise linearly from --ramp-from to --rate over SECONDS, then hold",
     )
     p.add_argument(
         "--ramp-from",
-        type=_non_negative,
+        type=non_negative,
         default=0.0,
         metavar="RATE",
         help="req/s at the start of the ramp (default 0)",
     )
     p.add_argument(
         "--duration",
-        type=_positive(float),
+        type=positive(float),
         help="seconds of arrivals (with --num-requests: whichever ends first)",
     )
     p.add_argument(
         "--num-requests",
-        type=_positive(int),
+        type=positive(int),
         help=f"request count (default {DEFAULT_NUM_REQUESTS} if no --duration)",
     )
-    p.add_argument("--max-concurrency", type=_positive(int), help="cap on in-flight requests")
+    p.add_argument("--max-concurrency", type=positive(int), help="cap on in-flight requests")
     p.add_argument("--seed", type=int, default=0, help="seeds arrivals, lengths and images")
     p.add_argument(
         "--prompt-salt",
@@ -128,18 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--time-scale",
-        type=_positive(float),
+        type=positive(float),
         default=1.0,
         help="trace time multiplier (0.5 = twice as fast)",
     )
     p.add_argument(
         "--trace-block-size",
-        type=_positive(int),
+        type=positive(int),
         default=512,
         help="tokens per Mooncake hash block",
     )
-    p.add_argument("--slo-ttft-ms", type=_positive(float), help="goodput SLO on TTFT")
-    p.add_argument("--slo-itl-ms", type=_positive(float), help="SLO on each request's TPOT")
+    p.add_argument("--slo-ttft-ms", type=positive(float), help="goodput SLO on TTFT")
+    p.add_argument("--slo-itl-ms", type=positive(float), help="SLO on each request's TPOT")
     p.add_argument("--out", metavar="result.json", help="write the full result JSON here")
     p.add_argument(
         "--set",
@@ -153,12 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model name (default: the first of GET /v1/models)")
     p.add_argument(
         "--max-model-len",
-        type=_positive(int),
+        type=positive(int),
         help="context length for clipping (default: the server's, else 8192)",
     )
     p.add_argument(
         "--token-id-range",
-        type=_id_range,
+        type=id_range,
         default=(32, 126),
         metavar="LO,HI",
         help="prompt token ids are drawn from [LO, HI] (default 32,126)",
@@ -177,14 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--request-timeout",
-        type=_positive(float),
+        type=positive(float),
         default=600.0,
         metavar="S",
         help="per-request limit (default 600)",
     )
     p.add_argument(
         "--drain-timeout",
-        type=_positive(float),
+        type=positive(float),
         default=600.0,
         metavar="S",
         help="after the last send, wait at most S for in-flight requests",
@@ -213,19 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return sweep_main(args_in[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=args.log_level,
-            stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
-    profiles = Profiles()
-    try:
-        for item in args.overrides:
-            apply_override(profiles, item)
-        validate(profiles)
-    except ValueError as exc:
-        parser.error(str(exc))
+    profiles = setup(parser, args)
     if args.show_profiles:
         print(json.dumps(profiles.as_dict(), indent=2))
         return 0

@@ -13,6 +13,7 @@ from typing import Any
 from loadgen import __version__
 from loadgen.client import ClientConfig
 from loadgen.metrics import Slo, summarize_all
+from loadgen.options import TrafficOptions
 from loadgen.profiles import Profiles
 from loadgen.progress import Progress
 from loadgen.report import table, write_json
@@ -29,18 +30,20 @@ class PlanError(ValueError):
     """The options describe no valid plan (reported as a usage error)."""
 
 
-def _plan(
-    args: argparse.Namespace, profiles: Profiles, ctx: int
+def plan(
+    traffic: TrafficOptions, profiles: Profiles, ctx: int
 ) -> tuple[list[RequestSpec], dict[str, Any]]:
-    if args.trace:
-        limit = args.num_requests
-        trace = load_trace(args.trace, args.trace_format, args.time_scale, limit=limit)
+    """The requests of a run (a trace replayed, or a profile's traffic) and, for a trace, what
+    was read from it; ``ctx``: the server's context length."""
+    if traffic.trace:
+        limit = traffic.num_requests
+        trace = load_trace(traffic.trace, traffic.trace_format, traffic.time_scale, limit=limit)
         specs = trace_specs(
             trace,
             ctx,
-            block_size=args.trace_block_size,
-            duration=args.duration,
-            num_requests=args.num_requests,
+            block_size=traffic.trace_block_size,
+            duration=traffic.duration,
+            num_requests=traffic.num_requests,
         )
         return specs, {
             "format": trace.fmt,
@@ -49,15 +52,15 @@ def _plan(
             "skip_reasons": trace.skip_reasons,
         }
     opts = PlanOptions(
-        profile=args.profile,
-        rate=args.rate,
-        arrival=args.arrival,
-        burstiness=args.burstiness,
-        ramp_s=args.ramp,
-        ramp_from=args.ramp_from,
-        duration=args.duration,
-        num_requests=args.num_requests,
-        seed=args.seed,
+        profile=traffic.profile,
+        rate=traffic.rate,
+        arrival=traffic.arrival,
+        burstiness=traffic.burstiness,
+        ramp_s=traffic.ramp,
+        ramp_from=traffic.ramp_from,
+        duration=traffic.duration,
+        num_requests=traffic.num_requests,
+        seed=traffic.seed,
         max_model_len=ctx,
     )
     return build_plan(profiles, opts), {}
@@ -72,7 +75,7 @@ async def run_from_args(args: argparse.Namespace, profiles: Profiles) -> tuple[i
     ctx = args.max_model_len or info.max_model_len or 8192
     model = args.model or info.model or "default"
     try:
-        specs, trace_info = _plan(args, profiles, ctx)
+        specs, trace_info = plan(TrafficOptions.from_args(args), profiles, ctx)
     except (ValueError, OSError) as exc:
         raise PlanError(str(exc)) from exc
     cfg = ClientConfig(

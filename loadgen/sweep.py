@@ -53,11 +53,11 @@ from advisor.text import (
 )
 from loadgen import __version__
 from loadgen.arrivals import ARRIVALS
-from loadgen.cli import _id_range, _positive
 from loadgen.client import ClientConfig
 from loadgen.metrics import stats_ms
-from loadgen.orchestrate import PlanError, _plan
-from loadgen.profiles import Profiles, apply_override, validate
+from loadgen.options import TrafficOptions, id_range, non_negative, positive, setup
+from loadgen.orchestrate import PlanError, plan
+from loadgen.profiles import Profiles
 from loadgen.record import RequestRecord
 from loadgen.report import write_json
 from loadgen.runner import execute, prefetch_images, probe_prompt_format, probe_server
@@ -294,23 +294,9 @@ async def set_budget(
 # ---- the run ----------------------------------------------------------------------------------
 
 
-def _plan_args(args: argparse.Namespace, total_s: float) -> argparse.Namespace:
-    """The options ``orchestrate._plan`` reads, for ``total_s`` seconds of traffic."""
-    return argparse.Namespace(
-        trace=args.trace,
-        trace_format=args.trace_format,
-        time_scale=args.time_scale,
-        trace_block_size=args.trace_block_size,
-        num_requests=None,
-        duration=total_s,
-        profile=args.profile,
-        rate=args.rate,
-        arrival=args.arrival,
-        burstiness=args.burstiness,
-        ramp=0.0,
-        ramp_from=0.0,
-        seed=args.seed,
-    )
+def _traffic(args: argparse.Namespace, total_s: float) -> TrafficOptions:
+    """The sweep's traffic options for ``total_s`` seconds of traffic (no ramp, no count)."""
+    return replace(TrafficOptions.from_args(args), duration=total_s, num_requests=None, ramp=0.0)
 
 
 async def run_sweep(
@@ -339,10 +325,10 @@ async def run_sweep(
         total_s = len(pairs) * args.window_s
         try:
             if args.same_traffic:
-                one, trace_info = _plan(_plan_args(args, args.window_s), profiles, ctx)
+                one, trace_info = plan(_traffic(args, args.window_s), profiles, ctx)
                 specs = repeat_plan(one, len(pairs), args.window_s)
             else:
-                specs, trace_info = _plan(_plan_args(args, total_s), profiles, ctx)
+                specs, trace_info = plan(_traffic(args, total_s), profiles, ctx)
         except (ValueError, OSError) as exc:
             raise PlanError(str(exc)) from exc
         cfg = ClientConfig(
@@ -472,7 +458,7 @@ def load_predictions(path: str) -> list[dict[str, Any]]:
 
 def predict_now(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the advisor on the store's traffic from before the sweep (lazy import)."""
-    from advisor.predict import predict_from_store  # imports engine.scheduler: only when asked
+    from advisor.predict import predict_from_store  # imports engine.core.scheduler: only when asked
 
     now = time.time()
     since = args.predict_since if args.predict_since is not None else now - args.predict_lookback_s
@@ -492,16 +478,6 @@ def predict_now(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ---- command line -----------------------------------------------------------------------------
 
 
-def _non_negative(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loadgen sweep",
@@ -511,13 +487,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--profile", choices=PROFILES, default="mixed")
-    p.add_argument("--rate", type=_positive(float), help="total req/s (default: the profile's)")
+    p.add_argument("--rate", type=positive(float), help="total req/s (default: the profile's)")
     p.add_argument("--arrival", choices=ARRIVALS, help="arrival process for every class")
-    p.add_argument("--burstiness", type=_positive(float), help="gamma shape")
+    p.add_argument("--burstiness", type=positive(float), help="gamma shape")
     p.add_argument("--trace", metavar="FILE", help="replay an Azure CSV or Mooncake JSONL trace")
     p.add_argument("--trace-format", choices=FORMATS, default="auto")
-    p.add_argument("--time-scale", type=_positive(float), default=1.0)
-    p.add_argument("--trace-block-size", type=_positive(int), default=512)
+    p.add_argument("--time-scale", type=positive(float), default=1.0)
+    p.add_argument("--trace-block-size", type=positive(int), default=512)
     p.add_argument("--budgets", type=parse_budgets, default=parse_budgets(DEFAULT_BUDGETS))
     p.add_argument(
         "--caps",
@@ -526,10 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="long-prefill caps (long_prefill_token_threshold, 0 = off) to try beside each "
         "budget, e.g. 0,256: one window per (budget, cap); the recommendation is then a pair",
     )
-    p.add_argument("--window-s", type=_positive(float), default=60.0, help="seconds per window")
+    p.add_argument("--window-s", type=positive(float), default=60.0, help="seconds per window")
     p.add_argument(
         "--warmup-s",
-        type=_non_negative,
+        type=non_negative,
         default=15.0,
         help="seconds discarded at the start of each window",
     )
@@ -539,13 +515,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="every window replays the traffic planned for the first (same arrivals and "
         "lengths, fresh prompt tokens): budgets compared on the same requests",
     )
-    p.add_argument("--slo-itl-ms", type=_positive(float), help="SLO on the p99 ITL")
-    p.add_argument("--slo-ttft-ms", type=_positive(float), help="SLO on the p99 TTFT")
+    p.add_argument("--slo-itl-ms", type=positive(float), help="SLO on the p99 ITL")
+    p.add_argument("--slo-ttft-ms", type=positive(float), help="SLO on the p99 TTFT")
     p.add_argument("--out", metavar="FILE.json", help="write the sweep document here")
     p.add_argument("--control-token", default=os.environ.get("CHUNKSCOPE_CONTROL_TOKEN"))
     p.add_argument(
         "--apply-budget",
-        type=_positive(int),
+        type=positive(int),
         help="budget to leave the engine at (default: the one it had before the sweep)",
     )
     p.add_argument(
@@ -561,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predict-until", type=float, help="with --predict-db: window end (wall s)")
     p.add_argument(
         "--predict-lookback-s",
-        type=_positive(float),
+        type=positive(float),
         default=600.0,
         help="with --predict-db and no --predict-since: the traffic of the last S seconds",
     )
@@ -569,15 +545,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-salt", type=int)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="C.F=V")
     p.add_argument("--model")
-    p.add_argument("--max-model-len", type=_positive(int))
-    p.add_argument("--max-concurrency", type=_positive(int))
-    p.add_argument("--token-id-range", type=_id_range, default=(32, 126), metavar="LO,HI")
+    p.add_argument("--max-model-len", type=positive(int))
+    p.add_argument("--max-concurrency", type=positive(int))
+    p.add_argument("--token-id-range", type=id_range, default=(32, 126), metavar="LO,HI")
     p.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
-    p.add_argument("--request-timeout", type=_positive(float), default=600.0, metavar="S")
+    p.add_argument("--request-timeout", type=positive(float), default=600.0, metavar="S")
     p.add_argument(
         "--drain-s",
-        type=_positive(float),
+        type=positive(float),
         default=2.0,
         help="after the last window, wait at most S for in-flight requests, then cancel them",
     )
@@ -600,19 +576,7 @@ def table(doc: Mapping[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=args.log_level,
-            stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
-    profiles = Profiles()
-    try:
-        for item in args.overrides:
-            apply_override(profiles, item)
-        validate(profiles)
-    except ValueError as exc:
-        parser.error(str(exc))
+    profiles = setup(parser, args)
     if not args.url.startswith(("http://", "https://")):
         parser.error(f"--url must start with http:// or https://, got {args.url!r}")
     if args.trace and not os.path.isfile(args.trace):

@@ -17,6 +17,7 @@ import signal
 import sys
 
 from storage.db import default_url
+from wire.ready import collector_ready_line
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def run_collector(argv: list[str]) -> int:
     async def main() -> None:
         collector = Collector(config)
         await collector.start()
-        print(f"collector listening on {collector.url}", flush=True)
+        print(collector_ready_line(collector.url), flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -32,20 +32,18 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from storage import db as dbm
+from storage import ingest
+from storage.ingest import CLOSE_BAD_INPUT
 from storage.store import CollectorControl, Disconnect, Events, EventsResult, Hello, RunInfo
 from storage.writer import Writer
+from wire.control import CAP_KEY, CONTROL_KEYS, POLICIES, ControlRefused, check_changes
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
 DEFAULT_PORT = 8765
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
-DEFAULT_POLICIES = ("chunked", "unchunked")
-CONTROL_KEYS = ("token_budget", "policy", "long_prefill_token_threshold")
-CAP_KEY = "long_prefill_token_threshold"
 
 CLOSE_TOO_BIG = 1009
-CLOSE_BAD_INPUT = 4400
 CLOSE_AUTH = 4401
 CLOSE_REPLACED = 4409
 CLOSE_STORE_ERROR = 1011
@@ -142,7 +140,7 @@ class IngestConn:
     token_budget: int | None = None
     policy: str | None = None
     long_prefill_token_threshold: int | None = None  # None: an engine older than the cap
-    policies: tuple[str, ...] = DEFAULT_POLICIES
+    policies: tuple[str, ...] = POLICIES
     model: str | None = None
     engine_kind: str | None = None  # the hello's engine_kind ("vllm" for the vLLM bridge)
     last_step: int | None = None
@@ -395,11 +393,11 @@ class Collector:
             self._closed_reason(exc)
             return
         self.metrics.frames.inc()
-        hello, why = self._parse(raw)
+        hello, why = ingest.parse(raw)
         if hello is None:
             await self._close(ws, CLOSE_BAD_INPUT, why)
             return
-        why = self._check_hello(hello)
+        why = ingest.check_hello(hello)
         if why:
             await self._close(ws, CLOSE_BAD_INPUT, why)
             return
@@ -480,46 +478,6 @@ class Collector:
             conn.ws.close_code,
         )
 
-    @staticmethod
-    def _parse(raw: str | bytes) -> tuple[dict[str, Any] | None, str]:
-        if isinstance(raw, bytes):
-            return None, "binary frame: frames are JSON text"
-        try:
-            msg = json.loads(raw)
-        except ValueError as exc:
-            return None, f"malformed JSON: {exc}"
-        if not isinstance(msg, dict):
-            return None, f"a frame must be a JSON object, got {type(msg).__name__}"
-        return msg, ""
-
-    @staticmethod
-    def _check_hello(h: dict[str, Any]) -> str:
-        if h.get("type") != "hello":
-            return "the first frame must be a hello"
-        if h.get("schema") != SCHEMA_VERSION:
-            return f"schema {h.get('schema')!r} not supported (this collector speaks 1)"
-        for key in ("engine_id", "run_id"):
-            if not isinstance(h.get(key), str) or not h[key]:
-                return f"hello needs a non-empty string {key}"
-        clock = h.get("clock")
-        if not isinstance(clock, dict) or not all(
-            isinstance(clock.get(k), int) and not isinstance(clock.get(k), bool)
-            for k in ("wall_ns", "mono_ns")
-        ):
-            return "hello needs clock {wall_ns, mono_ns} as integers"
-        for key in (
-            "token_budget",
-            "max_token_budget",
-            CAP_KEY,
-            "pid",
-            "kv_blocks_total",
-            "block_size",
-        ):
-            value = h.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                return f"hello {key} must be an integer, got {value!r}"
-        return ""
-
     def _take_hello(self, conn: IngestConn, h: dict[str, Any]) -> None:
         conn.max_token_budget = h.get("max_token_budget")
         conn.token_budget = h.get("token_budget")
@@ -549,110 +507,34 @@ class Collector:
         }
 
     async def _ingest_frame(self, conn: IngestConn, raw: str | bytes) -> bool:
-        """Handle one frame after the hello; False when the connection was closed."""
-        msg, why = self._parse(raw)
+        """Handle one frame after the hello (the rules are ``storage.ingest``'s; this carries
+        out the verdict); False when the connection was closed."""
+        msg, why = ingest.parse(raw)
         if msg is None:
             await self._close(conn.ws, CLOSE_BAD_INPUT, why)
             return False
-        kind = msg.get("type")
-        if kind == "control_ack":
-            self._control_ack(conn, msg)
+        verdict = ingest.frame(
+            msg, engine_id=conn.engine_id, run_id=conn.run_id, expected=conn.expected
+        )
+        if verdict.control_ack is not None:
+            self._control_ack(conn, verdict.control_ack)
             return True
-        if msg.get("schema") != SCHEMA_VERSION:
-            await self._close(
-                conn.ws, CLOSE_BAD_INPUT, f"schema {msg.get('schema')!r} not supported"
-            )
+        if verdict.close is not None:
+            await self._close(conn.ws, CLOSE_BAD_INPUT, verdict.close)
             return False
-        if kind != "events":
-            self.metrics.refuse("unknown_message")
-            await self._send(
-                conn.ws,
-                {
-                    "type": "error",
-                    "code": "unknown_message",
-                    "message": f"unknown message type {kind!r} on /ingest (after the hello: "
-                    "events or control_ack)",
-                },
-            )
-            return True
-        for key in ("engine_id", "run_id"):
-            if key in msg and msg[key] != getattr(conn, key):
-                await self._close(conn.ws, CLOSE_BAD_INPUT, f"{key} differs from the hello's")
-                return False
-        events = msg.get("events")
-        if not isinstance(events, list) or not all(
-            isinstance(e, dict)
-            and isinstance(e.get("seq"), int)
-            and not isinstance(e.get("seq"), bool)
-            for e in events
-        ):
-            await self._close(
-                conn.ws, CLOSE_BAD_INPUT, "events must be a list of objects with an integer seq"
-            )
-            return False
-        if not events:
-            return True
-        seqs = [e["seq"] for e in events]
-        if any(b <= a for a, b in itertools.pairwise(seqs)):
-            self.metrics.refuse("seq_order")
-            await self._send(
-                conn.ws,
-                {
-                    "type": "error",
-                    "code": "seq_order",
-                    "expected": conn.expected,
-                    "message": "the seqs in a frame must increase; frame refused",
-                },
-            )
-            return True
-        accepted: list[dict[str, Any]] = []
-        expected = conn.expected
-        gap_at = None
-        duplicates = 0
-        for ev in events:
-            seq = ev["seq"]
-            if seq < expected:
-                duplicates += 1
-                continue
-            if seq > expected and not self._declares(ev, expected):
-                gap_at = expected
-                break
-            accepted.append(ev)
-            expected = seq + 1
-        if duplicates:
-            self.metrics.duplicates.inc(duplicates)
-        if accepted:
+        if verdict.duplicates:
+            self.metrics.duplicates.inc(verdict.duplicates)
+        if verdict.accepted:
             await self._backpressure()
             if not conn.current:
                 return False
-            conn.expected = expected
-            self._note_progress(conn, accepted)
-            self._submit(Events(conn.run_key, accepted, tag=conn))
-        if gap_at is not None:
-            self.metrics.refuse("seq_gap")
-            await self._send(
-                conn.ws,
-                {
-                    "type": "error",
-                    "code": "seq_gap",
-                    "expected": gap_at,
-                    "message": f"seq {gap_at} is missing; resend from it",
-                },
-            )
+            conn.expected = verdict.expected
+            self._note_progress(conn, verdict.accepted)
+            self._submit(Events(conn.run_key, verdict.accepted, tag=conn))
+        if verdict.error is not None:
+            self.metrics.refuse(verdict.error["code"])
+            await self._send(conn.ws, verdict.error)
         return True
-
-    @staticmethod
-    def _declares(ev: dict[str, Any], expected: int) -> bool:
-        """A gap event may jump over the seqs it declares lost."""
-        if ev.get("type") != "gap":
-            return False
-        first, last = ev.get("first_seq_lost"), ev.get("last_seq_lost")
-        return (
-            isinstance(first, int)
-            and isinstance(last, int)
-            and first <= expected
-            and last >= ev["seq"] - 1
-        )
 
     def _note_progress(self, conn: IngestConn, events: list[dict[str, Any]]) -> None:
         for ev in reversed(events):
@@ -697,7 +579,7 @@ class Collector:
         self.metrics.control_clients.inc()
         try:
             async for raw in ws:
-                msg, why = self._parse(raw)
+                msg, why = ingest.parse(raw)
                 if msg is None:
                     self.metrics.refuse("control_bad_input")
                     await self._send(ws, {"type": "error", "code": "bad_input", "message": why})
@@ -775,31 +657,13 @@ class Collector:
             if engine_id in self._seen:
                 return refuse(f"engine {engine_id} is not connected", "disconnected")
             return refuse(f"unknown engine {engine_id!r}", "unknown_engine")
-        if not isinstance(new, dict) or not new:
-            return refuse(
-                'set must be a non-empty object, e.g. {"token_budget": 512}', "bad_request"
-            )
-        for key, value in new.items():
-            if key not in CONTROL_KEYS:
-                return refuse(f"unknown key {key!r}: use one of {list(CONTROL_KEYS)}", "bad_key")
-            if key == "token_budget":
-                if isinstance(value, bool) or not isinstance(value, int):
-                    return refuse(f"token_budget must be an integer, got {value!r}", "bad_value")
-                top = conn.max_token_budget
-                if value < 1 or (top is not None and value > top):
-                    bound = f"from 1 to {top}" if top is not None else "at least 1"
-                    return refuse(f"token_budget must be {bound}, got {value}", "bad_value")
-            if key == CAP_KEY:
-                if isinstance(value, bool) or not isinstance(value, int):
-                    return refuse(f"{CAP_KEY} must be an integer, got {value!r}", "bad_value")
-                top = conn.max_token_budget
-                if value < 0 or (top is not None and value > top):
-                    bound = f"from 0 to {top}" if top is not None else "at least 0"
-                    return refuse(f"{CAP_KEY} must be {bound}, got {value}", "bad_value")
-            if key == "policy" and value not in conn.policies:
-                return refuse(
-                    f"policy must be one of {list(conn.policies)}, got {value!r}", "bad_value"
-                )
+        try:
+            check_changes(new, conn.max_token_budget, conn.policies)
+        except ControlRefused as exc:
+            code = "bad_request" if exc.param is None else "bad_value"
+            if exc.param is not None and exc.param not in CONTROL_KEYS:
+                code = "bad_key"
+            return refuse(exc.reason, code)
         if cid in conn.pending:
             return refuse(f"a control with id {cid!r} is already pending", "bad_request")
         assert self._loop is not None

@@ -53,9 +53,10 @@ class _Bridge:
     """The bridge's state on one scheduler; every entry point is guarded by :meth:`guard`."""
 
     def __init__(self, sched: Scheduler, url: str) -> None:
-        from engine.events import ClockAnchor
         from engine.telemetry.buffer import BufferLimits
-        from engine.telemetry.publisher import ControlRefused, Publisher
+        from engine.telemetry.publisher import Publisher
+        from wire.control import ControlRefused
+        from wire.events import ClockAnchor
 
         self.faults = 0
         self._fault_places: set[str] = set()
@@ -92,11 +93,17 @@ class _Bridge:
         self.translator = StepTranslator(
             self.publisher.publish, self.anchor, policy=policy, randomized_ids=self.randomized
         )
-        self.control = BudgetControl(self.translator, self.start_budget, self.policies)
+        self.control = BudgetControl(
+            self.translator,
+            self.start_budget,
+            self.policies,
+            int(getattr(sc, "long_prefill_token_threshold", 0) or 0),
+        )
         self._refused = ControlRefused
         self.publisher.start()
         logger.info(
-            "chunkscope: vLLM engine %s publishing to %s (budget %d, controls: token_budget)",
+            "chunkscope: vLLM engine %s publishing to %s (budget %d, controls: token_budget, "
+            "long_prefill_token_threshold)",
             engine_id,
             self.publisher.url,
             self.start_budget,
@@ -115,8 +122,10 @@ class _Bridge:
             "engine_version": vllm_version(),
             "policy": self.translator.policy,
             "policies": list(self.policies),
-            "controls": ["token_budget"] + (["policy"] if self.policies else []),
+            "controls": ["token_budget", "long_prefill_token_threshold"]
+            + (["policy"] if self.policies else []),
             "token_budget": self.control.budget,
+            "long_prefill_token_threshold": self.control.cap,
             "max_token_budget": self.start_budget,
             "kv_blocks_total": int(pool.num_gpu_blocks),
             "block_size": int(vc.cache_config.block_size),
@@ -198,15 +207,21 @@ class ChunkscopeScheduler(Scheduler):
         lock.acquire()
         try:
             try:
-                value = bridge.control.take()
-                if value is not None:
-                    self.max_num_scheduled_tokens = value
+                changes = bridge.control.take()
+                if "token_budget" in changes:
+                    self.max_num_scheduled_tokens = changes["token_budget"]
+                if "long_prefill_token_threshold" in changes:
+                    # vLLM reads it from its scheduler config at every schedule()
+                    self.scheduler_config.long_prefill_token_threshold = changes[
+                        "long_prefill_token_threshold"
+                    ]
             except Exception:  # noqa: BLE001
                 bridge.fault("schedule (control)")
             budget = self.max_num_scheduled_tokens
+            cap = int(self.scheduler_config.long_prefill_token_threshold or 0)
             out = super().schedule(*args, **kwargs)
             try:
-                self._chunkscope_scheduled(bridge, out, start_ns, budget)
+                self._chunkscope_scheduled(bridge, out, start_ns, budget, cap)
             except Exception:  # noqa: BLE001
                 bridge.translator._inflight = None
                 bridge.fault("schedule")
@@ -215,7 +230,9 @@ class ChunkscopeScheduler(Scheduler):
         bridge.exec_start_ns = time.monotonic_ns()
         return out
 
-    def _chunkscope_scheduled(self, bridge: _Bridge, out: Any, start_ns: int, budget: int) -> None:
+    def _chunkscope_scheduled(
+        self, bridge: _Bridge, out: Any, start_ns: int, budget: int, cap: int
+    ) -> None:
         bridge.check_fault()
         starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
@@ -239,6 +256,7 @@ class ChunkscopeScheduler(Scheduler):
         bridge.translator.scheduled(
             start_ns=start_ns,
             token_budget=budget,
+            long_prefill_token_threshold=cap,
             chunks=chunks,
             preempted=sorted(out.preempted_req_ids or ()),
             num_running=len(self.running),

@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.events import ChunkRecord, ClockAnchor, ControlEvent, RequestEvent, StepEvent
-from engine.serving.control import ControlRefused, check_changes
+from wire.control import CAP_KEY, check_changes
+from wire.events import ChunkRecord, ClockAnchor, ControlEvent, RequestEvent, StepEvent
 
 Publish = Callable[[Any], None]
 
@@ -185,6 +185,7 @@ class StepTranslator:
         start_ns: int,
         token_budget: int,
         chunks: list[ScheduledChunk],
+        long_prefill_token_threshold: int = 0,
         preempted: list[str],
         num_running: int,
         num_waiting: int,
@@ -248,6 +249,7 @@ class StepTranslator:
             end_ns=start_ns,
             token_budget=int(token_budget),
             policy=self.policy,
+            long_prefill_token_threshold=int(long_prefill_token_threshold),
             num_decode_tokens=num_decode,
             num_prefill_tokens=num_prefill,
             num_scheduled_tokens=num_decode + num_prefill,
@@ -326,43 +328,49 @@ class StepTranslator:
 
 
 class BudgetControl:
-    """vLLM's live token budget: ``request`` (any thread) checks a relayed change by the
-    engine's rule, from 1 to the budget vLLM started with, and answers at once with the step it
-    applies at; ``take`` (the scheduler thread, top of ``schedule()``) returns the value to
+    """vLLM's live controls: the token budget (``max_num_scheduled_tokens``) and the long-prefill
+    cap (``scheduler_config.long_prefill_token_threshold``), both read by vLLM's ``schedule()``
+    once per step. ``request`` (any thread) checks a relayed change by the wire's rule (from 1,
+    the cap from 0, to the budget vLLM started with) and answers at once with the step it
+    applies at; ``take`` (the scheduler thread, top of ``schedule()``) returns the values to
     write. Both run under the translator's lock, which the bridge also holds while vLLM
     schedules, so the answered step is exact."""
 
     def __init__(
-        self, translator: StepTranslator, max_token_budget: int, policies: tuple[str, ...]
+        self,
+        translator: StepTranslator,
+        max_token_budget: int,
+        policies: tuple[str, ...],
+        long_prefill_token_threshold: int = 0,
     ):
         self.translator = translator
         self.max_token_budget = int(max_token_budget)
         self.policies = policies
         self.budget = self.max_token_budget  # what is (or will be, from next_step) in force
-        self._pending: int | None = None
+        self.cap = int(long_prefill_token_threshold)
+        self._pending: dict[str, int] = {}
 
     def request(
         self, changes: Mapping[str, object], *, source: str, request_id: str | None
     ) -> dict[str, Any]:
         """Apply ``changes`` from the next step; ``{"applied_at_step", "old", "new"}``, or
         ``ControlRefused`` (nothing changed) for a bad key or value."""
-        checked = check_changes(changes, self.max_token_budget)
-        if "policy" in checked and checked["policy"] not in self.policies:
-            raise ControlRefused(
-                f"policy {checked['policy']!r} is not supported by this vLLM engine; "
-                f"it supports {list(self.policies)}",
-                param="policy",
-            )
+        checked = check_changes(changes, self.max_token_budget, self.policies)
         now = time.monotonic_ns()
         old: dict[str, object] = {}
         new: dict[str, object] = {}
         with self.translator.lock:
             step = self.translator.next_step
             for key, value in checked.items():
-                before: object = self.budget if key == "token_budget" else self.translator.policy
+                before: object
                 if key == "token_budget":
-                    self.budget = int(value)  # type: ignore[call-overload]
-                    self._pending = self.budget
+                    before, self.budget = self.budget, int(value)  # type: ignore[call-overload]
+                    self._pending[key] = self.budget
+                elif key == CAP_KEY:
+                    before, self.cap = self.cap, int(value)  # type: ignore[call-overload]
+                    self._pending[key] = self.cap
+                else:  # the policy vLLM runs (the only one it has): nothing to write
+                    before = self.translator.policy
                 old[key], new[key] = before, value
                 self.translator.queue_control(
                     ControlEvent(
@@ -378,7 +386,8 @@ class BudgetControl:
                 )
         return {"applied_at_step": step, "old": old, "new": new}
 
-    def take(self) -> int | None:
-        """The budget to write before this step schedules (call under the lock), or None."""
-        value, self._pending = self._pending, None
-        return value
+    def take(self) -> dict[str, int]:
+        """The values to write before this step schedules (call under the lock): ``token_budget``
+        and/or ``long_prefill_token_threshold``; empty when nothing changed."""
+        pending, self._pending = self._pending, {}
+        return pending

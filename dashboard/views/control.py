@@ -7,6 +7,8 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, control, data, ui
+from storage.control import CollectorUnavailable
+from wire.control import POLICIES
 
 st.header("Control")
 ctx = ui.context()
@@ -71,12 +73,12 @@ with left:
                 )
                 kind = "applied" if res.ok else "refused"
                 st.session_state["control_answer"] = (kind, f"Engine {engine_id}: {res.describe()}")
-            except (control.CollectorUnavailable, ValueError) as exc:
+            except (CollectorUnavailable, ValueError) as exc:
                 st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
             data.controls.clear()
             ui.collector_engines.clear()
 # Only the policies this engine honours (its hello's list; a vLLM engine has only "chunked").
-policies = [p for p in control.POLICIES if p in (info.get("policies") or control.POLICIES)]
+policies = [p for p in POLICIES if p in (info.get("policies") or POLICIES)]
 engine_kind = info.get("engine_kind")
 with right:
     if len(policies) < 2:
@@ -105,7 +107,7 @@ with right:
                     kind,
                     f"Engine {engine_id}: {res.describe()}",
                 )
-            except (control.CollectorUnavailable, ValueError) as exc:
+            except (CollectorUnavailable, ValueError) as exc:
                 st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
             data.controls.clear()
             ui.collector_engines.clear()
@@ -138,7 +140,7 @@ with cap_form:
             )
             kind = "applied" if res.ok else "refused"
             st.session_state["control_answer"] = (kind, f"Engine {engine_id}: {res.describe()}")
-        except (control.CollectorUnavailable, ValueError) as exc:
+        except (CollectorUnavailable, ValueError) as exc:
             st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
         data.controls.clear()
         ui.collector_engines.clear()

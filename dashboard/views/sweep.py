@@ -13,6 +13,7 @@ import streamlit as st
 
 from advisor.recommend import Slo, recommend_from
 from dashboard import control, data, sweep_charts, ui
+from storage.control import CollectorUnavailable
 
 DEFAULT_BUDGETS = "128,256,512,1024,2048,8192"
 
@@ -142,7 +143,7 @@ if rec.chosen is not None and engine_id is not None:
             )
             kind = "applied" if res.ok else "refused"
             st.session_state["sweep_answer"] = (kind, f"Engine {engine_id}: {res.describe()}")
-        except (control.CollectorUnavailable, ValueError) as exc:
+        except (CollectorUnavailable, ValueError) as exc:
             st.session_state["sweep_answer"] = ("refused", f"Not applied: {exc}")
         data.controls.clear()
         ui.collector_engines.clear()

@@ -11,8 +11,8 @@ import math
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
 from engine.model.arch import ModelArch
+from engine.model.attention.common import AttentionBackend, AttentionMetadata
 from engine.model.rope import RotaryEmbedding
 
 

@@ -160,7 +160,7 @@ class VisionEncoder(nn.Module):
         if height % self.factor or width % self.factor or height == 0 or width == 0:
             raise ValueError(
                 f"image size {width}x{height} must be positive multiples of {self.factor}; "
-                "resize it with engine.multimodal.resize_image"
+                "resize it with engine.server.multimodal.resize_image"
             )
         bands = self.num_bands(height)
         if not 0 <= first < last <= bands:

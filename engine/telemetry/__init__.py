@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from engine.telemetry.buffer import BufferLimits, EventBuffer, encode_event
 from engine.telemetry.publisher import (
-    ControlRefused,
     Publisher,
     PublisherStats,
     new_run_id,
@@ -18,7 +17,6 @@ from engine.telemetry.publisher import (
 
 __all__ = [
     "BufferLimits",
-    "ControlRefused",
     "EventBuffer",
     "Publisher",
     "PublisherStats",

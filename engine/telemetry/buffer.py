@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
-from engine.events import ChunkRecord, ControlEvent, RequestEvent, StepEvent
+from wire.events import ChunkRecord, ControlEvent, RequestEvent, StepEvent
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ DEFAULT_SPILL_SEGMENT_BYTES = 4 << 20
 
 
 def event_dict(event: Any) -> dict[str, Any]:
-    """``event.to_dict()`` (a new dict) for an ``engine.events`` event, a copy for a dict.
+    """``event.to_dict()`` (a new dict) for an ``wire.events`` event, a copy for a dict.
 
     The engine's own event types are flat dataclasses (a step's ``chunks`` a list of flat
     dataclasses), so their dicts are built from ``vars()`` directly: the same result as

@@ -32,29 +32,18 @@ from urllib.parse import urlsplit, urlunsplit
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, WebSocketException
 
-from engine.events import SCHEMA_VERSION
 from engine.telemetry.buffer import (
     BufferLimits,
     BufferStats,
     EventBuffer,
     encode_or_placeholder,
 )
+from wire.control import ControlRefused
+from wire.events import SCHEMA_VERSION
 
 logger = logging.getLogger(__name__)
 
 ApplyControl = Callable[[dict[str, Any], str | None], Awaitable[dict[str, Any]]]
-
-
-class ControlRefused(Exception):
-    """An ``apply_control`` function refuses a control; the message says why.
-
-    ``recorded``: the engine already emitted its refused ``control`` events; otherwise the
-    publisher records the refusal itself (one ``control`` event per key, ``accepted: false``).
-    """
-
-    def __init__(self, reason: str, *, recorded: bool = False) -> None:
-        super().__init__(reason)
-        self.recorded = recorded
 
 
 def normalize_collector_url(url: str) -> str:
@@ -166,7 +155,7 @@ class Publisher:
 
     # --- engine side --------------------------------------------------------------------------
     def publish(self, event: Any) -> None:
-        """Queue one event (an ``engine.events`` event or a dict with ``type``); constant time,
+        """Queue one event (an ``wire.events`` event or a dict with ``type``); constant time,
         thread-safe, never blocks on the network. Usable as an engine listener."""
         if isinstance(event, dict) and not isinstance(event.get("type"), str):
             raise ValueError(f"an event needs a string 'type', got keys {sorted(event)[:10]}")

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from advisor.simulate import EngineShape, SimRequest, SimResult
-from engine.events import ChunkRecord, RequestEvent, StepEvent
 from storage import db as dbm
 from storage.store import Events, Hello, Store
+from wire.events import ChunkRecord, RequestEvent, StepEvent
 
 MONO0 = 10**12
 

@@ -9,8 +9,8 @@ import numpy as np
 from advisor.fit import FitReport, noise_model
 from advisor.predict import step_timing
 from advisor.simulate import drawn_gap_ns, noisy_step_ns
-from engine.cost_model import CostModel, StepWork
-from engine.scheduler import StepPlan
+from engine.core.cost_model import CostModel, StepWork
+from engine.core.scheduler import StepPlan
 
 
 def test_scatter_is_kept_per_predicted_duration() -> None:
@@ -95,7 +95,7 @@ def test_robust_fit_leaves_out_stretched_steps() -> None:
 
 
 def fit_plain(works: list[StepWork], measured: np.ndarray) -> CostModel:
-    from engine.cost_model import fit
+    from engine.core.cost_model import fit
 
     return fit(works, measured.tolist())
 

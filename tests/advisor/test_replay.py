@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from advisor.simulate import EngineShape, SimRequest, simulate
-from engine.config import EngineConfig
-from engine.events import ControlEvent, RequestEvent, StepEvent
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from wire.events import ControlEvent, RequestEvent, StepEvent
 
 STEP_NS = 1_000
 BLOCKS, BLOCK_SIZE, MAX_SEQS = 40, 8, 6

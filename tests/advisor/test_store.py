@@ -18,7 +18,7 @@ from advisor.predict import predict_from_store
 from advisor.recommend import Slo
 from advisor.simulate import EngineShape, cost_model_step_ns, figures, simulate
 from advisor.traffic import engine_shape, observed_traffic, to_sim_requests
-from engine.cost_model import CostModel, StepWork
+from engine.core.cost_model import CostModel, StepWork
 from storage import db as dbm
 from tests.advisor.helpers import random_requests, store_run
 

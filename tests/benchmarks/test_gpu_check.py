@@ -12,12 +12,14 @@ from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ["-m", "benchmarks.gpu_check"]  # run from the repo root
 
 
 def _dry_run(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--out-dir", str(tmp_path), *args],
+        [sys.executable, *SCRIPT, "--device", "cpu", "--out-dir", str(tmp_path), *args],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
@@ -108,7 +110,8 @@ def test_no_cuda_no_run(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out-dir", str(tmp_path)],
+        [sys.executable, *SCRIPT, "--out-dir", str(tmp_path)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,

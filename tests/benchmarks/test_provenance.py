@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-SCRIPTS = sorted(p for p in BENCH.glob("*.py") if p.name != "_common.py")
+SCRIPTS = sorted(p for p in BENCH.glob("*.py") if p.name not in ("_common.py", "__init__.py"))
 
 
 def _load(path: Path) -> ModuleType:
@@ -125,6 +125,6 @@ def test_results_files_do_not_make_the_tree_dirty(
         "benchmarks/results/stall.json",
         "benchmarks/results/new.json",
     ]
-    status += " M engine/runner.py\n"
+    status += " M engine/model/runner.py\n"
     state = common.git_state()
-    assert state["git_dirty"] is True and state["git_changed_paths"] == ["engine/runner.py"]
+    assert state["git_dirty"] is True and state["git_changed_paths"] == ["engine/model/runner.py"]

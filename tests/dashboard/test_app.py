@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from tests.dashboard.seed import SynthRun, send_run
+from testkit.seed import SynthRun, send_run
 
 APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "streamlit_app.py")
 PAGES = ["views/live.py", "views/step.py", "views/requests.py", "views/control.py",
@@ -24,7 +24,7 @@ TIMEOUT = 60
 def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """A collector on a fresh SQLite store holding one synthetic run (a budget change from
     2048 to 128 at step 120); yields (collector URL, database URL)."""
-    from storage.testing import start_collector
+    from testkit.collector import start_collector
 
     db_url = f"sqlite:///{tmp_path_factory.mktemp('store') / 'chunkscope.db'}"
     collector = start_collector(db_url)
@@ -168,8 +168,9 @@ def live_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
     """A real collector and a real ``tiny`` engine server publishing to it (free ports);
     yields (collector URL, database URL, engine HTTP URL) once the collector lists it."""
     from dashboard import control
-    from dashboard.processes import ENGINE_READY, ManagedProcess, python_argv
-    from storage.testing import start_collector
+    from dashboard.processes import ManagedProcess, python_argv
+    from testkit.collector import start_collector
+    from wire.ready import ENGINE_READY
 
     tmp = tmp_path_factory.mktemp("live")
     db_url = f"sqlite:///{tmp / 'chunkscope.db'}"
@@ -271,7 +272,7 @@ def test_control_page_with_the_collector_down_says_so(
 def test_collector_down_then_back_keeps_stored_data_and_recovers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from storage.testing import start_collector
+    from testkit.collector import start_collector
     from tests.dashboard.server import free_port
 
     db_url = f"sqlite:///{tmp_path / 'store.db'}"

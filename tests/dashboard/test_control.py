@@ -12,6 +12,7 @@ import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
 from dashboard import control
+from storage.control import CollectorUnavailable, control_url
 
 
 class FakeCollector:
@@ -88,10 +89,10 @@ def collector() -> Iterator[FakeCollector]:
 
 
 def test_control_url_normalises_paths() -> None:
-    assert control.control_url("ws://127.0.0.1:8765") == "ws://127.0.0.1:8765/control"
-    assert control.control_url("ws://h:1/ingest") == "ws://h:1/control"
+    assert control_url("ws://127.0.0.1:8765") == "ws://127.0.0.1:8765/control"
+    assert control_url("ws://h:1/ingest") == "ws://h:1/control"
     with pytest.raises(ValueError, match="ws://HOST:PORT"):
-        control.control_url("http://h:1")
+        control_url("http://h:1")
 
 
 def test_list_engines(collector: FakeCollector) -> None:
@@ -127,13 +128,13 @@ def test_nothing_to_change_is_refused_before_sending(collector: FakeCollector) -
 def test_down_collector_is_collector_unavailable() -> None:
     with FakeCollector() as c:
         url = c.url
-    with pytest.raises(control.CollectorUnavailable, match="unreachable"):
+    with pytest.raises(CollectorUnavailable, match="unreachable"):
         control.list_engines(url, timeout=2)
 
 
 def test_silent_collector_times_out() -> None:
     with FakeCollector(silent=True) as c:
-        with pytest.raises(control.CollectorUnavailable, match="no answer"):
+        with pytest.raises(CollectorUnavailable, match="no answer"):
             control.set_scheduler(c.url, "e1", token_budget=5, timeout=0.5)
 
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from storage.testing import FakeEngineClient, SyntheticEngine, start_collector
+from testkit.collector import start_collector
+from testkit.engines import FakeEngineClient, SyntheticEngine
 
 APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "streamlit_app.py")
 

@@ -93,7 +93,7 @@ def test_wait_ready_reads_the_address_and_stop_is_idempotent(tmp_path: Path) -> 
     )
     p = ManagedProcess("collector", [sys.executable, "-c", code], tmp_path / "c.log").start()
     try:
-        from dashboard.processes import COLLECTOR_READY
+        from wire.ready import COLLECTOR_READY
 
         assert p.wait_ready(COLLECTOR_READY, timeout=30) == "ws://127.0.0.1:5555"
         assert p.state == "running"
@@ -106,7 +106,7 @@ def test_wait_ready_reads_the_address_and_stop_is_idempotent(tmp_path: Path) -> 
 def test_child_that_exits_early_reports_its_log(tmp_path: Path) -> None:
     argv = python_argv("dashboard_no_such_module_xyz")
     p = ManagedProcess("engine", argv, tmp_path / "e.log").start()
-    from dashboard.processes import ENGINE_READY
+    from wire.ready import ENGINE_READY
 
     with pytest.raises(RuntimeError, match="exited .* before it was ready") as info:
         p.wait_ready(ENGINE_READY, timeout=30)
@@ -118,7 +118,7 @@ def test_ready_timeout_stops_the_child(tmp_path: Path) -> None:
     p = ManagedProcess(
         "engine", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "e.log"
     ).start()
-    from dashboard.processes import ENGINE_READY
+    from wire.ready import ENGINE_READY
 
     with pytest.raises(RuntimeError, match="not ready after"):
         p.wait_ready(ENGINE_READY, timeout=0.5)

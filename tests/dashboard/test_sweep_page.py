@@ -43,8 +43,9 @@ SWEEP = {
 def live_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
     """A real collector and a real ``tiny`` engine server publishing to it (free ports)."""
     from dashboard import control
-    from dashboard.processes import ENGINE_READY, ManagedProcess, python_argv
-    from storage.testing import start_collector
+    from dashboard.processes import ManagedProcess, python_argv
+    from testkit.collector import start_collector
+    from wire.ready import ENGINE_READY
 
     tmp = tmp_path_factory.mktemp("live")
     db_url = f"sqlite:///{tmp / 'chunkscope.db'}"

@@ -6,9 +6,9 @@ import httpx
 import openai
 import pytest
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.serving import ServerHandle
+from engine.server.serve import ServerHandle
 
 
 @pytest.fixture

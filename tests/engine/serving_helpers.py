@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.events import StepEvent
+from wire.events import StepEvent
 
 
 class StepLog:

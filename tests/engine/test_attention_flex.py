@@ -23,12 +23,14 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-import engine.attention_flex as af
-from engine.attention import SdpaBackend, SeqSlice, select_backend
-from engine.attention_flex import FlexBackend, bucket, kernel_options_for
-from engine.config import EngineConfig
+import engine.model.attention.flex as af
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.model.attention.common import SeqSlice
+from engine.model.attention.flex import FlexBackend, bucket, kernel_options_for
+from engine.model.attention.sdpa import SdpaBackend
+from engine.model.attention.select import select_backend
 
 CPU = torch.device("cpu")
 HQ, HKV = 4, 2
@@ -267,7 +269,7 @@ def test_config_and_cli_accept_flex() -> None:
     assert EngineConfig(attention_backend="flex").validate().attention_backend == "flex"
     with pytest.raises(ValueError, match="auto, sdpa, flash or flex"):
         EngineConfig(attention_backend="flexx").validate()
-    from engine.serving.cli import build_parser
+    from engine.server.cli import build_parser
 
     args = build_parser().parse_args(["--attention-backend", "flex"])
     assert args.attention_backend == "flex"

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from engine.attention import SdpaBackend, SeqSlice
+from engine.model.attention.common import SeqSlice
+from engine.model.attention.sdpa import SdpaBackend
 from tests.engine.test_attention_flex import CASES, Case, _forward, _inputs, _layout, _num_blocks
 
 

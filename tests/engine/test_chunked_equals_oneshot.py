@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -7,9 +7,10 @@ import threading
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.serving.control import ControlRefused, apply_scheduler_update, check_changes
+from engine.server.control import apply_scheduler_update
+from wire.control import ControlRefused, check_changes
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +53,8 @@ def test_cap_refusal_reads_like_the_budgets(engine: LLMEngine) -> None:
         with pytest.raises(ControlRefused) as info:
             check_changes({key: bad}, 128)
         refusals.append(info.value.reason)
-    assert refusals[0].endswith("max_token_budget (128), got 129")
-    assert refusals[1].endswith("max_token_budget (128), got 129")
-    assert refusals[1].startswith("long_prefill_token_threshold must be from 0 (off) to")
+    assert refusals[0] == "token_budget must be from 1 to 128, got 129"
+    assert refusals[1] == "long_prefill_token_threshold must be from 0 to 128, got 129"
 
 
 def test_cap_applies_at_a_step_and_is_reported(engine: LLMEngine) -> None:

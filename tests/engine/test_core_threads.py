@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.serving import EngineClient, build_parser, config_from_args
-from engine.serving.core import freeze_startup_objects
-from engine.serving.steptrace import ENV_VAR, StepTracer, read_trace
-from engine.serving.transport import default_core_threads, usable_cpus
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.process.client import EngineClient
+from engine.process.core import freeze_startup_objects
+from engine.process.steptrace import ENV_VAR, StepTracer, read_trace
+from engine.process.transport import default_core_threads, usable_cpus
+from engine.server.cli import build_parser, config_from_args
 
 
 def _config(**kw: object) -> EngineConfig:

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from engine.cost_model import CostModel, StepWork, chunk_pairs, fit
+from engine.core.cost_model import CostModel, StepWork, chunk_pairs, fit
 
 
 def test_chunk_pairs_counts_context_and_causal_triangle() -> None:
@@ -77,7 +77,7 @@ def test_fit_refuses_bad_input() -> None:
 
 
 def test_cost_model_imports_no_torch() -> None:
-    code = "import sys, engine.cost_model; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, engine.core.cost_model; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

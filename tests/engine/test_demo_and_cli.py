@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from engine import cli, demo
+from chunkscope import cli
+from engine import demo
 
 
 def test_demo_runs_both_policies_and_reports_stalls(capsys: pytest.CaptureFixture[str]) -> None:
@@ -37,7 +38,7 @@ def test_chunkscope_dispatcher(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_chunkscope_loadgen_imports_no_torch() -> None:
     code = (
-        "import sys; from engine.cli import main; rc = main(['loadgen', '--show-profiles']);"
+        "import sys; from chunkscope.cli import main; rc = main(['loadgen', '--show-profiles']);"
         "sys.exit(rc or ('torch' in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

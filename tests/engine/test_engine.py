@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.events import ControlEvent, RequestEvent, StepEvent, event_from_dict
-from engine.sampling_params import SamplingParams
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
+from wire.events import ControlEvent, RequestEvent, StepEvent, event_from_dict
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

@@ -20,8 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.config import EngineConfig
-from engine.serving import EngineClient, EngineStartError, build_parser, serve_in_thread
+from engine.core.config import EngineConfig
+from engine.process.client import EngineClient, EngineStartError
+from engine.server.cli import build_parser
+from engine.server.serve import serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 512
@@ -84,8 +86,8 @@ def test_killed_core_fails_requests_and_health_503() -> None:
 def test_control_pending_when_the_core_dies_is_engine_dead() -> None:
     """A scheduler change whose answer never comes (the core was killed first) ends with
     engine_dead: no hang, and no timeout that could misreport a change the core applied."""
-    from engine.protocol import APIError
-    from engine.serving.control import apply_scheduler_update
+    from engine.process.errors import APIError
+    from engine.server.control import apply_scheduler_update
 
     client = EngineClient.spawn(_config())
     try:

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from engine.events import (
+from engine.core.sampling_params import SamplingParams
+from wire.events import (
     ChunkRecord,
     ClockAnchor,
     ControlEvent,
@@ -15,7 +16,6 @@ from engine.events import (
     StepEvent,
     event_from_dict,
 )
-from engine.sampling_params import SamplingParams
 
 BEFORE_STEP = ("arrived", "aborted", "preempted", "first_scheduled")
 AFTER_STEP = ("first_token", "finished")

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

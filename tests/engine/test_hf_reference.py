@@ -20,12 +20,12 @@ import pytest
 import torch
 import transformers  # a dependency (pyproject): a broken install fails here, never skips
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.arch import PRESETS
 from engine.model.llama import LlamaModel
 from engine.model.loader import save_hf_folder
-from engine.sampling_params import SamplingParams
 
 LENGTHS = [5, 40, 130, 300, 17, 600, 64]
 MAX_TOKENS = 10

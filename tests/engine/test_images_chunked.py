@@ -10,10 +10,10 @@ import hashlib
 import numpy as np
 import pytest
 
+from engine.core.request import ImageInput
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.vision import VisionEncoder  # an import error fails the module, not a skip
-from engine.request import ImageInput
-from engine.sampling_params import SamplingParams
 
 
 def _image(h: int, w: int, seed: int) -> ImageInput:

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.events import ChunkRecord, RequestEvent, StepEvent
-from engine.metrics import EngineMetrics
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.server.metrics import EngineMetrics
+from wire.events import ChunkRecord, RequestEvent, StepEvent
 
 S = 1_000_000_000  # nanoseconds per second
 
@@ -109,7 +109,7 @@ def test_registries_are_independent() -> None:
 
 
 def test_budget_gauge_follows_an_accepted_change_before_the_next_step() -> None:
-    from engine.events import ControlEvent
+    from wire.events import ControlEvent
 
     m = EngineMetrics(model_name="m", engine_id="e")
     m.on_event(

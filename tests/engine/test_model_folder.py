@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.arch import PRESETS
 from engine.model.llama import LlamaModel
 from engine.model.loader import BYTE_TOKENIZER_MARKER, save_hf_folder
-from engine.sampling_params import SamplingParams
 
 
 def _folder_with_hf_tokenizer(tmp_path: Path) -> Path:

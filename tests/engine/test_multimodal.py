@@ -8,7 +8,7 @@ import io
 import numpy as np
 import pytest
 
-from engine.multimodal import (
+from engine.server.multimodal import (
     ImageError,
     decode_data_url,
     encode_data_url,
@@ -145,7 +145,7 @@ def test_vision_encoder_bands_equal_the_whole_image() -> None:
 
 
 def test_chat_prompt_template() -> None:
-    from engine.chat import ChatTurn, build_chat_prompt
+    from engine.server.chat import ChatTurn, build_chat_prompt
 
     class ByteTok:
         bos_token_id = 256

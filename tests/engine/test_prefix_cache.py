@@ -26,11 +26,11 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
+from engine.core.request import IMAGE_PATCH_PIXELS, ImageInput, Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, StepPlan
 from engine.llm_engine import LLMEngine
-from engine.request import IMAGE_PATCH_PIXELS, ImageInput, Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, StepPlan
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 ATOL = 1e-5  # fp32 on CPU; the same chunk layout gives the same values up to summation order

@@ -6,14 +6,13 @@ import json
 
 import pytest
 
-from engine.protocol import (
-    APIError,
+from engine.process.errors import APIError, error_body
+from engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ImagePart,
     SchedulerUpdate,
     check_traffic_class,
-    error_body,
     parse_request,
 )
 

@@ -8,10 +8,10 @@ import sys
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, StepPlan
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, StepPlan
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:
@@ -116,7 +116,8 @@ def test_scheduler_imports_no_torch() -> None:
     import subprocess
 
     code = (
-        "import sys, engine.scheduler, engine.block_manager, engine.events, engine.config;"
+        "import sys, engine.core.scheduler, engine.core.block_manager, engine.core.config;"
+        "import wire.events;"
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

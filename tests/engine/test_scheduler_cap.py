@@ -7,10 +7,10 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, StepPlan
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, StepPlan
 
 KEY = "long_prefill_token_threshold"
 

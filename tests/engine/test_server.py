@@ -22,12 +22,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import EngineConfig
-from engine.events import RequestEvent
+from engine.core.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.multimodal import encode_data_url, num_image_tokens
-from engine.serving import ServerHandle, serve_in_thread
+from engine.server.multimodal import encode_data_url, num_image_tokens
+from engine.server.serve import ServerHandle, serve_in_thread
 from tests.engine.serving_helpers import StepLog
+from wire.events import RequestEvent
 
 CONTROL_TOKEN = "s3cret"
 MAX_MODEL_LEN = 512
@@ -585,7 +585,7 @@ def test_late_queue_full_is_503_not_500(
     """The server's count of waiting requests can be a step old; when the engine core's own
     check refuses, the client still gets the 503 with Retry-After (not a 500, not an SSE error
     after a 200). Simulated by switching the server-side count off."""
-    import engine.serving.client as client_module
+    import engine.process.client as client_module
 
     monkeypatch.setattr(client_module, "check_queue", lambda num_waiting, limits: None)
 
@@ -603,7 +603,7 @@ def test_late_invalid_request_is_400_not_500(
 ) -> None:
     """A request only the engine core refuses (here: the server-side checks switched off) is a
     400 with the engine's reason."""
-    import engine.serving.client as client_module
+    import engine.process.client as client_module
 
     monkeypatch.setattr(client_module, "check_request", lambda prompt, *a: list(prompt))
     body = {"prompt": [256, 258, 65], "max_tokens": 2, "stream": stream}

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.cli import main as chunkscope_main
-from engine.serving import build_parser
+from chunkscope.cli import main as chunkscope_main
+from engine.server.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ def test_parser_defaults() -> None:
 
 
 def test_bad_config_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.serving import main
+    from engine.server.cli import main
 
     with pytest.raises(SystemExit) as info:
         main(["--token-budget", "0"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.serving import IncrementalDetokenizer, TextAccumulator
+from engine.server.detokenize import IncrementalDetokenizer, TextAccumulator
 
 
 class ByteTok:

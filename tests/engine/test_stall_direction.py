@@ -6,7 +6,7 @@ prefilled in one step that also carries every chat decode: each chat waits for t
 between two of its tokens. At a small budget the prompt is chunked, no step exceeds the budget
 and every chat gets a token in every step. Measured in steps and tokens (the gap of a stream is
 the prefill tokens computed between two of its consecutive tokens), never in wall-clock time;
-a fixed, known step cost model (``engine.cost_model``) turns the recorded steps into a modelled
+a fixed, known step cost model (``engine.core.cost_model``) turns the recorded steps into a modelled
 max chat ITL, which falls with the budget.
 """
 
@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.cost_model import CostModel, StepWork, fit
-from engine.events import StepEvent
+from engine.core.config import EngineConfig
+from engine.core.cost_model import CostModel, StepWork, fit
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from wire.events import StepEvent
 
 LARGE_BUDGET = 4096
 SMALL_BUDGET = 64

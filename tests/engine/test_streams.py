@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from engine.protocol import APIError
-from engine.serving.streams import ADMITTED, RequestFailed, RequestRefused, StreamRouter
+from engine.process.errors import APIError
+from engine.process.streams import ADMITTED, RequestFailed, RequestRefused, StreamRouter
 
 
 def test_open_after_close_is_engine_dead() -> None:

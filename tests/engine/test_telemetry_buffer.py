@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.events import ChunkRecord, ControlEvent, RequestEvent, StepEvent
 from engine.telemetry.buffer import BufferLimits, EventBuffer, encode_event, event_dict
+from wire.events import ChunkRecord, ControlEvent, RequestEvent, StepEvent
 
 
 def _ev(i: int) -> dict[str, object]:
@@ -192,7 +192,7 @@ def test_the_telemetry_package_never_imports_torch() -> None:
     import sys
 
     code = (
-        "import sys, engine.telemetry, engine.telemetry.hook, engine.telemetry.metrics; "
+        "import sys, engine.telemetry, engine.server.publishing, engine.telemetry.metrics; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     root = Path(__file__).resolve().parents[2]

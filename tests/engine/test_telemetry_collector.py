@@ -12,7 +12,8 @@ import pytest
 from engine.telemetry import BufferLimits, Publisher
 from storage import queries
 from storage.db import connect
-from storage.testing import SyntheticEngine, collector_in_thread, start_collector
+from testkit.collector import collector_in_thread, start_collector
+from testkit.engines import SyntheticEngine
 from tests.engine.test_telemetry_publisher import WAIT_S, free_port, wait_until
 
 

@@ -23,7 +23,7 @@ from sqlalchemy import select
 
 from storage import queries, schema
 from storage.db import connect
-from storage.testing import CollectorProcess, start_collector
+from testkit.collector import CollectorProcess, start_collector
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 60.0

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.serving.client import EngineClient
-from engine.telemetry.hook import start_server_publisher
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.process.client import EngineClient
+from engine.server.publishing import start_server_publisher
 from tests.engine.test_telemetry_publisher import WAIT_S, FakeCollector, wait_until
 
 
@@ -106,7 +106,7 @@ def test_hello_control_relay_and_metrics(client: EngineClient) -> None:
 
 
 def test_bad_collector_url_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.serving.cli import main
+    from engine.server.cli import main
 
     with pytest.raises(SystemExit) as info:
         main(["--collector-url", "http://127.0.0.1:8765"])

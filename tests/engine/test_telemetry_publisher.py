@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
-from engine.events import ControlEvent, RequestEvent
-from engine.telemetry import BufferLimits, ControlRefused, Publisher, normalize_collector_url
+from engine.telemetry import BufferLimits, Publisher, normalize_collector_url
+from wire.control import ControlRefused
+from wire.events import ControlEvent, RequestEvent
 
 WAIT_S = 20.0
 

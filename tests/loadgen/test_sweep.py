@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.events import ControlEvent, StepEvent
-from engine.serving import ServerHandle, serve_in_thread
+from engine.core.config import EngineConfig
+from engine.server.serve import ServerHandle, serve_in_thread
 from loadgen.cli import main
 from loadgen.record import RequestRecord
 from loadgen.spec import ImageRef, RequestSpec
@@ -26,6 +25,7 @@ from loadgen.sweep import (
     window_figures,
 )
 from loadgen.tokens import Segment
+from wire.events import ControlEvent, StepEvent
 
 TOKEN = "sweep-token"
 

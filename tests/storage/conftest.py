@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from storage.testing import PostgresServer, PostgresUnavailable, collector_in_thread
+from testkit.collector import collector_in_thread
+from testkit.postgres import PostgresServer, PostgresUnavailable
 
 BACKENDS = ["sqlite", "postgresql"]
 

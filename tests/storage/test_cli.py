@@ -6,7 +6,7 @@ import subprocess
 import sys
 from typing import Any
 
-from engine.cli import main as chunkscope_main
+from chunkscope.cli import main as chunkscope_main
 from storage.cli import main
 
 
@@ -33,7 +33,7 @@ def test_help_explains_every_flag(capsys: Any) -> None:
 def test_chunkscope_collector_dispatches_without_torch() -> None:
     code = (
         "import sys\n"
-        "from engine.cli import main\n"
+        "from chunkscope.cli import main\n"
         "try:\n    main(['collector', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
         "assert 'torch' not in sys.modules, 'chunkscope collector imported torch'\n"
     )

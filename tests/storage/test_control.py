@@ -13,7 +13,8 @@ import pytest
 from storage import db as dbm
 from storage import queries
 from storage.control import list_engines, send_control
-from storage.testing import FakeEngineClient, SyntheticEngine, start_collector
+from testkit.collector import start_collector
+from testkit.engines import FakeEngineClient, SyntheticEngine
 
 from .helpers import run_row, wait_until
 

@@ -20,7 +20,7 @@ import pytest
 from storage import export, queries
 from storage.db import connect, migrate
 from storage.store import Events, Hello, Store
-from storage.testing import SyntheticEngine
+from testkit.engines import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 WALL_NS = 1_790_000_000_000_000_000  # a fixed wall clock: times are reproducible
@@ -429,7 +429,7 @@ _NO_TORCH = "import sys; from {mod} import main; rc = main(sys.argv[1:]); " + (
 
 
 @pytest.mark.parametrize(
-    ("mod", "prefix"), [("engine.cli", ["export"]), ("storage.cli", ["export"])]
+    ("mod", "prefix"), [("chunkscope.cli", ["export"]), ("storage.cli", ["export"])]
 )
 def test_cli_entry_points_without_torch(
     seeded: tuple[str, dict[str, SyntheticEngine]], tmp_path: Path, mod: str, prefix: list[str]
@@ -464,9 +464,9 @@ def test_real_tiny_engine_events_export(tmp_path: Path) -> None:
     """Events of the real ``tiny`` engine, stored through the Store, export to a valid trace
     whose step slices carry the engine's own chunk layouts."""
     pytest.importorskip("torch")
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
+    from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(model="tiny", device="cpu", token_budget=64, max_token_budget=256))
     received: list[Any] = []

@@ -15,7 +15,7 @@ from websockets.sync.client import connect
 
 from storage import db as dbm
 from storage import queries
-from storage.testing import FakeEngineClient, SyntheticEngine
+from testkit.engines import FakeEngineClient, SyntheticEngine
 
 from .helpers import stored_seqs
 

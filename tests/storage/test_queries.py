@@ -11,7 +11,7 @@ import pytest
 from storage import db as dbm
 from storage import queries
 from storage.store import CollectorControl, Events, Hello, Store
-from storage.testing import SyntheticEngine
+from testkit.engines import SyntheticEngine
 
 ALL = {
     "engines": queries.ENGINES_COLUMNS,

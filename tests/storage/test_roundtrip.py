@@ -10,7 +10,7 @@ import pytest
 
 from storage import db as dbm
 from storage import queries
-from storage.testing import FakeEngineClient, SyntheticEngine, frames
+from testkit.engines import FakeEngineClient, SyntheticEngine, frames
 
 from .helpers import run_row, stored_seqs, wait_until
 

@@ -235,7 +235,7 @@ def test_bad_url_is_a_value_error() -> None:
 def test_storage_never_imports_torch() -> None:
     code = (
         "import storage, storage.db, storage.schema, storage.store, storage.writer, "
-        "storage.collector, storage.queries, storage.testing, storage.cli, storage.control; "
+        "storage.collector, storage.queries, testkit.engines, storage.cli, storage.control; "
         "import sys; assert 'torch' not in sys.modules, 'storage imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -10,7 +10,8 @@ from websockets.exceptions import ConnectionClosed
 
 from storage import db as dbm
 from storage import queries
-from storage.testing import FakeEngineClient, SyntheticEngine, frames, start_collector
+from testkit.collector import start_collector
+from testkit.engines import FakeEngineClient, SyntheticEngine, frames
 
 from .helpers import run_row, stored_seqs
 

@@ -22,7 +22,7 @@ import pytest
 from storage import queries
 from storage.control import send_control
 from storage.db import connect
-from storage.testing import CollectorProcess, start_collector
+from testkit.collector import CollectorProcess, start_collector
 from tests.chunkscope.integrations.vllm_helpers import VllmServer, build_llama_folder, vllm_python
 
 pytestmark = pytest.mark.slow

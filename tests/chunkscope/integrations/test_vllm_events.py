@@ -16,8 +16,8 @@ from chunkscope.integrations.vllm_events import (
     external_request_id,
     finish_reason_name,
 )
-from engine.events import ClockAnchor, ControlEvent, RequestEvent, StepEvent
-from engine.serving.control import ControlRefused
+from wire.control import ControlRefused
+from wire.events import ClockAnchor, ControlEvent, RequestEvent, StepEvent
 
 
 def _translator() -> tuple[StepTranslator, list[Any]]:
@@ -130,7 +130,7 @@ def test_budget_control_applies_at_the_next_step_and_says_so() -> None:
     tr.executed(end_ns=2_000, produced={}, finished={})
     ans = ctl.request({"token_budget": 32}, source="collector", request_id="c1")
     assert ans == {"applied_at_step": 2, "old": {"token_budget": 256}, "new": {"token_budget": 32}}
-    assert ctl.take() == 32 and ctl.take() is None  # written once, at the top of schedule()
+    assert ctl.take() == {"token_budget": 32} and ctl.take() == {}  # written once, at the top
     _schedule(tr, [ScheduledChunk("r1-aaaaaaaa", 256, 32, 300, 300)], token_budget=32)
     tr.executed(end_ns=3_000, produced={}, finished={})
     assert _kinds(events)[-2:] == ["control@2", "step2"]
@@ -139,14 +139,38 @@ def test_budget_control_applies_at_the_next_step_and_says_so() -> None:
     assert ctl_event.source == "collector" and ctl_event.accepted
 
 
+def test_the_long_prefill_cap_is_relayed_to_vllm_and_carried_by_each_step() -> None:
+    tr, events = _translator()
+    ctl = BudgetControl(tr, 256, ("chunked",))
+    tr.arrived("r1-aaaaaaaa", None, 300)
+    _schedule(tr, [ScheduledChunk("r1-aaaaaaaa", 0, 256, 300, 300)], token_budget=256)
+    tr.executed(end_ns=2_000, produced={}, finished={})
+    ans = ctl.request({"long_prefill_token_threshold": 64}, source="collector", request_id="c2")
+    assert ans["applied_at_step"] == 2 and ans["old"] == {"long_prefill_token_threshold": 0}
+    assert ctl.take() == {"long_prefill_token_threshold": 64} and ctl.cap == 64
+    _schedule(
+        tr,
+        [ScheduledChunk("r1-aaaaaaaa", 256, 44, 300, 300)],
+        token_budget=256,
+        long_prefill_token_threshold=64,
+    )
+    tr.executed(end_ns=3_000, produced={}, finished={})
+    control, step = events[-2], events[-1]
+    assert isinstance(control, ControlEvent) and control.key == "long_prefill_token_threshold"
+    assert (control.old_value, control.new_value, control.applied_at_step) == (0, 64, 2)
+    assert isinstance(step, StepEvent) and step.long_prefill_token_threshold == 64
+
+
 @pytest.mark.parametrize(
     ("changes", "wording"),
     [
-        ({"token_budget": 0}, "token_budget must be from 1 to max_token_budget (256), got 0"),
-        ({"token_budget": 257}, "from 1 to max_token_budget (256), got 257"),
+        ({"token_budget": 0}, "token_budget must be from 1 to 256, got 0"),
+        ({"token_budget": 257}, "from 1 to 256, got 257"),
         ({"token_budget": 1.5}, "token_budget must be an integer"),
-        ({"policy": "unchunked"}, "not supported by this vLLM engine"),
-        ({"max_num_seqs": 4}, "unknown scheduler key"),
+        ({"long_prefill_token_threshold": 257}, "long_prefill_token_threshold must be from 0 to"),
+        ({"long_prefill_token_threshold": -1}, "from 0 to 256, got -1"),
+        ({"policy": "unchunked"}, "policy must be one of chunked, got 'unchunked'"),
+        ({"max_num_seqs": 4}, "unknown key 'max_num_seqs'"),
     ],
 )
 def test_budget_control_refuses_bad_values_and_changes_nothing(
@@ -156,7 +180,7 @@ def test_budget_control_refuses_bad_values_and_changes_nothing(
     ctl = BudgetControl(tr, 256, ("chunked",))
     with pytest.raises(ControlRefused, match=wording.replace("(", r"\(").replace(")", r"\)")):
         ctl.request(changes, source="collector", request_id="c9")
-    assert ctl.take() is None and ctl.budget == 256
+    assert ctl.take() == {} and ctl.budget == 256 and ctl.cap == 0
     _schedule(tr, [ScheduledChunk("r-aaaaaaaa", 0, 4, 4, 4)])
     assert not [e for e in events if isinstance(e, ControlEvent)]
 

@@ -52,7 +52,10 @@ def test_without_vllm_it_says_to_run_the_setup(
 
 def test_the_console_script_dispatches_and_reports_errors() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "vllm", "--python", "/bin/true", "--", "--port", "1"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-m", "chunkscope.cli", "vllm", "--python", "/bin/true"]
+        + ["--", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "give vLLM a model" in out.stderr

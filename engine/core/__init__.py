@@ -1,0 +1,1 @@
+"""The torch-free engine core: config, requests, paged blocks, the scheduler, the cost model."""

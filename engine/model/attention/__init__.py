@@ -1,0 +1,1 @@
+"""Paged attention: ``common`` plumbing, one module per backend, ``select`` picks one."""

@@ -1,0 +1,113 @@
+"""Paged attention's shared plumbing: the step's metadata, block tables and slots, storing K/V.
+
+Each backend (``sdpa``, ``flash``, ``flex``) is one module that imports this one; ``select``
+picks one. Paged attention: store the step's new K/V into the cache, then attend.
+
+The cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``
+(the layout flash-attn's ``block_table`` API reads). ``prepare_metadata`` turns a step's chunk
+layout into index tensors once per step; ``forward`` runs per layer and knows nothing about
+scheduling. Every backend computes exactly what a one-shot prefill computes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch.nn.attention.bias import CausalBias
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqSlice:
+    """One sequence of the step: query rows [q_start, q_start + q_len) at positions
+    [ctx_len - q_len, ctx_len); it attends to positions [0, ctx_len)."""
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    block_ids: list[int]
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [B] query rows
+    kv_slots: torch.Tensor  # [B, L] cache slots, padded
+    mask: torch.Tensor | None  # [B, 1, 1, L] True where a key is valid (None: no padding)
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    # each prefill chunk: its slice, its context's cache slots, its mask (None: plain causal)
+    prefills: list[tuple[SeqSlice, torch.Tensor, torch.Tensor | CausalBias | None]] = field(
+        default_factory=list
+    )
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # flash-attn varlen inputs (built only for that backend)
+    cu_seqlens_q: torch.Tensor | None = None
+    seqused_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    block_table: torch.Tensor | None = None
+
+
+def block_table(seqs: list[SeqSlice], block_size: int) -> torch.Tensor:
+    """``[num_seqs, max_blocks]`` block ids of each sequence's context (padded with 0)."""
+    width = max(-(-s.ctx_len // block_size) for s in seqs)
+    rows = [s.block_ids[: -(-s.ctx_len // block_size)] for s in seqs]
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def context_slots(table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Cache slots of positions [0, length) for each row of ``table``: ``[rows, length]``."""
+    offsets = torch.arange(block_size)
+    return (table[:, :, None] * block_size + offsets).flatten(1)[:, :length]
+
+
+def slot_mapping(seqs: list[SeqSlice], table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slot of every new token of the step, in batch order: ``[T]``."""
+    q_lens = torch.tensor([s.q_len for s in seqs])
+    starts = torch.tensor([s.ctx_len - s.q_len for s in seqs])
+    rows = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
+    first_row = torch.cumsum(q_lens, 0) - q_lens
+    pos = torch.arange(int(q_lens.sum())) - first_row[rows] + starts[rows]
+    return table[rows, pos // block_size] * block_size + pos % block_size
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the step's new K/V rows into their cache slots; return the caches as flat
+    ``[num_slots, num_kv_heads, head_dim]`` views."""
+    k_flat = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+    v_flat = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+    k_flat.index_copy_(0, slots, k)
+    v_flat.index_copy_(0, slots, v)
+    return k_flat, v_flat
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare_metadata(
+        self, seqs: list[SeqSlice], block_size: int, device: torch.device
+    ) -> AttentionMetadata: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...

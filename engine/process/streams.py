@@ -1,0 +1,138 @@
+"""Per-request output queues: register a request's stream, route outputs to it, fail it.
+
+HTTP handlers read a request's outputs from an asyncio queue that the engine client's reader
+thread fills with ``loop.call_soon_threadsafe``, so a handler never blocks a step and a step
+never waits on a client. Registration and failure share one lock and a ``closed`` flag: once
+the engine is gone every registered stream has been failed, and a later ``open`` is refused
+with ``engine_dead``, so no request can slip in between and wait forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from engine.process.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed while serving this request (after it was admitted)."""
+
+
+class RequestRefused(RuntimeError):
+    """The engine core refused the request when it took it: ``kind`` is ``queue_full`` or
+    ``invalid`` (the same checks the server ran, on fresher state)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class Admitted:
+    """The first item of every admitted request's queue: the engine core queued it."""
+
+
+ADMITTED = Admitted()
+
+
+def engine_dead(reason: str) -> APIError:
+    return APIError(503, reason, type="server_error", code="engine_dead")
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue[Any]
+    loop: asyncio.AbstractEventLoop
+
+
+class StreamRouter:
+    """The table of requests in flight and their queues (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._closed: str | None = None  # why, once closed
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    def open(self, request_id: str) -> asyncio.Queue[Any]:
+        """Register a stream for ``request_id`` (on the caller's event loop), or raise the
+        ``engine_dead`` 503 if the router is closed."""
+        stream = _Stream(queue=asyncio.Queue(), loop=asyncio.get_running_loop())
+        with self._lock:
+            if self._closed is not None:
+                raise engine_dead(self._closed)
+            self._streams[request_id] = stream
+        return stream.queue
+
+    def drop(self, request_id: str) -> None:
+        """Forget a stream (its request was aborted); later outputs for it are discarded."""
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def close(self, reason: str) -> None:
+        """Fail every stream with ``reason`` and refuse new ones (shutdown, a dead core)."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = reason
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            _deliver(stream, RequestFailed(reason))
+
+    def admit(self, request_id: str, refusal: RequestRefused | None) -> None:
+        """The core's answer to an add: ``ADMITTED`` first in the queue, or the refusal (which
+        ends the stream)."""
+        with self._lock:
+            if refusal is None:
+                stream = self._streams.get(request_id)
+            else:
+                stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            _deliver(stream, ADMITTED if refusal is None else refusal)
+
+    def fail(self, request_id: str | None, message: str) -> list[str]:
+        """Fail the stream of ``request_id``, or every stream if it is None or not in flight
+        (an error nobody can be blamed for); the ids failed."""
+        with self._lock:
+            if request_id is not None and request_id in self._streams:
+                victims = {request_id: self._streams.pop(request_id)}
+            else:
+                victims, self._streams = self._streams, {}
+        for stream in victims.values():
+            _deliver(stream, RequestFailed(message))
+        return list(victims)
+
+    def dispatch(self, outputs: list[Any]) -> None:
+        """Route one step's outputs; a finished request's stream is removed."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = (
+                    self._streams.pop(out.request_id, None)
+                    if out.finished
+                    else self._streams.get(out.request_id)
+                )
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # loop closed: server shutting down
+                loop.call_soon_threadsafe(_put_all, items)
+
+
+def _deliver(stream: _Stream, item: Any) -> None:
+    with contextlib.suppress(RuntimeError):
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

@@ -1,0 +1,206 @@
+"""``python -m engine``: flags, engine config from them, and the blocking server run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from engine.process.client import EngineClient, EngineStartError
+from engine.process.core import freeze_startup_objects
+from engine.process.transport import default_core_threads
+from engine.server.app import build_app
+from engine.server.multimodal import DEFAULT_MAX_IMAGE_BYTES
+from engine.server.serve import bind_socket, uvicorn_server
+from engine.server.state import DEFAULT_MAX_BODY_BYTES
+from wire.ready import engine_ready_line
+
+_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--model", {"default": "tiny", "help": "preset name (tiny, demo, llama3-8b, ...) or a "
+                 "local Hugging Face model folder"}),
+    ("--host", {"default": "127.0.0.1", "help": "address to listen on (0.0.0.0: all)"}),
+    ("--port", {"type": int, "default": 8000, "help": "port to listen on; 0 picks a free one"}),
+    ("--token-budget", {"type": int, "default": 512,
+                        "help": "tokens one step may schedule (change live: PUT /v1/scheduler)"}),
+    ("--max-token-budget", {"type": int, "default": 8192,
+                            "help": "highest token budget a live change may set"}),
+    ("--policy", {"choices": ("chunked", "unchunked"), "default": "chunked",
+                  "help": "chunked splits long prompts across steps; unchunked prefills a "
+                  "prompt in one step"}),
+    ("--long-prefill-token-threshold", {"type": int, "default": None,
+                                        "help": "most prefill tokens one request may take in a "
+                                        "step while other prompts wait for budget; 0: no cap "
+                                        "(default: EngineConfig's; change live: PUT "
+                                        "/v1/scheduler)"}),
+    ("--max-model-len", {"type": int, "default": None,
+                         "help": "context length, prompt plus output (default: the model's)"}),
+    ("--block-size", {"type": int, "default": 16, "help": "tokens per KV cache block"}),
+    ("--max-num-seqs", {"type": int, "default": 256, "help": "most requests running at once"}),
+    ("--max-waiting", {"type": int, "default": 1024,
+                       "help": "most requests waiting; more get 503 with Retry-After"}),
+    ("--no-prefix-caching", {"action": "store_true", "help": "turn off prefix caching"}),
+    ("--device", {"choices": ("auto", "cpu", "cuda"), "default": "auto",
+                  "help": "where the model runs"}),
+    ("--dtype", {"choices": ("auto", "float32", "bfloat16", "float16"), "default": "auto",
+                 "help": "model dtype"}),
+    ("--attention-backend", {"choices": ("auto", "sdpa", "flash", "flex"), "default": "auto",
+                             "help": "attention kernel"}),
+    ("--seed", {"type": int, "default": 0, "help": "seed for synthetic weights and sampling"}),
+    ("--image-token-cap", {"type": int, "default": 1280,
+                           "help": "most image tokens per image (one per 28x28 pixels after "
+                           "resizing)"}),
+    ("--engine-id", {"default": None,
+                     "help": "name of this engine in metrics and events (default: HOST-PID)"}),
+    ("--collector-url", {"default": None,
+                         "help": "telemetry collector to stream every engine event to, e.g. "
+                         "ws://127.0.0.1:8765 (/ingest is appended); none: no telemetry"}),
+    ("--collector-token", {"default": None,
+                           "help": "the collector's --auth-token, sent in the hello; falls back "
+                           "to $CHUNKSCOPE_AUTH_TOKEN"}),
+    ("--telemetry-spill-dir", {"default": None,
+                               "help": "folder for telemetry events the collector has not "
+                               "acknowledged once 20,000 are held in memory (default: a "
+                               "temporary folder)"}),
+    ("--control-token", {"default": None,
+                         "help": "bearer token that PUT /v1/scheduler requires; falls back to "
+                         "$CHUNKSCOPE_CONTROL_TOKEN (keeps it out of ps); neither: no token"}),
+    ("--max-body-bytes", {"type": int, "default": DEFAULT_MAX_BODY_BYTES,
+                          "help": "largest request body accepted; larger gets 413"}),
+    ("--max-image-bytes", {"type": int, "default": DEFAULT_MAX_IMAGE_BYTES,
+                           "help": "largest encoded image accepted; larger gets 400"}),
+    ("--cpu-threads", {"type": int, "default": None,
+                       "help": "torch threads the engine core steps with (default: one per "
+                       "usable CPU but one, which is left to the HTTP side: a step split over "
+                       "every CPU waits for whichever thread the server preempts)"}),
+    ("--engine-in-thread", {"action": "store_true",
+                            "help": "run the engine core on a thread of the HTTP server process "
+                            "instead of in its own process (by default the engine core runs "
+                            "in a child process, so HTTP handling and the steps do not share "
+                            "one GIL); the same core loop either way"}),
+    ("--log-level", {"default": "info", "choices": ("debug", "info", "warning", "error"),
+                     "help": "log level"}),
+]  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m engine",
+        description="Serve a chunked-prefill engine behind an OpenAI-compatible HTTP API "
+        "(/v1/completions, /v1/chat/completions, /v1/models, /v1/scheduler, /metrics, /health). "
+        "The engine core (model, scheduler, step loop) runs in a child process and the HTTP "
+        "server process is a thin client of it; --engine-in-thread keeps both in one process.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for flag, kwargs in _FLAGS:
+        p.add_argument(flag, **kwargs)
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-blocks", type=int, default=None, help="number of KV cache blocks")
+    kv.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=None,
+        help="fraction of device memory for the KV cache (GPU), instead of --kv-blocks",
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    from engine.core.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        token_budget=args.token_budget,
+        max_token_budget=args.max_token_budget,
+        policy=args.policy,
+        **(
+            {}
+            if args.long_prefill_token_threshold is None
+            else {"long_prefill_token_threshold": args.long_prefill_token_threshold}
+        ),
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=args.kv_blocks,
+        kv_memory_fraction=args.kv_memory_fraction,
+        max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
+        enable_prefix_caching=not args.no_prefix_caching,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        engine_id=args.engine_id,
+        image_token_cap=args.image_token_cap,
+        cpu_threads=args.cpu_threads,
+    ).validate()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+        if args.collector_url:
+            from engine.telemetry import normalize_collector_url
+
+            normalize_collector_url(args.collector_url)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    try:
+        engine = _start_engine(config, in_thread=args.engine_in_thread)
+    except (OSError, ValueError, EngineStartError) as exc:
+        print(f"chunkscope engine: cannot start: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _serve(engine, args)
+    finally:
+        engine.shutdown()  # idempotent: the app's shutdown stops it already
+
+
+def _start_engine(config: Any, *, in_thread: bool) -> EngineClient:
+    if config.cpu_threads is None:  # either way the HTTP side needs a CPU of its own
+        config = dataclasses.replace(config, cpu_threads=default_core_threads())
+    return EngineClient.in_thread(config) if in_thread else EngineClient.spawn(config)
+
+
+def _serve(engine: EngineClient, args: argparse.Namespace) -> int:
+    app = build_app(
+        engine,
+        control_token=args.control_token or os.environ.get("CHUNKSCOPE_CONTROL_TOKEN"),
+        collector_url=args.collector_url,
+        collector_token=args.collector_token or os.environ.get("CHUNKSCOPE_AUTH_TOKEN"),
+        telemetry_spill_dir=args.telemetry_spill_dir,
+        max_body_bytes=args.max_body_bytes,
+        max_image_bytes=args.max_image_bytes,
+        engine_id=args.engine_id,
+    )
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(
+            f"chunkscope engine: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr
+        )
+        return 2
+    port = int(sock.getsockname()[1])
+    server = uvicorn_server(app, "warning" if args.log_level != "debug" else "debug")
+    _announce_when_started(server, engine_ready_line(args.host, port))
+    freeze_startup_objects()  # this process only serves from here on: no full-GC pauses
+    server.run(sockets=[sock])
+    return 0
+
+
+def _announce_when_started(server: Any, line: str) -> None:
+    def watch() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.02)
+        if server.started:
+            print(line, file=sys.stderr, flush=True)
+
+    threading.Thread(target=watch, name="chunkscope-ready", daemon=True).start()

@@ -1,0 +1,64 @@
+"""The one rule for a control value: every receiver refuses with the very same reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from dashboard import control as dashboard_control
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from wire.control import CONTROL_KEYS, POLICIES, ControlRefused, check_changes, refusal
+
+BAD = [
+    ("token_budget", 0, "token_budget must be from 1 to 64, got 0"),
+    ("token_budget", 65, "token_budget must be from 1 to 64, got 65"),
+    ("token_budget", True, "token_budget must be an integer, got True"),
+    ("token_budget", "8", "token_budget must be an integer, got '8'"),
+    ("policy", "fifo", "policy must be one of chunked, unchunked, got 'fifo'"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "reason"), BAD)
+def test_refusal_reads_the_same_at_every_receiver(key: str, value: object, reason: str) -> None:
+    assert refusal(key, value, max_token_budget=64) == reason
+    with pytest.raises(ControlRefused) as info:
+        check_changes({key: value}, 64)
+    assert info.value.reason == reason and info.value.param == key
+    scheduler = Scheduler(BlockManager(16, 4), max_token_budget=64, token_budget=8)
+    setter = scheduler.set_token_budget if key == "token_budget" else scheduler.set_policy
+    result = setter(value)
+    assert not result.accepted and result.reason == reason
+    assert (scheduler.token_budget, scheduler.policy) == (8, "chunked")
+
+
+def test_dashboard_uses_the_rule_under_its_label() -> None:
+    with pytest.raises(ValueError, match="^token budget must be from 1 to 64, got 65$"):
+        dashboard_control.validate_budget("65", 64)
+    with pytest.raises(ValueError, match="^policy must be one of chunked, unchunked, got 'x'$"):
+        dashboard_control.validate_policy("x")
+
+
+def test_valid_changes_pass_in_key_order() -> None:
+    assert refusal("token_budget", 64, max_token_budget=64) is None
+    assert refusal("token_budget", 10**9, max_token_budget=None) is None
+    assert refusal("policy", POLICIES[1], max_token_budget=None) is None
+    assert check_changes({"policy": "unchunked", "token_budget": 2}, 64) == {
+        "token_budget": 2,
+        "policy": "unchunked",
+    }
+    assert list(check_changes(dict.fromkeys(CONTROL_KEYS, 1) | {"policy": "chunked"}, 1)) == list(
+        CONTROL_KEYS
+    )
+
+
+@pytest.mark.parametrize("changes", [{}, [], None, {"temperature": 1}])
+def test_bad_shapes_and_keys_are_refused(changes: object) -> None:
+    with pytest.raises(ControlRefused):
+        check_changes(changes, 64)
+
+
+def test_engine_policies_only_when_the_engine_says_so() -> None:
+    assert refusal("policy", "fifo", max_token_budget=None, policies=("fifo",)) is None
+    assert refusal("token_budget", 0, max_token_budget=None) == (
+        "token_budget must be from 1 or more, got 0"
+    )
