@@ -13,7 +13,8 @@ from typing import Any
 from loadgen import __version__
 from loadgen.arrivals import ARRIVALS
 from loadgen.orchestrate import PlanError, run_from_args
-from loadgen.profiles import Profiles, apply_override, validate
+from loadgen.shapes import CHOICES as SHAPE_CHOICES
+from loadgen.shapes import shaped_profiles
 from loadgen.traces import FORMATS
 from loadgen.workload import PROFILES
 
@@ -76,6 +77,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--profile", choices=PROFILES, default="chat")
     p.add_argument("--rate", type=_positive(float), help="total req/s (default: the profile's)")
+    p.add_argument(
+        "--shapes",
+        choices=SHAPE_CHOICES,
+        default="auto",
+        help="named --set overrides applied before yours: demo (sized for chunkscope's CPU demo "
+        "preset), realistic (the profiles' production defaults); auto: demo when the server's "
+        "model is demo or tiny, else realistic",
+    )
+    p.add_argument(
+        "--chat-background",
+        type=_non_negative,
+        metavar="RATE",
+        help="req/s of chat streams sent beside the profile's requests (default: "
+        "chat.background_rate under rag and vlm, 0 under chat, mixed and traces; 0 = none)",
+    )
     p.add_argument(
         "--arrival",
         choices=ARRIVALS,
@@ -219,11 +235,9 @@ def main(argv: list[str] | None = None) -> int:
             stream=sys.stderr,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
-    profiles = Profiles()
+    shown = "realistic" if args.shapes == "auto" else args.shapes
     try:
-        for item in args.overrides:
-            apply_override(profiles, item)
-        validate(profiles)
+        profiles = shaped_profiles(shown, args.overrides)
     except ValueError as exc:
         parser.error(str(exc))
     if args.show_profiles:

@@ -17,6 +17,7 @@ from loadgen.profiles import Profiles
 from loadgen.progress import Progress
 from loadgen.report import table, write_json
 from loadgen.runner import execute, prefetch_images, probe_prompt_format, probe_server
+from loadgen.shapes import background_rate, resolve, shaped_profiles
 from loadgen.spec import RequestSpec
 from loadgen.tokens import TokenSource
 from loadgen.traces import load_trace, trace_specs
@@ -30,7 +31,7 @@ class PlanError(ValueError):
 
 
 def _plan(
-    args: argparse.Namespace, profiles: Profiles, ctx: int
+    args: argparse.Namespace, profiles: Profiles, ctx: int, background: float = 0.0
 ) -> tuple[list[RequestSpec], dict[str, Any]]:
     if args.trace:
         limit = args.num_requests
@@ -59,6 +60,7 @@ def _plan(
         num_requests=args.num_requests,
         seed=args.seed,
         max_model_len=ctx,
+        background_chat=background,
     )
     return build_plan(profiles, opts), {}
 
@@ -71,8 +73,25 @@ async def run_from_args(args: argparse.Namespace, profiles: Profiles) -> tuple[i
         logger.warning("server probe: %s", info.error)
     ctx = args.max_model_len or info.max_model_len or 8192
     model = args.model or info.model or "default"
+    asked = getattr(args, "shapes", "realistic")
+    shapes = resolve(asked, info.model)
+    if shapes != asked and shapes != "realistic":  # auto: main() validated the realistic set
+        try:
+            profiles = shaped_profiles(shapes, args.overrides)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from exc
+    background = background_rate(
+        args.profile, getattr(args, "chat_background", None), profiles, trace=bool(args.trace)
+    )
+    if shapes != "realistic" or background:
+        logger.warning(
+            "shapes %s (server model %s); chat background %g req/s",
+            shapes,
+            info.model,
+            background,
+        )
     try:
-        specs, trace_info = _plan(args, profiles, ctx)
+        specs, trace_info = _plan(args, profiles, ctx, background)
     except (ValueError, OSError) as exc:
         raise PlanError(str(exc)) from exc
     cfg = ClientConfig(
@@ -109,6 +128,8 @@ async def run_from_args(args: argparse.Namespace, profiles: Profiles) -> tuple[i
         max_model_len_used=ctx,
         model_used=model,
         prompt_format_used=cfg.prompt_format,
+        shapes_used=shapes,
+        chat_background_rate=background,
         profiles=profiles.as_dict(),
     )
     result = {
@@ -130,6 +151,7 @@ async def run_from_args(args: argparse.Namespace, profiles: Profiles) -> tuple[i
             "duration_s": outcome.duration_s,
         },
         "summary": summary,
+        "warnings": outcome.warnings,
         "requests": [r.as_dict() for r in outcome.records],
     }
     if args.out:
