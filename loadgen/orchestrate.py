@@ -84,11 +84,10 @@ async def run_from_args(args: argparse.Namespace, profiles: Profiles) -> tuple[i
         args.profile, getattr(args, "chat_background", None), profiles, trace=bool(args.trace)
     )
     if shapes != "realistic" or background:
-        logger.warning(
-            "shapes %s (server model %s); chat background %g req/s",
-            shapes,
-            info.model,
-            background,
+        print(
+            f"loadgen: shapes {shapes} (server model {info.model}); "
+            f"chat background {background:g} req/s",
+            file=sys.stderr,
         )
     try:
         specs, trace_info = _plan(args, profiles, ctx, background)
