@@ -1,6 +1,11 @@
-"""Control: the engine's budget and policy, changed through the collector; the history."""
+"""Control: the engine's budget and policy, changed through the collector; the history.
+
+The Apply buttons act in callbacks, which Streamlit runs before the page script: the figures
+(value in force, History) are read after the engine's answer, never before it."""
 
 from __future__ import annotations
+
+import time
 
 import pandas as pd
 import streamlit as st
@@ -41,6 +46,64 @@ if live is None:
 elif info and not info.get("connected", True):
     st.warning("This engine is not connected to the collector: changes would be refused.")
 
+HISTORY_WAIT_S = 3.0  # how long an answered change may take to reach the store's history
+
+
+def _answered(res: control.ControlResult, eng: str, db_url: str | None) -> None:
+    kind = "applied" if res.ok else "refused"
+    st.session_state["control_answer"] = (kind, f"Engine {eng}: {res.describe()}")
+    ui.collector_engines.clear()
+    data.controls.clear()
+    if res.ok:
+        # The engine's control event reaches the store through the collector a moment after the
+        # answer: wait for it (bounded), so History shows the change on this very rerun.
+        deadline = time.monotonic() + HISTORY_WAIT_S
+        step = res.applied_at_step
+        while time.monotonic() < deadline:
+            try:
+                hist = data.controls(db_url, eng, None)
+            except data.StoreUnavailable:
+                break
+            if not hist.empty and step is not None and (hist["applied_at_step"] == step).any():
+                break
+            time.sleep(0.1)
+            data.controls.clear()
+
+
+def apply_budget(eng: str, max_b: int | None, where: ui.Context) -> None:
+    """Runs before the page is drawn (a button callback), so the figures below show the value
+    in force and History the change as soon as the engine has answered."""
+    try:
+        n = control.validate_budget(st.session_state.get("budget_input"), max_b)
+    except ValueError as exc:
+        st.session_state["control_answer"] = ("refused", f"Not sent: {exc}")
+        return
+    try:
+        res = control.set_scheduler(
+            where.collector_url or "", eng, token_budget=n, token=where.settings.control_token
+        )
+    except (control.CollectorUnavailable, ValueError) as exc:
+        st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
+        ui.collector_engines.clear()
+        return
+    _answered(res, eng, where.db_url)
+
+
+def apply_policy(eng: str, where: ui.Context) -> None:
+    try:
+        res = control.set_scheduler(
+            where.collector_url or "",
+            eng,
+            policy=control.validate_policy(st.session_state.get("policy_input")),
+            token=where.settings.control_token,
+        )
+    except (control.CollectorUnavailable, ValueError) as exc:
+        st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
+        ui.collector_engines.clear()
+        return
+    _answered(res, eng, where.db_url)
+
+
 c1, c2, c3 = st.columns(3)
 c1.metric("Token budget", budget if budget is not None else "—")
 c2.metric("Max budget", max_budget if max_budget is not None else "—")
@@ -48,50 +111,25 @@ c3.metric("Policy", policy)
 
 left, right = st.columns(2)
 with left:
-    value = st.number_input(
+    st.number_input(
         "Token budget",
         value=int(budget) if isinstance(budget, int | float) and budget == budget else 512,
         step=64,
         key="budget_input",
         help=f"a whole number from 1 to {max_budget or 'the engine maximum'}",
     )
-    if st.button("Apply budget", type="primary"):
-        try:
-            n = control.validate_budget(value, max_budget)
-        except ValueError as exc:
-            st.session_state["control_answer"] = ("refused", f"Not sent: {exc}")
-        else:
-            try:
-                res = control.set_scheduler(
-                    ctx.collector_url or "",
-                    engine_id,
-                    token_budget=n,
-                    token=ctx.settings.control_token,
-                )
-                kind = "applied" if res.ok else "refused"
-                st.session_state["control_answer"] = (kind, f"Engine {engine_id}: {res.describe()}")
-            except (control.CollectorUnavailable, ValueError) as exc:
-                st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
-            data.controls.clear()
-            ui.collector_engines.clear()
-with right:
-    new_policy = st.radio(
-        "Policy", control.POLICIES, index=control.POLICIES.index(policy), horizontal=True
+    st.button(
+        "Apply budget", type="primary", on_click=apply_budget, args=(engine_id, max_budget, ctx)
     )
-    if st.button("Apply policy"):
-        try:
-            res = control.set_scheduler(
-                ctx.collector_url or "",
-                engine_id,
-                policy=control.validate_policy(new_policy),
-                token=ctx.settings.control_token,
-            )
-            kind = "applied" if res.ok else "refused"
-            st.session_state["control_answer"] = (kind, f"Engine {engine_id}: {res.describe()}")
-        except (control.CollectorUnavailable, ValueError) as exc:
-            st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
-        data.controls.clear()
-        ui.collector_engines.clear()
+with right:
+    st.radio(
+        "Policy",
+        control.POLICIES,
+        index=control.POLICIES.index(policy),
+        horizontal=True,
+        key="policy_input",
+    )
+    st.button("Apply policy", on_click=apply_policy, args=(engine_id, ctx))
 
 answer = st.session_state.get("control_answer")
 if answer:
