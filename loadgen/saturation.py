@@ -35,7 +35,7 @@ class Load:
             f"offered {self.offered_rps:.2f} req/s but the server completed "
             f"{self.served_rps:.2f} req/s over the last {self.window_s:.0f} s "
             f"({self.in_flight} in flight): it cannot keep up, so queueing will dominate "
-            "every latency; lower --rate (or use --shapes demo against the demo engine)"
+            "every latency; lower --rate or --chat-background"
         )
 
 
