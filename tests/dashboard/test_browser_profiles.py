@@ -247,6 +247,12 @@ def test_story_in_five_steps(story: Story, profile: str) -> None:
         "chat_tokens_after": len(after),
     }
     result["ratio"] = round(result["chat_itl_max_ms_before"] / result["chat_itl_max_ms_after"], 2)
+    # a diagnosis, not a criterion: a decode-only step lasting ~1 s means the CPUs were taken
+    # (the engine thread was descheduled), not that the budget failed
+    steps = queries.steps(db, since=cut, until=t_end)
+    decode_only = steps[steps["num_prefill_tokens"] == 0]["duration_ms"]
+    result["decode_only_step_max_ms_after"] = round(float(decode_only.max()), 1)
+    result["load_average_1m"] = os.getloadavg()[0]
     if os.environ.get("CHUNKSCOPE_STORY_JSON"):
         with open(os.environ["CHUNKSCOPE_STORY_JSON"], "a") as f:
             f.write(json.dumps(result) + "\n")
