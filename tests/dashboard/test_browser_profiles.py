@@ -154,9 +154,13 @@ def _pick(page: Any, container: Any, label: str, option: str) -> None:
     page.get_by_role("option", name=option, exact=True).click()
 
 
+def _go(page: Any, name: str, expect: Any) -> None:
+    page.get_by_role("link", name=name).click()
+    expect(page.get_by_role("heading", name=name)).to_be_visible()
+
+
 def _set_budget(page: Any, value: int, expect: Any) -> str:
-    page.get_by_role("link", name="Control").click()
-    expect(page.get_by_role("heading", name="Control")).to_be_visible()
+    _go(page, "Control", expect)
     box = page.get_by_role("spinbutton", name="Token budget", exact=True)
     box.fill(str(value))
     box.press("Enter")
@@ -190,8 +194,7 @@ def test_story_in_five_steps(story: Story, profile: str) -> None:
     db = _db(story.db_url)
     if _budget(server) != START_BUDGET:
         _set_budget(page, START_BUDGET, expect)
-    page.get_by_role("link", name="Live").click()
-    expect(page.get_by_role("heading", name="Live")).to_be_visible()
+    _go(page, "Live", expect)
 
     # step 2: the profile from the sidebar; rag and vlm bring their chat background
     sidebar = page.get_by_test_id("stSidebar")
@@ -207,7 +210,9 @@ def test_story_in_five_steps(story: Story, profile: str) -> None:
     start.click()
     expect(sidebar.get_by_text(re.compile(rf"Load: running: {profile} at"))).to_be_visible()
 
-    # step 3: a long prompt among chat streams at the large budget
+    # step 3: a long prompt among chat streams at the large budget. The browser waits on the
+    # Control page: the Live page redraws three charts a second, CPU the engine needs more
+    _go(page, "Control", expect)
     _wait_window(db, t_start)
 
     # step 4: the cut, through the Control page
@@ -223,7 +228,7 @@ def test_story_in_five_steps(story: Story, profile: str) -> None:
 
     # step 5: a long prompt among chat streams after the cut, then the store's verdict
     t_end = _wait_window(db, cut)
-    page.get_by_role("link", name="Live").click()
+    _go(page, "Live", expect)
     marker = page.locator(".js-plotly-plot").get_by_text(
         re.compile(rf"budget {START_BUDGET} → {CUT_BUDGET} @ step {step}")
     )
@@ -258,8 +263,7 @@ def test_story_in_five_steps(story: Story, profile: str) -> None:
             f.write(json.dumps(result) + "\n")
 
     # the Compare page: the change, chat by default, marked better or worse
-    page.get_by_role("link", name="Compare").click()
-    expect(page.get_by_role("heading", name="Compare")).to_be_visible()
+    _go(page, "Compare", expect)
     cls = page.get_by_role("combobox", name="Traffic class")
     expect(cls).to_match_aria_snapshot('- combobox "Traffic class": chat')
     expect(page.get_by_test_id("stDataFrame").first).to_be_visible()
