@@ -175,6 +175,21 @@ def _set_budget(page: Any, value: int, expect: Any) -> str:
     return step.group(1)
 
 
+def _stop_traffic(sidebar: Any, expect: Any) -> None:
+    """Stop the run; a click can land while the sidebar fragment redraws it: try again."""
+    stopped = sidebar.get_by_text(re.compile(r"Load: stopped"))
+    for attempt in range(3):
+        stop = sidebar.get_by_role("button", name="Stop traffic")
+        if stop.is_enabled():
+            stop.click()
+        try:
+            expect(stopped).to_be_visible(timeout=20_000)
+            return
+        except AssertionError:
+            if attempt == 2:
+                raise
+
+
 def _shoot(page: Any, path: Path) -> None:
     time.sleep(2.0)
     page.screenshot(path=str(path), full_page=True)
@@ -234,7 +249,7 @@ def test_story_in_five_steps(story: Story, profile: str) -> None:
     )
     expect(marker.first).to_be_visible()
     _shoot(page, story.shots / f"story_{profile}_live.png")
-    sidebar.get_by_role("button", name="Stop traffic").click()
+    _stop_traffic(sidebar, expect)
 
     before = _chat_gaps(db, t_start, cut)
     after = _chat_gaps(db, cut, t_end)
