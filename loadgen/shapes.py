@@ -4,7 +4,7 @@
 for a GPU server, far beyond the CPU ``demo`` engine (``mixed`` at its default rate gives TTFTs
 of tens of seconds there). ``demo`` is sized for chunkscope's ``demo`` preset on two CPU cores:
 chat streams stay below saturation at any budget while each RAG prompt (1,500-4,000 tokens) or
-image (640x480, 391 tokens) is a step of hundreds of milliseconds to seconds at a large budget,
+image (1280x720, 1,196 tokens) is a step of hundreds of milliseconds to seconds at a large budget,
 which every chat stream in flight waits for. ``auto`` (the CLI's default) picks ``demo`` when
 the server's model is the ``demo`` or ``tiny`` preset and ``realistic`` otherwise.
 """
@@ -40,8 +40,10 @@ RAG_DEMO = (
     "rag.output_max=128",
 )
 VLM_DEMO = (
-    "vlm.rate=0.2",
-    "vlm.resolutions=640x480",
+    "vlm.rate=0.15",
+    # 720p (1,196 image tokens): one step of over a second at budget 4096 among chat streams.
+    # 640x480 (391 tokens) made 0.5 s steps, only ~3x a 256-token step: too close to tell apart
+    "vlm.resolutions=1280x720",
     "vlm.resolution_weights=1",
     "vlm.single_image_fraction=1.0",
     "vlm.output_median=64",
