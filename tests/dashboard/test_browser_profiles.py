@@ -194,6 +194,11 @@ def _stop_traffic(sidebar: Any, expect: Any) -> None:
 
 def _shoot(page: Any, path: Path) -> None:
     time.sleep(2.0)
+    # shoot between redraws: Streamlit greys out the elements a rerun has not redrawn yet
+    for _ in range(100):
+        if page.evaluate("() => !document.querySelector('[data-stale=\"true\"]')"):
+            break
+        time.sleep(0.05)
     page.screenshot(path=str(path), full_page=True)
     assert path.stat().st_size > 10_000
     out = os.environ.get("CHUNKSCOPE_SCREENSHOT_DIR")
