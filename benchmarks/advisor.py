@@ -50,21 +50,22 @@ from benchmarks._common import (  # noqa: E402
     start_engine_server,
     write_json,
 )
-from dashboard.services import CHAT_OVERRIDES, RAG_OVERRIDES, VLM_OVERRIDES  # noqa: E402
+from loadgen.shapes import CHAT_DEMO, RAG_DEMO, VLM_DEMO  # noqa: E402
 
 logger = logging.getLogger("bench_advisor")
 
 SCRIPT = "advisor.py"
 CONTROL_TOKEN = "bench-advisor"
 
-# The dashboard launcher's presets for the demo engine (dashboard/services.py).
+# The demo shapes (loadgen/shapes.py, as the dashboard launcher sends them); no chat background
+# (--chat-background 0): the windows measured here carry exactly the classes named.
 PROFILES: dict[str, tuple[float, tuple[str, ...]]] = {
     "mixed": (
         1.2,
         (
-            *CHAT_OVERRIDES,
-            *RAG_OVERRIDES,
-            *VLM_OVERRIDES,
+            *CHAT_DEMO,
+            *RAG_DEMO,
+            *VLM_DEMO,
             "mixed.chat_share=0.85",
             "mixed.rag_share=0.1",
             "mixed.vlm_share=0.05",
@@ -72,7 +73,7 @@ PROFILES: dict[str, tuple[float, tuple[str, ...]]] = {
     ),
     # the launcher's rag rate is 0.12 req/s: about 5 requests in a 45 s window, too few for a
     # percentile; 0.25 keeps the engine below saturation at every budget with twice the sample
-    "rag": (0.25, RAG_OVERRIDES),
+    "rag": (0.25, RAG_DEMO),
 }
 
 
@@ -225,7 +226,7 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
         loadgen(
             ["--url", url, "--profile", profile, "--rate", f"{rate:g}", "--duration",
              f"{a.window_s:g}", "--seed", str(a.seed), "--out", str(base_out), "--no-progress",
-             "--drain-timeout", "60", *sets],
+             "--drain-timeout", "60", "--chat-background", "0", *sets],
             timeout=a.window_s + 300,
         )  # fmt: skip
         base = json.loads(base_out.read_text())

@@ -16,13 +16,16 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
+# One colour per class, none of them the stall rings' red: chat blue, RAG orange, VLM green.
 CLASS_COLORS = {
     "chat": "#1f77b4",
-    "rag": "#d62728",
+    "rag": "#ff7f0e",
     "vlm": "#2ca02c",
     "all": "#7f7f7f",
     None: "#9467bd",
 }
+# The class whose streams long prompts and images stall: drawn last (in front) and listed first.
+STALLED_CLASS = "chat"
 DECODE_COLOR = "#1f77b4"
 PREFILL_COLOR = "#ff7f0e"
 BUDGET_COLOR = "#2f2f2f"
@@ -270,13 +273,13 @@ def itl_figure(
         itl, stalls = itl[keep], stalls[keep]
     t = to_axis(itl["time"])
     classes = itl["traffic_class"].astype("object").where(itl["traffic_class"].notna(), None)
-    for cls in sorted(classes.dropna().unique().tolist()) + (
-        [None] if classes.isna().any() else []
-    ):
+    for rank, cls in enumerate(_draw_order(classes)):
         sel = (classes == cls) if cls is not None else classes.isna()
         fig.add_trace(
             go.Scattergl(
                 name=str(cls) if cls is not None else "untagged",
+                # drawn in front, listed first: the stalled class's points are the story
+                legendrank=1 if cls == STALLED_CLASS else 10 + rank,
                 x=t[sel.to_numpy()],
                 y=itl.loc[sel, "itl_ms"],
                 mode="markers",
@@ -309,6 +312,15 @@ def itl_figure(
     fig.update_yaxes(title_text="ITL (ms)", type="log")
     fig.update_xaxes(title_text="time (UTC)", type="date")
     return add_control_markers(fig, controls)
+
+
+def _draw_order(classes: pd.Series) -> list[object]:
+    """Classes in drawing order: untagged, the others by name, the stalled class last (the
+    last trace is drawn on top, so chat points are never hidden under a RAG prompt's)."""
+    named = sorted(c for c in classes.dropna().unique().tolist() if c != STALLED_CLASS)
+    head: list[object] = [None] if classes.isna().any() else []
+    tail: list[object] = [STALLED_CLASS] if (classes == STALLED_CLASS).any() else []
+    return head + named + tail
 
 
 def latency_figure(summary: pd.DataFrame) -> go.Figure:
@@ -492,17 +504,67 @@ COMPARE_METRICS = (
 )
 
 
+# Which way is better for each metric: -1 lower, +1 higher, 0 neither (a count of requests).
+BETTER = {
+    "itl_p50_ms": -1,
+    "itl_p99_ms": -1,
+    "itl_p999_ms": -1,
+    "itl_max_ms": -1,
+    "ttft_p50_ms": -1,
+    "ttft_p99_ms": -1,
+    "tpot_p50_ms": -1,
+    "tpot_p99_ms": -1,
+    "tokens_per_s": 1,
+    "num_requests": 0,
+}
+SAME_WITHIN = 0.05  # a change under 5 % either way is "same": the machine is that noisy
+BETTER_MARK = "▲ better"
+WORSE_MARK = "▼ worse"
+SAME_MARK = "= same"
+
+
+def verdict(a: object, b: object, direction: int) -> str:
+    """B against A for a metric where ``direction`` says which way is better."""
+    if direction == 0 or not (_is_number(a) and _is_number(b)):
+        return ""
+    x, y = float(a), float(b)  # type: ignore[arg-type]
+    if x == y or (x != 0 and abs(y / x - 1.0) < SAME_WITHIN):
+        return SAME_MARK
+    return BETTER_MARK if (y - x) * direction > 0 else WORSE_MARK
+
+
 def compare_table(a: pd.DataFrame, b: pd.DataFrame, *, traffic_class: str = "all") -> pd.DataFrame:
-    """Side by side: one row per metric with ``A``, ``B`` and ``B / A`` for one traffic class of
-    two ``latency_summary`` frames (missing values stay missing; a ratio over 0 is missing)."""
+    """Side by side: one row per metric with ``A``, ``B``, ``B / A``, which way is ``better``
+    (lower / higher) and whether ``B vs A`` is better, worse or the same (within 5 %), for one
+    traffic class of two ``latency_summary`` frames (missing values stay missing; a ratio over 0
+    is missing)."""
     va = _class_row(a, traffic_class)
     vb = _class_row(b, traffic_class)
     rows = []
     for col, label in COMPARE_METRICS:
         x, y = va.get(col), vb.get(col)
         ratio = float(y) / float(x) if _is_number(x) and _is_number(y) and float(x) != 0 else None
-        rows.append({"metric": label, "A": _num(x), "B": _num(y), "B / A": ratio})
-    return pd.DataFrame(rows, columns=["metric", "A", "B", "B / A"])
+        direction = BETTER[col]
+        rows.append(
+            {
+                "metric": label,
+                "A": _num(x),
+                "B": _num(y),
+                "B / A": ratio,
+                "better": {-1: "lower", 1: "higher", 0: ""}[direction],
+                "B vs A": verdict(x, y, direction),
+            }
+        )
+    return pd.DataFrame(rows, columns=["metric", "A", "B", "B / A", "better", "B vs A"])
+
+
+def default_compare_class(*summaries: pd.DataFrame | None) -> str:
+    """The traffic class Compare opens on: the stalled streams (chat) when either side has
+    them, else every request."""
+    for s in summaries:
+        if s is not None and not s.empty and (s["traffic_class"] == STALLED_CLASS).any():
+            return STALLED_CLASS
+    return "all"
 
 
 def _num(v: object) -> float | None:

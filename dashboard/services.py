@@ -19,6 +19,9 @@ from typing import Any
 
 from dashboard.processes import ManagedProcess, python_argv
 from dashboard.settings import Settings
+from loadgen.saturation import RATIO as OVERLOAD_RATIO
+from loadgen.shapes import CHOICES as SHAPE_CHOICES
+from loadgen.shapes import DEMO_MODELS, background_rate, shaped_profiles
 from wire.ready import COLLECTOR_READY, ENGINE_READY
 
 logger = logging.getLogger(__name__)
@@ -180,68 +183,53 @@ class Stack:
 
 @dataclass(frozen=True)
 class TrafficProfile:
-    """A launcher preset: a loadgen profile, its total rate, and ``--set`` overrides."""
+    """A launcher preset: a loadgen profile, its rate and the chat background beside it."""
 
     profile: str
     rate: float
-    overrides: tuple[str, ...]
+    background: float  # req/s of chat streams beside the profile's requests (loadgen's default)
 
 
-# Sized for the CPU `demo` engine on two cores: the chat streams stay below saturation (TTFT stays
-# bounded at any budget) while each RAG prompt, thousands of tokens long, is a step lasting
-# seconds at a large budget: every chat stream stalls on it. At a budget of a few hundred tokens
-# the prompt is spread over many short steps and the stalls disappear.
-CHAT_OVERRIDES = (
-    "chat.system_prompt_tokens=32",
-    "chat.input_median=48",
-    "chat.input_p90=160",
-    "chat.input_max=512",
-    "chat.output_median=150",
-    "chat.output_p90=300",
-    "chat.output_max=400",
-)
-RAG_OVERRIDES = (
-    "rag.num_documents=256",  # few repeats in a few minutes: the prefix cache rarely hides one
-    "rag.doc_median=2500",
-    "rag.doc_p90=3500",
-    "rag.doc_min=1500",
-    "rag.doc_max=4000",  # fits the starting budget (4096): one prompt, one long step
-    "rag.output_median=32",
-    "rag.output_p90=64",
-    "rag.output_max=128",
-)
-VLM_OVERRIDES = (
-    "vlm.resolutions=640x480",
-    "vlm.resolution_weights=1",
-    "vlm.single_image_fraction=1.0",
-    "vlm.output_median=64",
-    "vlm.output_p90=128",
-    "vlm.output_max=256",
-)
-PROFILES: dict[str, TrafficProfile] = {
-    "mixed": TrafficProfile(
-        "mixed",
-        1.2,
-        (
-            *CHAT_OVERRIDES,
-            *RAG_OVERRIDES,
-            *VLM_OVERRIDES,
-            "mixed.chat_share=0.9",
-            "mixed.rag_share=0.1",
-            "mixed.vlm_share=0",  # images have their own profile; this one is the chat/RAG story
-        ),
-    ),
-    "chat": TrafficProfile("chat", 1.0, CHAT_OVERRIDES),
-    "rag": TrafficProfile("rag", 0.12, RAG_OVERRIDES),
-    "vlm": TrafficProfile("vlm", 0.2, VLM_OVERRIDES),
-}
+def _presets(shapes: str = "demo") -> dict[str, TrafficProfile]:
+    """The launcher's presets from loadgen's named shape set (one copy of every number)."""
+    p = shaped_profiles(shapes)
+    return {
+        name: TrafficProfile(
+            name,
+            float(getattr(p, name).rate),
+            background_rate(name, None, p, trace=False),
+        )
+        for name in ("mixed", "rag", "vlm", "chat")
+    }
+
+
+# Sized for the CPU `demo` engine on two cores (loadgen/shapes.py): chat streams stay below
+# saturation at any budget while each RAG prompt (thousands of tokens) or image is a step lasting
+# up to seconds at a large budget, which every chat stream in flight waits for. `rag` and `vlm`
+# carry a chat background (the streams to be stalled); `mixed` has chat, RAG and images.
+PROFILES: dict[str, TrafficProfile] = _presets("demo")
 DEFAULT_DURATION_S = 120.0
 
 
+def launcher_shapes(model: str | None) -> str:
+    """The shape set the launcher names: ``demo`` against a demo-sized preset it started itself,
+    else ``auto`` (loadgen asks the server which model it serves)."""
+    return "demo" if (model or "").lower() in DEMO_MODELS else "auto"
+
+
 def loadgen_argv(
-    url: str, profile: str, *, rate: float, duration: float, seed: int, out: Path
+    url: str,
+    profile: str,
+    *,
+    rate: float,
+    duration: float,
+    seed: int,
+    out: Path,
+    background: float | None = None,
+    shapes: str = "demo",
 ) -> list[str]:
-    """The ``python -m loadgen`` command line of a launcher run (validated here)."""
+    """The ``python -m loadgen`` command line of a launcher run (validated here).
+    ``background``: req/s of chat beside the profile's requests (None: the preset's)."""
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
     if not rate > 0:
@@ -250,14 +238,24 @@ def loadgen_argv(
         raise ValueError(f"duration must be > 0 s, got {duration}")
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"engine URL must look like http://HOST:PORT, got {url!r}")
-    argv = python_argv(
+    if background is None:
+        background = PROFILES[profile].background
+    if not background >= 0:
+        raise ValueError(f"chat background must be >= 0 requests/s, got {background}")
+    if shapes not in SHAPE_CHOICES:
+        raise ValueError(f"shapes must be one of {', '.join(SHAPE_CHOICES)}, got {shapes!r}")
+    return python_argv(
         "loadgen",
         "--url",
         url,
         "--profile",
         profile,
+        "--shapes",
+        shapes,
         "--rate",
         f"{rate:g}",
+        "--chat-background",
+        f"{background:g}",
         "--duration",
         f"{duration:g}",
         "--seed",
@@ -266,9 +264,24 @@ def loadgen_argv(
         str(out),
         "--no-progress",
     )
-    for o in PROFILES[profile].overrides:
-        argv += ["--set", o]
-    return argv
+
+
+SERVED_WINDOW_S = 60.0
+
+
+def overload_message(offered_rps: float, finished: float, window_s: float) -> str | None:
+    """A warning when the offered load is more than the engine served: ``finished`` requests
+    over the last ``window_s`` seconds (from the store), None while it keeps up."""
+    if window_s <= 0 or offered_rps <= 0:
+        return None
+    served = finished / window_s
+    if offered_rps <= OVERLOAD_RATIO * served:
+        return None
+    return (
+        f"Offered {offered_rps:.2f} req/s, but the engine finished {served:.2f} req/s over the "
+        f"last {window_s:.0f} s: it cannot keep up, so queueing, not the budget, will dominate "
+        "the latencies. Lower the rate or the chat background."
+    )
 
 
 class TrafficLauncher:
@@ -278,6 +291,8 @@ class TrafficLauncher:
         self.data_dir = data_dir
         self.run: ManagedProcess | None = None
         self.description = ""
+        self.offered_rps = 0.0  # the running load's total req/s (profile + chat background)
+        self.started_at: float | None = None  # wall time of the last start
         self._lock = threading.Lock()
         self._seq = 0
 
@@ -285,17 +300,43 @@ class TrafficLauncher:
     def running(self) -> bool:
         return self.run is not None and self.run.alive()
 
-    def start(self, url: str, profile: str, *, rate: float, duration: float, seed: int = 0) -> None:
+    def start(
+        self,
+        url: str,
+        profile: str,
+        *,
+        rate: float,
+        duration: float,
+        seed: int = 0,
+        background: float | None = None,
+        shapes: str = "demo",
+    ) -> None:
         with self._lock:
             if self.running:
                 raise RuntimeError("a load run is already going: stop it first")
+            if background is None:
+                background = PROFILES[profile].background if profile in PROFILES else 0.0
             self._seq += 1
             stamp = time.strftime("%Y%m%d-%H%M%S")
             out = self.data_dir / "loadgen" / f"{stamp}-{profile}-{self._seq}.json"
-            argv = loadgen_argv(url, profile, rate=rate, duration=duration, seed=seed, out=out)
+            argv = loadgen_argv(
+                url,
+                profile,
+                rate=rate,
+                duration=duration,
+                seed=seed,
+                out=out,
+                background=background,
+                shapes=shapes,
+            )
             out.parent.mkdir(parents=True, exist_ok=True)
             self.run = ManagedProcess("loadgen", argv, out.with_suffix(".log")).start()
-            self.description = f"{profile} at {rate:g} req/s for {duration:g} s → {url}"
+            self.offered_rps = rate + background
+            self.started_at = time.time()
+            extra = f" + chat background {background:g} req/s" if background else ""
+            self.description = (
+                f"{profile} at {rate:g} req/s{extra} for {duration:g} s (shapes {shapes}) → {url}"
+            )
 
     def stop(self) -> None:
         """Interrupt the run like Ctrl-C (loadgen then writes what it has), kill if it lingers."""

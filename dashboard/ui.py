@@ -16,8 +16,17 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import control, data
-from dashboard.services import DEFAULT_DURATION_S, PROFILES, Stack, TrafficLauncher
+from dashboard.services import (
+    DEFAULT_DURATION_S,
+    PROFILES,
+    SERVED_WINDOW_S,
+    Stack,
+    TrafficLauncher,
+    launcher_shapes,
+    overload_message,
+)
 from dashboard.settings import Settings, parse_settings
+from loadgen.saturation import MIN_ELAPSED_S
 from storage.control import CollectorUnavailable
 
 logger = logging.getLogger(__name__)
@@ -254,20 +263,67 @@ def _traffic_panel() -> None:
         step=0.1,
         key=f"traffic_rate_{profile}",
     )
+    background = st.number_input(
+        "Chat background (req/s)",
+        min_value=0.0,
+        max_value=100.0,
+        value=float(PROFILES[profile].background),
+        step=0.1,
+        key=f"traffic_background_{profile}",
+        help="chat streams sent beside the profile's requests: the streams a long prompt or an "
+        "image stalls (0 = none)",
+    )
     duration = st.number_input(
         "Duration (s)", min_value=1.0, max_value=3600.0, value=DEFAULT_DURATION_S, step=10.0
+    )
+    shapes = launcher_shapes(s.model if stk.embedded else None)
+    st.caption(
+        f"Shapes: `{shapes}`"
+        + (" (sized for the demo engine)" if shapes == "demo" else " (from the server's model)")
     )
     c1, c2 = st.columns(2)
     if c1.button("Start traffic", disabled=lch.running or not url):
         try:
             lch.start(
-                url or "", profile, rate=rate, duration=duration, seed=int(time.time()) % 10_000
+                url or "",
+                profile,
+                rate=rate,
+                duration=duration,
+                seed=int(time.time()) % 10_000,
+                background=background,
+                shapes=shapes,
             )
         except (ValueError, RuntimeError, OSError) as exc:
             st.error(str(exc))
     if c2.button("Stop traffic", disabled=not lch.running):
         lch.stop()
     st.caption(f"Load: {lch.state()}")
+    if lch.running:
+        _served_load(stk, lch)
+
+
+def _served_load(stk: Stack, lch: TrafficLauncher) -> None:
+    """What the engine finished over the last minute of the run (from the store), and a warning
+    when the launcher offers more than that."""
+    if lch.started_at is None:
+        return
+    now = time.time()
+    elapsed = now - lch.started_at
+    if elapsed < MIN_ELAPSED_S:
+        return
+    window = min(SERVED_WINDOW_S, elapsed)
+    since = 5.0 * ((now - window) // 5.0)  # a 5 s grid: the cached answer is reused
+    try:
+        summary = data.latency_summary(stk.db_url, None, None, since, None)
+    except data.StoreUnavailable:
+        return
+    rows = summary[summary["traffic_class"] == "all"] if not summary.empty else summary
+    finished = float(rows["num_requests"].iloc[0]) if not rows.empty else 0.0
+    span = now - since
+    st.caption(f"Engine finished {finished / span:.2f} req/s over the last {span:.0f} s")
+    text = overload_message(lch.offered_rps, finished, span)
+    if text:
+        st.warning(text)
 
 
 def empty_store_help(ctx: Context) -> None:

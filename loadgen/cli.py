@@ -13,6 +13,7 @@ from loadgen import __version__
 from loadgen.arrivals import ARRIVALS
 from loadgen.options import id_range, non_negative, positive, setup
 from loadgen.orchestrate import PlanError, run_from_args
+from loadgen.shapes import CHOICES as SHAPE_CHOICES
 from loadgen.traces import FORMATS
 from loadgen.workload import PROFILES
 
@@ -42,6 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--profile", choices=PROFILES, default="chat")
     p.add_argument("--rate", type=positive(float), help="total req/s (default: the profile's)")
+    p.add_argument(
+        "--shapes",
+        choices=SHAPE_CHOICES,
+        default="auto",
+        help="named --set overrides applied before yours: demo (sized for chunkscope's CPU demo "
+        "preset), realistic (the profiles' production defaults); auto: demo when the server's "
+        "model is demo or tiny, else realistic",
+    )
+    p.add_argument(
+        "--chat-background",
+        type=non_negative,
+        metavar="RATE",
+        help="req/s of chat streams sent beside the profile's requests (default: "
+        "chat.background_rate under rag and vlm, 0 under chat, mixed and traces; 0 = none)",
+    )
     p.add_argument(
         "--arrival",
         choices=ARRIVALS,
@@ -179,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         return sweep_main(args_in[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    profiles = setup(parser, args)
+    # auto: checked against the realistic set here; the run picks demo once it has seen the model
+    profiles = setup(parser, args, "realistic" if args.shapes == "auto" else args.shapes)
     if args.show_profiles:
         print(json.dumps(profiles.as_dict(), indent=2))
         return 0

@@ -9,7 +9,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from loadgen.profiles import Profiles, apply_override, validate
+from loadgen.profiles import Profiles
+from loadgen.shapes import shaped_profiles
 
 
 def positive(kind: type) -> Any:
@@ -47,23 +48,23 @@ def id_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def setup(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Profiles:
+def setup(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, shapes: str = "realistic"
+) -> Profiles:
     """What ``run`` and ``sweep`` do first with their parsed flags: logging at ``--log-level``,
-    then the profiles with every ``--set`` override applied (a bad one is a usage error)."""
+    then the profiles with the named shape set (``loadgen.shapes``) and every ``--set`` override
+    applied (a bad one is a usage error)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=args.log_level,
             stream=sys.stderr,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
-    profiles = Profiles()
     try:
-        for item in args.overrides:
-            apply_override(profiles, item)
-        validate(profiles)
+        return shaped_profiles(shapes, args.overrides)
     except ValueError as exc:
         parser.error(str(exc))
-    return profiles
+        raise  # parser.error exits; this line is for the type checker
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from loadgen.profiles import Profiles
 from loadgen.progress import Progress
 from loadgen.report import table, write_json
 from loadgen.runner import execute, prefetch_images, probe_prompt_format, probe_server
+from loadgen.shapes import background_rate, resolve, shaped_profiles
 from loadgen.spec import RequestSpec
 from loadgen.tokens import TokenSource
 from loadgen.traces import load_trace, trace_specs
@@ -31,10 +32,11 @@ class PlanError(ValueError):
 
 
 def plan(
-    traffic: TrafficOptions, profiles: Profiles, ctx: int
+    traffic: TrafficOptions, profiles: Profiles, ctx: int, background: float = 0.0
 ) -> tuple[list[RequestSpec], dict[str, Any]]:
     """The requests of a run (a trace replayed, or a profile's traffic) and, for a trace, what
-    was read from it; ``ctx``: the server's context length."""
+    was read from it; ``ctx``: the server's context length; ``background``: req/s of chat
+    streams beside the profile's own requests."""
     if traffic.trace:
         limit = traffic.num_requests
         trace = load_trace(traffic.trace, traffic.trace_format, traffic.time_scale, limit=limit)
@@ -62,6 +64,7 @@ def plan(
         num_requests=traffic.num_requests,
         seed=traffic.seed,
         max_model_len=ctx,
+        background_chat=background,
     )
     return build_plan(profiles, opts), {}
 
@@ -74,8 +77,24 @@ async def run_from_args(args: argparse.Namespace, profiles: Profiles) -> tuple[i
         logger.warning("server probe: %s", info.error)
     ctx = args.max_model_len or info.max_model_len or 8192
     model = args.model or info.model or "default"
+    asked = getattr(args, "shapes", "realistic")
+    shapes = resolve(asked, info.model)
+    if shapes != asked and shapes != "realistic":  # auto: main() validated the realistic set
+        try:
+            profiles = shaped_profiles(shapes, args.overrides)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from exc
+    background = background_rate(
+        args.profile, getattr(args, "chat_background", None), profiles, trace=bool(args.trace)
+    )
+    if shapes != "realistic" or background:
+        print(
+            f"loadgen: shapes {shapes} (server model {info.model}); "
+            f"chat background {background:g} req/s",
+            file=sys.stderr,
+        )
     try:
-        specs, trace_info = plan(TrafficOptions.from_args(args), profiles, ctx)
+        specs, trace_info = plan(TrafficOptions.from_args(args), profiles, ctx, background)
     except (ValueError, OSError) as exc:
         raise PlanError(str(exc)) from exc
     cfg = ClientConfig(
@@ -112,6 +131,8 @@ async def run_from_args(args: argparse.Namespace, profiles: Profiles) -> tuple[i
         max_model_len_used=ctx,
         model_used=model,
         prompt_format_used=cfg.prompt_format,
+        shapes_used=shapes,
+        chat_background_rate=background,
         profiles=profiles.as_dict(),
     )
     result = {
@@ -133,6 +154,7 @@ async def run_from_args(args: argparse.Namespace, profiles: Profiles) -> tuple[i
             "duration_s": outcome.duration_s,
         },
         "summary": summary,
+        "warnings": outcome.warnings,
         "requests": [r.as_dict() for r in outcome.records],
     }
     if args.out:

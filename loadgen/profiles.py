@@ -16,6 +16,9 @@ Defaults and their sources (copies in shared/traces, see shared/traces/SOURCES.m
   resolutions; output p50 97 / p90 265 tokens; the median inter-arrival CV over its 2,094
   client windows is 1.37, hence gamma arrivals with shape 0.5 (CV 1.41).
 - mixed: chat / rag / vlm together (60/20/20 of the total rate), each its own arrival process.
+- chat background: under `rag` and `vlm` a chat population (`chat.background_rate`, Poisson, the
+  chat shapes) runs beside the profile's own requests, as chats do beside long prompts in
+  production; `--chat-background 0` turns it off.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ class ChatProfile:
     """Chat turns behind one shared system prompt (Azure conv trace, see module doc)."""
 
     rate: float = 4.0  # req/s when --rate is not given
+    # req/s of the chat population sent under the rag and vlm profiles (the streams a long
+    # prompt or an image stalls); --chat-background overrides it, 0 sends none
+    background_rate: float = 2.0
     arrival: str = "poisson"
     burstiness: float = 1.0  # gamma shape (used when arrival is gamma)
     system_prompt_tokens: int = 512
@@ -187,6 +193,8 @@ def validate(p: Profiles) -> None:
         if not (0 < prof.output_median <= prof.output_p90):
             raise ValueError(f"{name}: need 0 < output_median <= output_p90")
     c, r, v = p.chat, p.rag, p.vlm
+    if c.background_rate < 0:
+        raise ValueError("chat.background_rate must be >= 0 (0 = no chat background)")
     if c.system_prompt_tokens < 0 or not (1 <= c.input_min <= c.input_max):
         raise ValueError("chat: need system_prompt_tokens >= 0 and 1 <= input_min <= input_max")
     if not (0 < c.input_median <= c.input_p90):

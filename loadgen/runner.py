@@ -18,10 +18,13 @@ from loadgen.client import ClientConfig, Prepared, prepare, send
 from loadgen.images import data_url
 from loadgen.progress import Progress
 from loadgen.record import RequestRecord
+from loadgen.saturation import load as offered_vs_served
 from loadgen.spec import RequestSpec
 from loadgen.tokens import TokenSource
 
 logger = logging.getLogger(__name__)
+
+SATURATION_CHECK_S = 15.0  # how often the run compares offered and served load
 
 
 @dataclass
@@ -39,6 +42,7 @@ class RunOutcome:
     wall_start: float
     wall_end: float
     duration_s: float
+    warnings: list[str] = field(default_factory=list)
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -129,6 +133,9 @@ async def execute(
     )
     tasks: set[asyncio.Task[None]] = set()
     counts = {"sent": 0, "done": 0, "errors": 0}
+    sent_at: list[float] = []
+    done_at: list[float] = []
+    warnings: list[str] = []
 
     async def one(spec: RequestSpec, prep: Prepared, rec: RequestRecord) -> None:
         try:
@@ -138,11 +145,21 @@ async def execute(
                 sem.release()
             counts["done"] += 1
             counts["errors"] += rec.status == "error"
+            done_at.append(time.perf_counter() - t0)
 
     async def ticker() -> None:
+        last_check = 0.0
         for _ in range(10_000_000):  # bounded; cancelled when the run ends
             if progress is not None:
                 progress.update(counts["sent"], counts["done"], counts["errors"])
+            now = time.perf_counter() - t0
+            if now - last_check >= SATURATION_CHECK_S:
+                last_check = now
+                lo = offered_vs_served(sent_at, done_at, now)
+                if lo is not None and lo.overloaded:
+                    text = f"at {now:.0f} s: {lo.describe()}"
+                    warnings.append(text)
+                    logger.warning("%s", text)
             await asyncio.sleep(0.25)
 
     # Objects alive now (plan, images, modules) are never garbage: moving them out of the
@@ -168,6 +185,7 @@ async def execute(
                 if sem is not None:
                     await sem.acquire()
                 counts["sent"] += 1
+                sent_at.append(time.perf_counter() - t0)
                 task = asyncio.create_task(one(spec, prep, rec))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -198,4 +216,4 @@ async def execute(
             if progress is not None:
                 progress.update(counts["sent"], counts["done"], counts["errors"], final=True)
             gc.unfreeze()
-    return RunOutcome(records, wall_start, time.time(), time.perf_counter() - t0)
+    return RunOutcome(records, wall_start, time.time(), time.perf_counter() - t0, warnings)

@@ -43,6 +43,7 @@ class PlanOptions:
     num_requests: int | None = None
     seed: int = 0
     max_model_len: int = 8192
+    background_chat: float = 0.0  # req/s of chat beside the profile's own requests (0 = none)
 
 
 def _rngs(seed: int, cls: str) -> tuple[np.random.Generator, np.random.Generator]:
@@ -67,7 +68,12 @@ def _times(
 
 
 def chat_specs(
-    p: ChatProfile, times: np.ndarray, rng: np.random.Generator, ctx: int
+    p: ChatProfile,
+    times: np.ndarray,
+    rng: np.random.Generator,
+    ctx: int,
+    *,
+    name: str = "chat",
 ) -> list[RequestSpec]:
     sys_len = min(p.system_prompt_tokens, max(0, ctx // 2))
     inp = LogNormal(p.input_median, p.input_p90, p.input_min, p.input_max)
@@ -78,8 +84,10 @@ def chat_specs(
         u, o = int(inp.sample(rng)), int(out.sample(rng))
         budget, o = fit_context(sys_len + u, o, ctx, min_prompt=sys_len + 1)
         u = max(1, budget - sys_len)
-        segs = (sys_seg, Segment(f"chat/u{i}", u)) if sys_len else (Segment(f"chat/u{i}", u),)
-        specs.append(RequestSpec(i, "chat", float(t), o, segs))
+        own = Segment(f"{name}/u{i}", u)  # never shared: its own name per population
+        segs = (sys_seg, own) if sys_len else (own,)
+        meta = {"background": True} if name != "chat" else {}
+        specs.append(RequestSpec(i, "chat", float(t), o, segs, meta=meta))
     return specs
 
 
@@ -149,6 +157,23 @@ def vlm_specs(
     return specs
 
 
+BACKGROUND_STREAM = 9  # the chat background's random streams, apart from every class's own
+
+
+def background_chat_specs(p: ChatProfile, o: PlanOptions) -> list[RequestSpec]:
+    """The chat population beside the profile's requests: chat shapes, the chat arrival process
+    at ``o.background_chat`` req/s, steady (no ramp), its own random streams and prompts."""
+    arr_rng = np.random.default_rng([o.seed, BACKGROUND_STREAM, 0])
+    len_rng = np.random.default_rng([o.seed, BACKGROUND_STREAM, 1])
+    spec = ArrivalSpec(
+        kind=o.arrival or p.arrival,
+        rate=o.background_chat,
+        burstiness=o.burstiness if o.burstiness is not None else p.burstiness,
+    )
+    times = arrival_times(spec, arr_rng, num=o.num_requests, duration=o.duration)
+    return chat_specs(p, times, len_rng, o.max_model_len, name="chat-bg")
+
+
 def build_plan(profiles: Profiles, o: PlanOptions) -> list[RequestSpec]:
     """All requests of the run, sorted by send offset and numbered."""
     if o.profile not in PROFILES:
@@ -188,6 +213,8 @@ def build_plan(profiles: Profiles, o: PlanOptions) -> list[RequestSpec]:
         times = _times(prof, share, o, arr_rng)
         builder = {"chat": chat_specs, "rag": rag_specs, "vlm": vlm_specs}[cls]
         specs += builder(prof, times, len_rng, o.max_model_len)
+    if o.background_chat > 0:
+        specs += background_chat_specs(profiles.chat, o)
     specs = reindex(specs)
     if o.num_requests is not None:
         specs = specs[: o.num_requests]

@@ -17,8 +17,6 @@ mode = st.radio(
     ["Before / after a budget change", "Two windows", "Two runs"],
     horizontal=True,
 )
-cls = st.selectbox("Traffic class", ["all", "chat", "rag", "vlm"])
-
 if mode == "Two runs":
     rows = ctx.engines.to_dict("records")
     labels = [ui.run_label(r) for r in rows]
@@ -82,15 +80,25 @@ try:
 except data.StoreUnavailable as exc:
     st.warning(str(exc))
     st.stop()
-table = charts.compare_table(a, b, traffic_class=cls)
-st.caption(f"{names[0]}  vs  {names[1]}")
-st.dataframe(
-    table,
-    hide_index=True,
-    column_config={
-        "A": st.column_config.NumberColumn(format="%.1f"),
-        "B": st.column_config.NumberColumn(format="%.1f"),
-        "B / A": st.column_config.NumberColumn(format="%.2fx"),
-    },
+CLASSES = ["all", "chat", "rag", "vlm"]
+# the stalled streams (chat) when there are any: their latencies are what a budget cut is for
+cls = st.selectbox(
+    "Traffic class",
+    CLASSES,
+    index=CLASSES.index(charts.default_compare_class(a, b)),
+    help="chat: the streams that long prompts and images stall",
 )
+table = charts.compare_table(a, b, traffic_class=cls)
+st.caption(
+    f"{names[0]}  vs  {names[1]} · traffic class {cls} · `better`: which way is better; "
+    "`B vs A`: ▲ better, ▼ worse, = within 5 %"
+)
+MARK_STYLE = {
+    charts.BETTER_MARK: "color: #1a7f37; font-weight: 600",
+    charts.WORSE_MARK: "color: #cf222e; font-weight: 600",
+}
+styled = table.style.format({"A": "{:.1f}", "B": "{:.1f}", "B / A": "{:.2f}x"}, na_rep="—").map(
+    lambda v: MARK_STYLE.get(v, ""), subset=["B vs A"]
+)
+st.dataframe(styled, hide_index=True)
 st.plotly_chart(charts.compare_figure(table, names=names), key="compare_fig")

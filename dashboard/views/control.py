@@ -1,7 +1,12 @@
 """Control: the engine's budget, policy and long-prefill cap, changed through the collector;
-the history."""
+the history.
+
+The Apply buttons act in callbacks, which Streamlit runs before the page script: the figures
+(value in force, History) are read after the engine's answer, never before it."""
 
 from __future__ import annotations
+
+import time
 
 import pandas as pd
 import streamlit as st
@@ -44,6 +49,85 @@ if live is None:
 elif info and not info.get("connected", True):
     st.warning("This engine is not connected to the collector: changes would be refused.")
 
+HISTORY_WAIT_S = 3.0  # how long an answered change may take to reach the store's history
+
+
+def _answered(res: control.ControlResult, eng: str, db_url: str | None) -> None:
+    kind = "applied" if res.ok else "refused"
+    st.session_state["control_answer"] = (kind, f"Engine {eng}: {res.describe()}")
+    ui.collector_engines.clear()
+    data.controls.clear()
+    if res.ok:
+        # The engine's control event reaches the store through the collector a moment after the
+        # answer: wait for it (bounded), so History shows the change on this very rerun.
+        deadline = time.monotonic() + HISTORY_WAIT_S
+        step = res.applied_at_step
+        while time.monotonic() < deadline:
+            try:
+                hist = data.controls(db_url, eng, None)
+            except data.StoreUnavailable:
+                break
+            if not hist.empty and step is not None and (hist["applied_at_step"] == step).any():
+                break
+            time.sleep(0.1)
+            data.controls.clear()
+
+
+def apply_budget(eng: str, max_b: int | None, where: ui.Context) -> None:
+    """Runs before the page is drawn (a button callback), so the figures below show the value
+    in force and History the change as soon as the engine has answered."""
+    try:
+        n = control.validate_budget(st.session_state.get("budget_input"), max_b)
+    except ValueError as exc:
+        st.session_state["control_answer"] = ("refused", f"Not sent: {exc}")
+        return
+    try:
+        res = control.set_scheduler(
+            where.collector_url or "", eng, token_budget=n, token=where.settings.control_token
+        )
+    except (CollectorUnavailable, ValueError) as exc:
+        st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
+        ui.collector_engines.clear()
+        return
+    _answered(res, eng, where.db_url)
+
+
+def apply_cap(eng: str, max_b: int | None, where: ui.Context) -> None:
+    """The long-prefill cap, like the budget: acted on before the page is drawn."""
+    try:
+        n = control.validate_cap(st.session_state.get("cap_input"), max_b)
+    except ValueError as exc:
+        st.session_state["control_answer"] = ("refused", f"Not sent: {exc}")
+        return
+    try:
+        res = control.set_scheduler(
+            where.collector_url or "",
+            eng,
+            long_prefill_token_threshold=n,
+            token=where.settings.control_token,
+        )
+    except (CollectorUnavailable, ValueError) as exc:
+        st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
+        ui.collector_engines.clear()
+        return
+    _answered(res, eng, where.db_url)
+
+
+def apply_policy(eng: str, where: ui.Context) -> None:
+    try:
+        res = control.set_scheduler(
+            where.collector_url or "",
+            eng,
+            policy=control.validate_policy(st.session_state.get("policy_input")),
+            token=where.settings.control_token,
+        )
+    except (CollectorUnavailable, ValueError) as exc:
+        st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
+        ui.collector_engines.clear()
+        return
+    _answered(res, eng, where.db_url)
+
+
 c1, c2, c3 = st.columns(3)
 c1.metric("Token budget", budget if budget is not None else "—")
 c2.metric("Max budget", max_budget if max_budget is not None else "—")
@@ -51,32 +135,16 @@ c3.metric("Policy", policy)
 
 left, right = st.columns(2)
 with left:
-    value = st.number_input(
+    st.number_input(
         "Token budget",
         value=int(budget) if isinstance(budget, int | float) and budget == budget else 512,
         step=64,
         key="budget_input",
         help=f"a whole number from 1 to {max_budget or 'the engine maximum'}",
     )
-    if st.button("Apply budget", type="primary"):
-        try:
-            n = control.validate_budget(value, max_budget)
-        except ValueError as exc:
-            st.session_state["control_answer"] = ("refused", f"Not sent: {exc}")
-        else:
-            try:
-                res = control.set_scheduler(
-                    ctx.collector_url or "",
-                    engine_id,
-                    token_budget=n,
-                    token=ctx.settings.control_token,
-                )
-                kind = "applied" if res.ok else "refused"
-                st.session_state["control_answer"] = (kind, f"Engine {engine_id}: {res.describe()}")
-            except (CollectorUnavailable, ValueError) as exc:
-                st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
-            data.controls.clear()
-            ui.collector_engines.clear()
+    st.button(
+        "Apply budget", type="primary", on_click=apply_budget, args=(engine_id, max_budget, ctx)
+    )
 # Only the policies this engine honours (its hello's list; a vLLM engine has only "chunked").
 policies = [p for p in POLICIES if p in (info.get("policies") or POLICIES)]
 engine_kind = info.get("engine_kind")
@@ -85,32 +153,17 @@ with right:
         st.caption(
             f"Policy: {policy}, fixed"
             + (f" ({engine_kind} cannot change it while it runs)" if engine_kind else "")
-            + ". The token budget is the control this engine supports."
+            + ". The token budget and the long-prefill cap are the controls this engine supports."
         )
     else:
-        new_policy = st.radio(
+        st.radio(
             "Policy",
             policies,
             index=policies.index(policy) if policy in policies else 0,
             horizontal=True,
+            key="policy_input",
         )
-        if st.button("Apply policy"):
-            try:
-                res = control.set_scheduler(
-                    ctx.collector_url or "",
-                    engine_id,
-                    policy=control.validate_policy(new_policy),
-                    token=ctx.settings.control_token,
-                )
-                kind = "applied" if res.ok else "refused"
-                st.session_state["control_answer"] = (
-                    kind,
-                    f"Engine {engine_id}: {res.describe()}",
-                )
-            except (CollectorUnavailable, ValueError) as exc:
-                st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
-            data.controls.clear()
-            ui.collector_engines.clear()
+        st.button("Apply policy", on_click=apply_policy, args=(engine_id, ctx))
 
 # The long-prefill cap: how many prefill tokens one request may take in a step while other
 # prompts wait (0 = off). Older engines do not report it (None) and would refuse a change.
@@ -119,7 +172,7 @@ cap_known = isinstance(cap, int | float) and cap == cap
 cap_col, cap_form = st.columns([1, 2])
 cap_col.metric("Long-prefill cap", (int(cap) or "off") if cap_known else "—")
 with cap_form:
-    cap_value = st.number_input(
+    st.number_input(
         "Long-prefill cap (long_prefill_token_threshold; 0 = off)",
         value=int(cap) if cap_known else 0,
         min_value=0,
@@ -129,21 +182,7 @@ with cap_form:
         "budget; budget nobody else can use still goes to it. A whole number from 0 to "
         f"{max_budget or 'the engine maximum'}",
     )
-    if st.button("Apply cap"):
-        try:
-            n = control.validate_cap(cap_value, max_budget)
-            res = control.set_scheduler(
-                ctx.collector_url or "",
-                engine_id,
-                long_prefill_token_threshold=n,
-                token=ctx.settings.control_token,
-            )
-            kind = "applied" if res.ok else "refused"
-            st.session_state["control_answer"] = (kind, f"Engine {engine_id}: {res.describe()}")
-        except (CollectorUnavailable, ValueError) as exc:
-            st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
-        data.controls.clear()
-        ui.collector_engines.clear()
+    st.button("Apply cap", on_click=apply_cap, args=(engine_id, max_budget, ctx))
 
 answer = st.session_state.get("control_answer")
 if answer:

@@ -123,12 +123,16 @@ def test_every_page_renders_the_seeded_store(
 
     at.switch_page("views/compare.py").run()
     table = at.dataframe[0].value.set_index("metric")
-    # 30 s either side of the change: the ITL tail shrinks after the budget drops
+    # the stalled streams by default; 30 s either side of the change: the tail shrinks
+    assert next(s for s in at.selectbox if s.label == "Traffic class").value == "chat"
     assert table.loc["ITL max (ms)", "B / A"] < 0.5
+    assert table.loc["ITL max (ms)", "B vs A"] == "▲ better"
+    assert table.loc["ITL max (ms)", "better"] == "lower"
     for mode in ("Two windows", "Two runs"):
         at.radio[0].set_value(mode).run()
         assert not at.exception, mode
-        assert list(at.dataframe[0].value.columns) == ["metric", "A", "B", "B / A"]
+        cols = ["metric", "A", "B", "B / A", "better", "B vs A"]
+        assert list(at.dataframe[0].value.columns) == cols
 
 
 def test_empty_store_and_collector_down_show_what_to_run(
@@ -227,6 +231,11 @@ def test_control_page_changes_a_real_engine_through_the_collector(
     ok = " ".join(_texts(at, "success"))
     assert re.search(r"applied at step \d+ \(token_budget 512 → 256\)", ok), ok
     assert _engine_budget(engine_url) == 256
+    # the same page, drawn after the answer: the value in force and the change in History
+    assert next(m for m in at.metric if m.label == "Token budget").value == "256"
+    history = at.dataframe[0].value
+    step = int(re.search(r"applied at step (\d+)", ok).group(1))  # type: ignore[union-attr]
+    assert (history["applied_at_step"] == step).any(), history
 
     # refused in the UI, never sent: the engine keeps 256
     for bad, reason in ((0, "from 1 to 4096, got 0"), (10**6, "from 1 to 4096, got 1000000")):

@@ -190,6 +190,48 @@ def test_compare_table_ratios_and_missing_values() -> None:
     assert len(charts.compare_figure(empty).data) == 2  # A is drawn, B is empty
 
 
+def test_compare_marks_say_which_way_is_better_and_whether_b_is() -> None:
+    a = summary_frame(1.0)
+    b = summary_frame(0.5)  # latencies halved, throughput doubled: better everywhere
+    t = charts.compare_table(a, b, traffic_class="chat").set_index("metric")
+    assert t.loc["ITL max (ms)", "better"] == "lower"
+    assert t.loc["ITL max (ms)", "B vs A"] == charts.BETTER_MARK
+    assert t.loc["throughput (tokens/s)", "better"] == "higher"
+    assert t.loc["throughput (tokens/s)", "B vs A"] == charts.BETTER_MARK
+    assert t.loc["requests", "better"] == "" and t.loc["requests", "B vs A"] == ""
+    # the other way round: a higher ITL is worse even though its ratio is above 1
+    w = charts.compare_table(b, a, traffic_class="chat").set_index("metric")
+    assert w.loc["ITL p99 (ms)", "B / A"] == pytest.approx(2.0)
+    assert w.loc["ITL p99 (ms)", "B vs A"] == charts.WORSE_MARK
+    assert w.loc["throughput (tokens/s)", "B vs A"] == charts.WORSE_MARK
+    # within 5 % is the same; a missing side has no mark
+    assert charts.verdict(100.0, 103.0, -1) == charts.SAME_MARK
+    assert charts.verdict(100.0, 94.0, -1) == charts.BETTER_MARK
+    assert charts.verdict(100.0, None, -1) == ""
+    # every metric has a direction
+    assert {c for c, _ in charts.COMPARE_METRICS} == set(charts.BETTER)
+
+
+def test_compare_opens_on_the_stalled_class_when_present() -> None:
+    assert charts.default_compare_class(summary_frame(), summary_frame()) == "chat"
+    no_chat = summary_frame()
+    no_chat = no_chat[no_chat["traffic_class"] != "chat"]
+    assert charts.default_compare_class(no_chat, no_chat) == "all"
+    assert charts.default_compare_class(pd.DataFrame(), summary_frame()) == "chat"
+    assert charts.default_compare_class(None, pd.DataFrame()) == "all"
+
+
+def test_itl_chart_draws_chat_in_front_and_lists_it_first() -> None:
+    itl = itl_frame([10, 12, 11, 400, 10, 9], classes=["rag", "chat", "vlm", "chat", None, "rag"])
+    fig = charts.itl_figure(itl)
+    names = [t.name for t in fig.data]
+    assert names == ["untagged", "rag", "vlm", "chat", "stall"]  # last drawn = in front
+    chat = _trace(fig, "chat")
+    assert chat.legendrank < min(_trace(fig, n).legendrank for n in ("rag", "vlm", "untagged"))
+    colours = [_trace(fig, n).marker.color for n in ("chat", "rag", "vlm", "untagged")]
+    assert len(set(colours)) == 4 and charts.STALL_COLOR not in colours
+
+
 def test_charts_never_import_streamlit() -> None:
     import ast
     from pathlib import Path

@@ -12,8 +12,20 @@ from pathlib import Path
 import pytest
 
 from dashboard.processes import ManagedProcess, python_argv
-from dashboard.services import PROFILES, Stack, TrafficLauncher, loadgen_argv
+from dashboard.services import (
+    PROFILES,
+    Stack,
+    TrafficLauncher,
+    launcher_shapes,
+    loadgen_argv,
+    overload_message,
+)
 from dashboard.settings import parse_settings
+from loadgen.shapes import shaped_profiles
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    return dict(zip(argv[3::2], argv[4::2], strict=False))
 
 
 def test_loadgen_argv_carries_the_preset() -> None:
@@ -21,12 +33,48 @@ def test_loadgen_argv_carries_the_preset() -> None:
         "http://127.0.0.1:8000", "mixed", rate=1.5, duration=60, seed=7, out=Path("/tmp/x.json")
     )
     assert argv[:3] == [sys.executable, "-m", "loadgen"]
-    flags = dict(zip(argv[3::2], argv[4::2], strict=False))
+    flags = _flags(argv)
     assert flags["--url"] == "http://127.0.0.1:8000" and flags["--profile"] == "mixed"
     assert (flags["--rate"], flags["--duration"], flags["--seed"]) == ("1.5", "60", "7")
-    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
-    assert sets == list(PROFILES["mixed"].overrides)
-    assert "mixed.vlm_share=0" in sets
+    # the demo shapes by name; mixed carries its own chat, so no background beside it
+    assert flags["--shapes"] == "demo" and flags["--chat-background"] == "0"
+
+
+@pytest.mark.parametrize("profile", ["rag", "vlm"])
+def test_rag_and_vlm_presets_bring_a_chat_background(profile: str) -> None:
+    flags = _flags(loadgen_argv("http://h:1", profile, rate=0.3, duration=9, seed=1, out=Path("o")))
+    assert float(flags["--chat-background"]) == PROFILES[profile].background > 0
+    assert flags["--rate"] == "0.3" and flags["--shapes"] == "demo"
+    # the user's own background rate (0 = none) goes through as given
+    argv = loadgen_argv(
+        "http://h:1", profile, rate=0.3, duration=9, seed=1, out=Path("o"), background=0
+    )
+    assert _flags(argv)["--chat-background"] == "0"
+    argv = loadgen_argv(
+        "http://h:1", profile, rate=0.3, duration=9, seed=1, out=Path("o"), background=2.5
+    )
+    assert _flags(argv)["--chat-background"] == "2.5"
+
+
+def test_the_presets_are_loadgens_demo_shapes_and_mixed_has_images() -> None:
+    demo = shaped_profiles("demo")
+    assert PROFILES["rag"].rate == demo.rag.rate and PROFILES["vlm"].rate == demo.vlm.rate
+    assert PROFILES["rag"].background == demo.chat.background_rate
+    assert demo.mixed.vlm_share > 0 and demo.mixed.rag_share > 0 and demo.mixed.chat_share > 0
+    # every prompt of the demo shapes fits one step of the starting budget (4096)
+    assert demo.rag.doc_max <= 4096
+
+
+def test_the_launcher_names_demo_shapes_only_for_a_demo_preset() -> None:
+    assert launcher_shapes("demo") == "demo" and launcher_shapes("tiny") == "demo"
+    assert launcher_shapes("/models/llama") == "auto" and launcher_shapes(None) == "auto"
+
+
+def test_overload_message_compares_offered_with_served() -> None:
+    assert overload_message(1.0, 55, 60.0) is None  # 0.92 req/s served: keeps up
+    text = overload_message(2.0, 30, 60.0)  # 0.5 req/s served of 2 offered
+    assert text is not None and "Offered 2.00 req/s" in text and "0.50 req/s" in text
+    assert overload_message(0.0, 0, 60.0) is None
 
 
 @pytest.mark.parametrize(
@@ -36,6 +84,8 @@ def test_loadgen_argv_carries_the_preset() -> None:
         ({"rate": 0}, "rate must be > 0"),
         ({"duration": -1}, "duration must be > 0"),
         ({"url": "127.0.0.1:8000"}, "http://HOST:PORT"),
+        ({"background": -1.0}, "chat background must be >= 0"),
+        ({"shapes": "huge"}, "shapes must be one of"),
     ],
 )
 def test_loadgen_argv_refuses_bad_values(kwargs: dict, reason: str) -> None:
@@ -62,6 +112,7 @@ def test_launcher_runs_to_the_end_and_writes_its_result(tmp_path: Path, mock_ser
     assert lch.state() == "idle"
     lch.start(mock_server, "chat", rate=5.0, duration=1.0)
     assert lch.running and lch.state().startswith("running: chat at 5 req/s for 1 s")
+    assert lch.offered_rps == 5.0
     with pytest.raises(RuntimeError, match="already going"):
         lch.start(mock_server, "chat", rate=5.0, duration=1.0)
     assert lch.run is not None and lch.run.proc is not None

@@ -203,3 +203,39 @@ def test_unreachable_server_is_reported_not_raised(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["summary"]["overall"]["error_kinds"] == {"connect error": 3}
     assert all(r["error"].startswith("connect error") for r in res["requests"])
+
+
+def test_rag_run_brings_a_chat_background_and_says_so(
+    mock_server: MockServer, tmp_path: Path
+) -> None:
+    out = tmp_path / "r.json"
+    argv = ["--url", mock_server.url, "--profile", "rag", "--duration", "2", "--rate", "1"]
+    argv += ["--chat-background", "10", "--seed", "3", "--out", str(out), "--no-progress", *SMALL]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["chat_background_rate"] == 10.0
+    assert res["config"]["shapes_used"] == "realistic"  # the mock serves model "mock"
+    by_class = {c: n["requests"] for c, n in res["summary"]["classes"].items()}
+    assert by_class.get("rag", 0) > 0 and by_class.get("chat", 0) > by_class["rag"]
+    assert all(r["meta"].get("background") for r in res["requests"] if r["traffic_class"] == "chat")
+    assert res["warnings"] == []
+
+
+def test_no_background_when_asked_for_none(mock_server: MockServer, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    argv = ["--url", mock_server.url, "--profile", "vlm", "--num-requests", "3", "--rate", "20"]
+    argv += ["--chat-background", "0", "--out", str(out), "--no-progress", *SMALL]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["chat_background_rate"] == 0.0
+    assert {r["traffic_class"] for r in res["requests"]} == {"vlm"}
+
+
+def test_show_profiles_with_demo_shapes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--shapes", "demo", "--show-profiles"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["rag"]["doc_max"] == 4000 and shown["chat"]["background_rate"] == 1.0
+    assert shown["mixed"]["vlm_share"] > 0
+    # the user's --set goes on top of the shape set
+    assert main(["--shapes", "demo", "--set", "rag.doc_max=3000", "--show-profiles"]) == 0
+    assert json.loads(capsys.readouterr().out)["rag"]["doc_max"] == 3000
