@@ -12,9 +12,9 @@ window, the token times of those steps and the controls of the window.
 - ``steps``: one row per step (``queries.STEPS_COLUMNS``),
 - ``chunks``: one row per chunk of those steps (``queries.STEP_CHUNKS_COLUMNS``),
 - ``requests``: one row per request (``queries.REQUESTS_COLUMNS``),
-- ``tokens``: one row per output token produced by those steps (``storage.columns.TOKENS_COLUMNS``): its index
-  ``k`` (1 = first token), wall time, step and the gap to the previous token (``itl_ms``, empty
-  for ``k = 1``),
+- ``tokens``: one row per output token produced by those steps
+  (``storage.columns.TOKENS_COLUMNS``): its index ``k`` (1 = first token), wall time, step and
+  the gap to the previous token (``itl_ms``, empty for ``k = 1``),
 - ``controls``: budget and policy changes (``queries.CONTROLS_COLUMNS``; the old and new values
   as JSON text).
 
