@@ -13,7 +13,7 @@ Per arm (windows of the same budget and cap pooled): chat TTFT p50/p99/max, chat
 p50/p99/p99.9/max, RAG TTFT p50, output tokens/s; then cap-on / cap-off ratios per budget. The
 1-minute load average is recorded per window.
 
-Run from the repo root:  .venv/bin/python benchmarks/cap.py [--quick]
+Run from the repo root:  .venv/bin/python -m benchmarks.cap [--quick]
 Writes benchmarks/results/cap.json (--quick: the tiny preset, 2-second windows, short prompts,
 results to a temporary folder).
 """
@@ -26,26 +26,21 @@ import json
 import logging
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-from _common import REPO_ROOT, add_common_args, config_of, setup, write_json  # noqa: E402
+from benchmarks._common import add_common_args, config_of, setup, start_engine_server, write_json
 
 SCRIPT = "cap.py"
 CAP_KEY = "long_prefill_token_threshold"
 logger = logging.getLogger("cap")
-READY_RE = re.compile(r"listening on (http://\S+)")
 
 
 @dataclass(frozen=True)
@@ -330,29 +325,9 @@ def run_served(args: argparse.Namespace, windows: list[Window]) -> dict[str, Any
         "--log-level", "warning",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
-    )
-    lines: list[str] = []
-    found: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            m = READY_RE.search(line)
-            if m and not found:
-                found.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    proc, url = start_engine_server(cmd, env=env, timeout=300, stdout=subprocess.DEVNULL)
     try:
-        ready.wait(300)
-        if not found:
-            raise RuntimeError("the engine did not start:\n" + "".join(lines[-40:]))
-        return asyncio.run(drive(args, found[0], windows))
+        return asyncio.run(drive(args, url, windows))
     finally:
         proc.send_signal(signal.SIGINT)
         try:

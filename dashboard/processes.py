@@ -11,8 +11,12 @@ No orphans, however the dashboard ends:
 - each child runs in its own session, so a terminal's Ctrl-C reaches only the dashboard, which
   then stops them in order.
 
-A child's stdout and stderr go to a log file in the data folder; a ready line is read back from
-it (ports are picked by the children: ``--port 0``).
+A child's stdout and stderr go to a log file in the data folder; its ready line is read back from
+it with ``wire.ready.ready_url`` (ports are picked by the children: ``--port 0``). This is not
+``wire.ready.ReadyWatch`` (a pipe read by a thread, the tests' and benchmarks' launcher): a
+dashboard child outlives the script run that started it and writes for hours, so its output goes
+to a file no thread has to keep draining, that the sidebar's log view reads and that is still
+there after a crash.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from wire.ready import ready_url
 
 logger = logging.getLogger(__name__)
 
@@ -160,11 +166,10 @@ class ManagedProcess:
         with the log's tail if the child exits or the time runs out."""
         deadline = time.monotonic() + timeout
         while True:
-            text = self.log_tail(64_000)
-            m = pattern.search(text)
-            if m:
-                self.url = m.group(1)
-                return self.url
+            url = ready_url(self.log_tail(64_000), pattern)
+            if url is not None:
+                self.url = url
+                return url
             if not self.alive():
                 self.error = f"{self.name} exited ({self.returncode}) before it was ready"
                 raise RuntimeError(f"{self.error}:\n{self.log_tail()}")

@@ -55,7 +55,7 @@ def test_one_shot_step_layout(make_engine) -> None:
     assert len(layouts) == 3 + 7
 
 
-# Prefix-cache hits: tests/engine/test_prefix_cache.py (logits against a cold run).
+# Prefix-cache hits: tests/engine/core/test_prefix_cache.py (logits against a cold run).
 
 
 def test_capped_chunks_match_one_shot(make_engine) -> None:

@@ -14,7 +14,7 @@ from storage import queries
 from storage.db import connect
 from testkit.collector import collector_in_thread, start_collector
 from testkit.engines import SyntheticEngine
-from tests.engine.test_telemetry_publisher import WAIT_S, free_port, wait_until
+from tests.engine.telemetry.test_telemetry_publisher import WAIT_S, free_port, wait_until
 
 
 def _hello(syn: SyntheticEngine) -> Any:

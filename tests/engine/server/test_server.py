@@ -26,7 +26,7 @@ from engine.core.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.server.multimodal import encode_data_url, num_image_tokens
 from engine.server.serve import ServerHandle, serve_in_thread
-from tests.engine.serving_helpers import StepLog
+from tests.engine.server.serving_helpers import StepLog
 from wire.events import RequestEvent
 
 CONTROL_TOKEN = "s3cret"

@@ -25,7 +25,7 @@ from engine.process.client import EngineClient, EngineStartError
 from engine.server.cli import build_parser
 from engine.server.serve import serve_in_thread
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MAX_MODEL_LEN = 512
 
 

@@ -11,7 +11,14 @@ import torch
 
 from engine.model.attention.common import SeqSlice
 from engine.model.attention.sdpa import SdpaBackend
-from tests.engine.test_attention_flex import CASES, Case, _forward, _inputs, _layout, _num_blocks
+from tests.engine.model.test_attention_flex import (
+    CASES,
+    Case,
+    _forward,
+    _inputs,
+    _layout,
+    _num_blocks,
+)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -15,7 +15,7 @@ from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.process.client import EngineClient
 from engine.server.publishing import start_server_publisher
-from tests.engine.test_telemetry_publisher import WAIT_S, FakeCollector, wait_until
+from tests.engine.telemetry.test_telemetry_publisher import WAIT_S, FakeCollector, wait_until
 
 
 def run_requests(client: EngineClient, n: int, max_tokens: int = 4) -> None:

@@ -195,7 +195,7 @@ def test_the_telemetry_package_never_imports_torch() -> None:
         "import sys, engine.telemetry, engine.server.publishing, engine.telemetry.metrics; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 

@@ -25,7 +25,7 @@ from storage import queries, schema
 from storage.db import connect
 from testkit.collector import CollectorProcess, start_collector
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WAIT_S = 60.0
 MAX_TOKENS = 12
 

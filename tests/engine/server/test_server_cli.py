@@ -15,7 +15,7 @@ import pytest
 from chunkscope.cli import main as chunkscope_main
 from engine.server.cli import build_parser
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:

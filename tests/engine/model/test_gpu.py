@@ -1,7 +1,7 @@
 """GPU paths: CUDA SDPA, compiled flex (bf16) and flash-attn against an fp32 CPU reference.
 Skipped without CUDA; the flash-attn test also needs `flash_attn` to import. On the GPU machine
 (no openai or httpx there) run them with ``python3 -m pytest -q --noconftest -m gpu``
-and this file and ``tests/engine/test_attention_flex.py``."""
+and this file and ``tests/engine/model/test_attention_flex.py``."""
 
 from __future__ import annotations
 

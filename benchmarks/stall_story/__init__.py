@@ -1,0 +1,1 @@
+"""The parts of ``python -m benchmarks.stall``: workload, measure, analysis, report."""
