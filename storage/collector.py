@@ -239,9 +239,20 @@ class Collector:
 
     # -- HTTP ---------------------------------------------------------------------------------
 
+    def store_problem(self) -> str:
+        """Why the store is not healthy ("" when it is): the writer stopped, or its latest
+        batch failed (until one commits again)."""
+        writer = self._writer
+        if writer is None or not writer.alive:
+            return "the writer is not running"
+        return writer.last_error or ""
+
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         path, _, query = request.path.partition("?")
         if path == "/healthz":
+            why = self.store_problem()
+            if why:
+                return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, f"store: {why}\n")
             return connection.respond(HTTPStatus.OK, "ok\n")
         if path == "/metrics":
             response = connection.respond(HTTPStatus.OK, "")

@@ -5,6 +5,8 @@ the collector store a row per key. The rules themselves are unit-tested in test_
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from typing import Any
 
 from websockets.exceptions import ConnectionClosed
@@ -13,6 +15,7 @@ from websockets.sync.client import connect
 from storage import db as dbm
 from storage import ingest, queries
 from storage.control import exchange, list_engines, send_control
+from storage.store import Events
 from testkit.engines import FakeEngineClient, SyntheticEngine
 
 from .helpers import run_row, stored_seqs, wait_until
@@ -159,3 +162,44 @@ def test_a_control_of_many_keys_stores_one_row_and_a_huge_one_none(
     ctl = wait_until(lambda: _controls(sqlite_url), what="refusal stored")
     assert list(ctl.request_id) == ["many"] and client.controls == []
     client.close()
+
+
+def _healthz(collector: Any) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{collector.port}/healthz", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_a_failing_store_is_seen_and_nothing_unstored_is_acked(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    collector = collector_factory(sqlite_url)
+    eng, client = _live(collector)
+    durable = eng.seq
+    assert _healthz(collector) == (200, "ok\n")
+    store = collector._writer.store
+    original = store.apply
+
+    def failing(ops: list[Any]) -> list[Any]:
+        if any(isinstance(op, Events) for op in ops):
+            raise OSError("database or disk is full")
+        return original(ops)
+
+    store.apply = failing
+    try:
+        unstored = eng.steps(2)
+        client.send_events(unstored)
+        assert client.wait_closed() == 1011 and client.acked == durable
+        status, body = _healthz(collector)
+        assert status == 503 and "disk is full" in body
+    finally:
+        store.apply = original
+    back = FakeEngineClient(collector.url, eng)
+    assert back.connect() == durable  # resend from the durable seq
+    back.send_events(unstored + eng.steps(1))
+    assert back.wait_ack(eng.seq) == eng.seq
+    assert stored_seqs(sqlite_url, "eng", "run-a") == list(range(1, eng.seq + 1))
+    assert _healthz(collector) == (200, "ok\n")
+    back.close()
