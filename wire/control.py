@@ -8,6 +8,9 @@ Stdlib only.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 from collections.abc import Mapping
 
 CAP_KEY = "long_prefill_token_threshold"
@@ -96,10 +99,6 @@ def control_mac(
     token: str, *, control_id: str, engine_id: str, run_id: str, changes: Mapping[str, object]
 ) -> str:
     """HMAC-SHA256 (hex) of one relayed control under ``token``."""
-    import hashlib
-    import hmac
-    import json
-
     body = json.dumps(
         {"id": control_id, "engine_id": engine_id, "run_id": run_id, "set": dict(changes)},
         sort_keys=True,
@@ -112,6 +111,4 @@ def control_mac(
 def same_secret(given: object, expected: str) -> bool:
     """Constant-time comparison of a presented secret with the expected one; False for a value
     that is not a string (non-ASCII text is compared as UTF-8, never raises)."""
-    import hmac
-
     return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
