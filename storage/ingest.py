@@ -81,14 +81,20 @@ def may_take_over(*, proven: bool, live: bool) -> bool:
     return proven or not live
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (NaN and Infinity are refused)")
+
+
 def parse(raw: str | bytes) -> tuple[dict[str, Any] | None, str]:
     """A frame as a JSON object, or None and why not."""
     if isinstance(raw, bytes):
         return None, "binary frame: frames are JSON text"
     try:
-        msg = json.loads(raw)
+        msg = json.loads(raw, parse_constant=_no_constant)
     except ValueError as exc:
         return None, f"malformed JSON: {exc}"
+    except RecursionError:
+        return None, "JSON nested too deep"
     if not isinstance(msg, dict):
         return None, f"a frame must be a JSON object, got {type(msg).__name__}"
     return msg, ""

@@ -558,7 +558,7 @@ class _Session:
 def _parse(raw: str | bytes) -> dict[str, Any]:
     try:
         msg = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         logger.warning("telemetry: the collector sent something that is not JSON: %r", raw[:200])
         return {}
     return msg if isinstance(msg, dict) else {}

@@ -211,3 +211,11 @@ def test_bad_events_get_one_reply_per_batch() -> None:
     reply = ingest.bad_events_reply([(i, "KeyError: 'end_ns'") for i in range(5, 5005)])
     assert reply["code"] == "bad_event" and reply["seq"] == 5 and reply["count"] == 5000
     assert "4999 more" in reply["message"]
+
+
+def test_nan_infinity_and_deep_nesting_are_refused_with_a_reason() -> None:
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        msg, why = ingest.parse('{"type": "control", "set": {"token_budget": ' + constant + "}}")
+        assert msg is None and constant in why
+    msg, why = ingest.parse("[" * 100_000 + "]" * 100_000)
+    assert msg is None and ("deep" in why or "malformed" in why)
