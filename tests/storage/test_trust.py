@@ -73,6 +73,9 @@ def test_a_hello_without_the_run_secret_never_replaces_or_pollutes_a_run(
     assert back.connect() == eng.seq  # the engine itself comes back, secret in hand
     back.close()
     assert stored_seqs(sqlite_url, "eng", "run-a") == list(range(1, eng.seq + 1))
+    row = run_row(sqlite_url, "eng", "run-a")
+    assert eng.run_secret and eng.run_secret not in json.dumps(row, default=str)  # hash only
+    assert row["secret_sha256"] == ingest.secret_hash(eng.run_secret)
 
 
 def test_an_engine_without_a_secret_is_not_replaced_while_live(
@@ -203,3 +206,25 @@ def test_a_failing_store_is_seen_and_nothing_unstored_is_acked(
     assert stored_seqs(sqlite_url, "eng", "run-a") == list(range(1, eng.seq + 1))
     assert _healthz(collector) == (200, "ok\n")
     back.close()
+
+
+def test_connections_are_capped_and_healthz_still_answers(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    from contextlib import ExitStack
+
+    from websockets.exceptions import InvalidStatus
+
+    collector = collector_factory(sqlite_url, max_connections=2)
+    with ExitStack() as stack:
+        first = stack.enter_context(connect(collector.url + "/control", open_timeout=5, proxy=None))
+        stack.enter_context(connect(collector.url + "/control", open_timeout=5, proxy=None))
+        try:
+            with connect(collector.url + "/ingest", open_timeout=5, proxy=None):
+                raise AssertionError("a third connection was accepted")
+        except InvalidStatus as exc:
+            assert exc.response.status_code == 503
+        assert _healthz(collector) == (200, "ok\n")
+        first.close()
+        wait_until(lambda: collector._n_conns < 2, what="a slot freed")
+        assert list_engines(collector.url) == []  # a slot is free again
