@@ -562,6 +562,9 @@ class Collector:
             "last_step": conn.last_step,
             "last_seen_ns": conn.last_seen_ns,
         }
+        if len(self._seen) > ingest.MAX_ENGINES_REMEMBERED:
+            for engine_id in ingest.seen_to_forget(self._seen):
+                del self._seen[engine_id]
 
     async def _ingest_frame(self, conn: IngestConn, raw: str | bytes) -> bool:
         """Handle one frame after the hello (the rules are ``storage.ingest``'s; this carries

@@ -304,3 +304,18 @@ def engines_page(rows: list[dict[str, Any]], offset: object = None) -> dict[str,
     if start + MAX_ENGINES_LISTED < len(ordered):
         reply["next_offset"] = start + MAX_ENGINES_LISTED
     return reply
+
+
+MAX_ENGINES_REMEMBERED = 10_000  # engine ids the collector lists (a row each in memory)
+
+
+def seen_to_forget(
+    rows: dict[str, dict[str, Any]], limit: int = MAX_ENGINES_REMEMBERED
+) -> list[str]:
+    """The engine ids to forget so that at most ``limit`` remain: disconnected ones, first seen
+    first; a connected engine is never forgotten (their number is bounded by the connection
+    cap)."""
+    excess = len(rows) - limit
+    if excess <= 0:
+        return []
+    return [k for k, r in rows.items() if not r.get("connected")][:excess]

@@ -219,3 +219,10 @@ def test_nan_infinity_and_deep_nesting_are_refused_with_a_reason() -> None:
         assert msg is None and constant in why
     msg, why = ingest.parse("[" * 100_000 + "]" * 100_000)
     assert msg is None and ("deep" in why or "malformed" in why)
+
+
+def test_the_engines_remembered_are_bounded_and_connected_ones_kept() -> None:
+    rows = {f"e{i}": {"connected": i % 2 == 0} for i in range(10)}
+    assert ingest.seen_to_forget(rows, limit=10) == []
+    assert ingest.seen_to_forget(rows, limit=7) == ["e1", "e3", "e5"]
+    assert ingest.seen_to_forget(rows, limit=2) == ["e1", "e3", "e5", "e7", "e9"]
