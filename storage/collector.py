@@ -471,7 +471,8 @@ class Collector:
                 route.run_id,
                 route.run_id,
             )
-        self._refresh_seen(conn, connected=True)
+        if self._by_engine.get(conn.engine_id) is conn:
+            self._refresh_seen(conn, connected=True)
         self.metrics.connected.set(len(self._by_run))
         logger.info(
             "engine %s run %s connected from %s (durable seq %d)",

@@ -97,6 +97,8 @@ def test_a_second_run_of_an_engine_id_never_takes_the_control_route(
     collector = collector_factory(sqlite_url)
     eng_a, a = _live(collector)
     eng_b, b = _live(collector, run_id="run-b")
+    [row] = list_engines(collector.url)
+    assert row["run_id"] == "run-a"  # the engine list names the run that holds the route
     ack = send_control(collector.url, "eng", {"token_budget": 100}, control_id="c1")
     assert ack["ok"] is True and eng_a.token_budget == 100 and b.controls == []
     ack = exchange(
