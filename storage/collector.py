@@ -9,7 +9,6 @@ after the commit. ``GET /healthz`` and ``GET /metrics`` answer on the same port
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 import logging
@@ -36,15 +35,28 @@ from storage import ingest
 from storage.ingest import CLOSE_BAD_INPUT
 from storage.store import CollectorControl, Disconnect, Events, EventsResult, Hello, RunInfo
 from storage.writer import Writer
-from wire.control import CAP_KEY, CONTROL_KEYS, POLICIES, ControlRefused, check_changes
+from wire.control import (
+    CAP_KEY,
+    CONTROL_KEYS,
+    POLICIES,
+    ControlRefused,
+    check_changes,
+    control_mac,
+    same_secret,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8765
-DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+# The publisher sends at most 1 MiB per frame (a single larger event alone): 4 MiB leaves room.
+DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_CONNECTIONS = 256
+MAX_QUEUED_FRAMES = 16  # frames read ahead per connection (websockets' max_queue)
+MAX_CONTROLS_IN_FLIGHT = 16  # per /control client
 
 CLOSE_TOO_BIG = 1009
 CLOSE_AUTH = 4401
+CLOSE_NOT_YOURS = 4403  # the hello cannot speak for the run it names (wrong run_secret)
 CLOSE_REPLACED = 4409
 CLOSE_STORE_ERROR = 1011
 
@@ -60,6 +72,7 @@ class CollectorConfig:
     control_timeout: float = 15.0
     hello_timeout: float = 10.0
     max_pending_events: int = 200_000
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # /ingest and /control together
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -164,6 +177,7 @@ class Collector:
         self._drained = asyncio.Event()
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._n_conns = 0  # open /ingest and /control connections
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -183,7 +197,7 @@ class Collector:
                 self.config.port,
                 process_request=self._process_request,
                 max_size=self.config.max_frame_bytes,
-                max_queue=64,
+                max_queue=MAX_QUEUED_FRAMES,
                 compression=None,
                 ping_interval=20,
                 ping_timeout=60,
@@ -225,9 +239,20 @@ class Collector:
 
     # -- HTTP ---------------------------------------------------------------------------------
 
+    def store_problem(self) -> str:
+        """Why the store is not healthy ("" when it is): the writer stopped, or its latest
+        batch failed (until one commits again)."""
+        writer = self._writer
+        if writer is None or not writer.alive:
+            return "the writer is not running"
+        return writer.last_error or ""
+
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         path, _, query = request.path.partition("?")
         if path == "/healthz":
+            why = self.store_problem()
+            if why:
+                return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, f"store: {why}\n")
             return connection.respond(HTTPStatus.OK, "ok\n")
         if path == "/metrics":
             response = connection.respond(HTTPStatus.OK, "")
@@ -238,6 +263,12 @@ class Collector:
             response.headers["Content-Type"] = CONTENT_TYPE_LATEST
             response.headers["Content-Length"] = str(len(body))
             return response
+        if path in ("/ingest", "/control") and self._n_conns >= self.config.max_connections:
+            self.metrics.refuse("too_many_connections")
+            return connection.respond(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"too many connections (at most {self.config.max_connections})\n",
+            )
         if path not in ("/ingest", "/control"):
             return connection.respond(
                 HTTPStatus.NOT_FOUND, "not found: use /ingest, /control, /healthz or /metrics\n"
@@ -247,17 +278,21 @@ class Collector:
             auth = request.headers.get("Authorization", "")
             if auth.startswith("Bearer "):
                 token = auth[len("Bearer ") :]
-            if token is None or not hmac.compare_digest(token, self.config.auth_token):
+            if not same_secret(token, self.config.auth_token):
                 self.metrics.refuse("auth")
                 return connection.respond(HTTPStatus.UNAUTHORIZED, "missing or wrong token\n")
         return None
 
     async def _handle(self, ws: ServerConnection) -> None:
         path = ws.request.path.partition("?")[0] if ws.request else ""
-        if path == "/control":
-            await self._control_client(ws)
-        else:
-            await self._ingest(ws)
+        self._n_conns += 1
+        try:
+            if path == "/control":
+                await self._control_client(ws)
+            else:
+                await self._ingest(ws)
+        finally:
+            self._n_conns -= 1
 
     # -- writer plumbing ----------------------------------------------------------------------
 
@@ -343,18 +378,9 @@ class Collector:
                     },
                 )
             )
-        for seq, why in result.bad:
-            self._spawn(
-                self._send(
-                    conn.ws,
-                    {
-                        "type": "error",
-                        "code": "bad_event",
-                        "seq": seq,
-                        "message": f"event {seq} could not be read and was skipped: {why}",
-                    },
-                )
-            )
+        if result.bad:
+            # One reply per batch, however many of its events were bad.
+            self._spawn(self._send(conn.ws, ingest.bad_events_reply(result.bad)))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -393,43 +419,60 @@ class Collector:
             self._closed_reason(exc)
             return
         self.metrics.frames.inc()
-        hello, why = ingest.parse(raw)
+        hello, why = ingest.check_hello_frame(raw)
         if hello is None:
             await self._close(ws, CLOSE_BAD_INPUT, why)
             return
-        why = ingest.check_hello(hello)
-        if why:
-            await self._close(ws, CLOSE_BAD_INPUT, why)
+        if self.config.auth_token is not None and not same_secret(
+            hello.get("token"), self.config.auth_token
+        ):
+            await self._close(ws, CLOSE_AUTH, "missing or wrong auth token")
             return
-        if self.config.auth_token is not None:
-            token = hello.get("token")
-            if not isinstance(token, str) or not hmac.compare_digest(token, self.config.auth_token):
-                await self._close(ws, CLOSE_AUTH, "missing or wrong auth token")
-                return
         conn = IngestConn(ws=ws, engine_id=hello["engine_id"], run_id=hello["run_id"])
         self._take_hello(conn, hello)
-        # A newer connection of the same engine takes over at once: the old one stops enqueueing.
-        old = self._by_engine.get(conn.engine_id)
-        if old is not None and old.run_id == conn.run_id:
-            old.current = False
-            self._spawn(old.ws.close(CLOSE_REPLACED, "replaced by a newer connection of this run"))
-        self._by_engine[conn.engine_id] = conn
         try:
             fut = self._submit(Hello(hello), want_result=True)
             assert fut is not None
             info: RunInfo = await fut
         except Exception as exc:
             logger.exception("registering run %s/%s failed", conn.engine_id, conn.run_id)
-            self._drop(conn)
             await ws.close(CLOSE_STORE_ERROR, f"store error: {type(exc).__name__}")
+            return
+        if info.refused:
+            await self._close(ws, CLOSE_NOT_YOURS, info.refused)
+            return
+        prev = self._by_run.get(info.run_key)
+        if not ingest.may_take_over(proven=info.proven, live=prev is not None and prev.current):
+            await self._close(
+                ws,
+                CLOSE_REPLACED,
+                "this run is live on another connection and the hello has no run_secret to "
+                "prove it is the same engine; retry once that connection is gone",
+            )
             return
         conn.run_key = info.run_key
         conn.expected = info.last_seq + 1
-        prev = self._by_run.get(info.run_key)
-        if prev is not None and prev is not conn:
+        if prev is not None:
+            # The run's newer, proven connection takes over at once: the old one stops enqueueing.
             prev.current = False
+            self._spawn(prev.ws.close(CLOSE_REPLACED, "replaced by a newer connection of this run"))
         self._by_run[info.run_key] = conn
-        self._refresh_seen(conn, connected=True)
+        route = self._by_engine.get(conn.engine_id)
+        if route is None or route is prev or route.run_key == conn.run_key:
+            self._by_engine[conn.engine_id] = conn
+        else:
+            # Another run of this engine id is live (two engines started with one --engine-id,
+            # or one posing as the other): the control route stays with the first.
+            logger.warning(
+                "engine id %s: run %s connected while run %s is live; controls stay routed to "
+                "%s (a control may name its run_id)",
+                conn.engine_id,
+                conn.run_id,
+                route.run_id,
+                route.run_id,
+            )
+        if self._by_engine.get(conn.engine_id) is conn:
+            self._refresh_seen(conn, connected=True)
         self.metrics.connected.set(len(self._by_run))
         logger.info(
             "engine %s run %s connected from %s (durable seq %d)",
@@ -454,8 +497,22 @@ class Collector:
             self.metrics.refuse("frame_too_big")
 
     def _drop(self, conn: IngestConn) -> None:
-        if self._by_engine.get(conn.engine_id) is conn:
-            del self._by_engine[conn.engine_id]
+        """Take ``conn`` off its engine id's control route; another live run of the same engine
+        id, if any, gets the route."""
+        if self._by_engine.get(conn.engine_id) is not conn:
+            return
+        del self._by_engine[conn.engine_id]
+        for other in self._by_run.values():
+            if other is not conn and other.engine_id == conn.engine_id and other.current:
+                self._by_engine[conn.engine_id] = other
+                self._refresh_seen(other, connected=True)
+                break
+
+    def _live(self, engine_id: str, run_id: str) -> IngestConn | None:
+        for conn in self._by_run.values():
+            if conn.engine_id == engine_id and conn.run_id == run_id and conn.current:
+                return conn
+        return None
 
     def _disconnected(self, conn: IngestConn) -> None:
         for fut in conn.pending.values():
@@ -464,12 +521,13 @@ class Collector:
                     {"ok": False, "error": f"engine {conn.engine_id} disconnected before answering"}
                 )
         conn.pending.clear()
-        self._drop(conn)
         if self._by_run.get(conn.run_key) is conn:
             del self._by_run[conn.run_key]
             if conn.current and conn.run_key:
                 self._submit(Disconnect(conn.run_key))
-            self._refresh_seen(conn, connected=False)
+            if self._seen.get(conn.engine_id, {}).get("run_id") == conn.run_id:
+                self._refresh_seen(conn, connected=False)
+        self._drop(conn)
         self.metrics.connected.set(len(self._by_run))
         logger.info(
             "engine %s run %s disconnected (code %s)",
@@ -505,6 +563,9 @@ class Collector:
             "last_step": conn.last_step,
             "last_seen_ns": conn.last_seen_ns,
         }
+        if len(self._seen) > ingest.MAX_ENGINES_REMEMBERED:
+            for engine_id in ingest.seen_to_forget(self._seen):
+                del self._seen[engine_id]
 
     async def _ingest_frame(self, conn: IngestConn, raw: str | bytes) -> bool:
         """Handle one frame after the hello (the rules are ``storage.ingest``'s; this carries
@@ -561,7 +622,7 @@ class Collector:
                     conn.policy = ev["new_value"]
                 elif ev.get("key") == CAP_KEY and isinstance(ev.get("new_value"), int):
                     conn.long_prefill_token_threshold = ev["new_value"]
-        if self._by_run.get(conn.run_key) is conn:
+        if self._by_engine.get(conn.engine_id) is conn:
             self._refresh_seen(conn, connected=True)
 
     # -- control relay ------------------------------------------------------------------------
@@ -577,19 +638,36 @@ class Collector:
 
     async def _control_client(self, ws: ServerConnection) -> None:
         self.metrics.control_clients.inc()
+        in_flight: set[asyncio.Task[Any]] = set()
         try:
             async for raw in ws:
-                msg, why = ingest.parse(raw)
+                msg, why = ingest.check_control_message(raw)
                 if msg is None:
                     self.metrics.refuse("control_bad_input")
                     await self._send(ws, {"type": "error", "code": "bad_input", "message": why})
                     continue
                 kind = msg.get("type")
                 if kind == "list_engines":
-                    await self._send(ws, {"type": "engines", "engines": self.list_engines()})
+                    await self._send(ws, self.engines_reply(msg))
                 elif kind == "control":
+                    if len(in_flight) >= MAX_CONTROLS_IN_FLIGHT:
+                        self.metrics.refuse("control_busy")
+                        await self._send(
+                            ws,
+                            {
+                                "type": "error",
+                                "code": "busy",
+                                "message": f"at most {MAX_CONTROLS_IN_FLIGHT} controls in flight "
+                                "per client; wait for an answer",
+                            },
+                        )
+                        continue
                     # Several controls from one client may be in flight at once.
-                    self._spawn(self._relay_and_answer(ws, msg))
+                    task = asyncio.ensure_future(self._relay_and_answer(ws, msg))
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
                 else:
                     self.metrics.refuse("unknown_message")
                     await self._send(
@@ -609,6 +687,11 @@ class Collector:
     def list_engines(self) -> list[dict[str, Any]]:
         return [dict(v) for v in self._seen.values()]
 
+    def engines_reply(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The ``engines`` reply: connected engines first, then the others, at most
+        ``ingest.MAX_ENGINES_LISTED`` from ``offset`` (``next_offset`` when more follow)."""
+        return ingest.engines_page(self.list_engines(), msg.get("offset"))
+
     async def _relay_and_answer(self, ws: ServerConnection, msg: dict[str, Any]) -> None:
         answer = await self.relay(msg)
         await self._send(ws, answer)
@@ -616,62 +699,79 @@ class Collector:
     async def relay(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Check a control, forward it to its engine, and return the control_ack to send back."""
         cid = msg.get("id")
-        cid = str(cid) if cid is not None else f"collector-{next(self._ids)}"
+        cid = str(cid)[: ingest.MAX_ID_CHARS] if cid is not None else f"collector-{next(self._ids)}"
         engine_id = msg.get("engine_id")
+        run_id = msg.get("run_id")  # optional: which live run of the engine id
         new = msg.get("set")
-        conn = self._by_engine.get(engine_id) if isinstance(engine_id, str) else None
-        keys = list(new) if isinstance(new, dict) and new else [None]
+        conn = None
+        if isinstance(engine_id, str):
+            if isinstance(run_id, str):
+                conn = self._live(engine_id, run_id)
+            elif run_id is None:
+                conn = self._by_engine.get(engine_id)
+        param: str | None = None
 
         def refuse(reason: str, outcome: str) -> dict[str, Any]:
             self.metrics.controls.labels(outcome=outcome).inc()
             self.metrics.refuse(f"control_{outcome}")
-            if isinstance(engine_id, str):
-                run_id = (
-                    conn.run_id if conn is not None else self._seen.get(engine_id, {}).get("run_id")
-                )
-                for key in keys:
-                    old = getattr(conn, key, None) if conn is not None and key else None
-                    value = new.get(key) if isinstance(new, dict) and key else None
-                    self._submit(
-                        CollectorControl(
-                            engine_id=engine_id,
-                            run_id=run_id,
-                            key=key if key is None else str(key),
-                            old_value=old,
-                            new_value=value,
-                            reason=reason,
-                            request_id=cid,
-                        )
+            # One row at most per refused message, and none for an engine never seen: checked
+            # before anything is stored, so no message can make the writer work per key.
+            row = ingest.control_refusal_row(
+                msg,
+                param,
+                known_engine=isinstance(engine_id, str) and engine_id in self._seen,
+            )
+            if row is not None and isinstance(engine_id, str):
+                key, value = row
+                run = conn.run_id if conn is not None else self._seen[engine_id].get("run_id")
+                self._submit(
+                    CollectorControl(
+                        engine_id=engine_id,
+                        run_id=run,
+                        key=key,
+                        old_value=getattr(conn, key, None) if conn is not None and key else None,
+                        new_value=value,
+                        reason=reason[:500],
+                        request_id=cid,
                     )
-            logger.info("control %s for %r refused: %s", cid, engine_id, reason)
+                )
+            logger.info("control %s for %r refused: %s", cid, str(engine_id)[:128], reason[:500])
             return {"type": "control_ack", "id": cid, "ok": False, "error": reason}
 
         token = msg.get("token")
-        if self.config.control_token is not None and (
-            not isinstance(token, str) or not hmac.compare_digest(token, self.config.control_token)
+        if self.config.control_token is not None and not same_secret(
+            token, self.config.control_token
         ):
             return refuse("missing or wrong control token", "token")
         if not isinstance(engine_id, str) or not engine_id:
             return refuse("engine_id must be a non-empty string", "bad_request")
+        if run_id is not None and not isinstance(run_id, str):
+            return refuse("run_id must be a string when given", "bad_request")
         if conn is None:
             if engine_id in self._seen:
-                return refuse(f"engine {engine_id} is not connected", "disconnected")
-            return refuse(f"unknown engine {engine_id!r}", "unknown_engine")
+                which = f"run {run_id} of engine {engine_id}" if run_id else f"engine {engine_id}"
+                return refuse(f"{which} is not connected", "disconnected")
+            return refuse(f"unknown engine {engine_id[:128]!r}", "unknown_engine")
         try:
             check_changes(new, conn.max_token_budget, conn.policies)
         except ControlRefused as exc:
+            param = exc.param
             code = "bad_request" if exc.param is None else "bad_value"
             if exc.param is not None and exc.param not in CONTROL_KEYS:
                 code = "bad_key"
-            return refuse(exc.reason, code)
+            return refuse(exc.reason[:500], code)
+        assert isinstance(new, dict)
         if cid in conn.pending:
             return refuse(f"a control with id {cid!r} is already pending", "bad_request")
         assert self._loop is not None
         fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
         conn.pending[cid] = fut
         out: dict[str, Any] = {"type": "control", "id": cid, "set": new}
-        if token is not None:
-            out["token"] = token
+        if isinstance(token, str):
+            # Never the token itself: a MAC under it, bound to this engine, run and control id.
+            out["mac"] = control_mac(
+                token, control_id=cid, engine_id=conn.engine_id, run_id=conn.run_id, changes=new
+            )
         try:
             await conn.ws.send(json.dumps(out))
             answer = await asyncio.wait_for(fut, self.config.control_timeout)

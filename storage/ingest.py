@@ -7,19 +7,82 @@ Rules (docs/telemetry.md): the first frame is a hello of this schema; after it, 
 whose seqs increase; a seq below the expected one is a duplicate (dropped, counted); a seq above
 it is a gap, unless a ``gap`` event declares the seqs lost; ``control_ack`` frames answer relayed
 controls.
+
+Trust rules (docs/telemetry.md, "Identity and bounds"): a run is bound to the ``run_secret`` its
+first hello presented (:func:`claim`); a hello that cannot prove a live run never replaces it
+(:func:`may_take_over`); a seq may jump only through a ``gap`` that declares a bounded, contiguous
+range (:func:`declares`); frames, hellos, ids and control messages are bounded in size and a
+refused control stores one row at most (:func:`control_refusal_row`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from wire.control import CAP_KEY
+from wire.control import CAP_KEY, CONTROL_KEYS
 from wire.events import SCHEMA_VERSION
 
 CLOSE_BAD_INPUT = 4400
+
+# Bounds (the publisher sends at most 512 events and 1 MiB per frame; its hello is a few KiB).
+MAX_ID_CHARS = 128  # engine_id, run_id, a control's id
+MAX_HELLO_BYTES = 64 * 1024
+MAX_EVENTS_PER_FRAME = 4096
+MAX_CONTROL_BYTES = 16 * 1024  # one message on /control
+# Seqs stay exact in every reader (JavaScript's safe integers, float64) and far from int64's end.
+MAX_SEQ = 2**53
+# The most seqs one ``gap`` event may declare lost (about 50 days of drops at 1,000 events/s).
+MAX_GAP_EVENTS = 2**32
+
+
+def secret_hash(secret: str) -> str:
+    """What the store keeps of a run secret (SHA-256, hex): enough to check it, useless to
+    present."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The verdict on a hello's claim to a run: ``refused`` (why, or "") ; ``proven`` when it
+    presented the run's secret; ``register``: the hash to store for a new run (None: none)."""
+
+    refused: str = ""
+    proven: bool = False
+    register: str | None = None
+
+
+def claim(*, registered: bool, stored_hash: str | None, secret: object) -> Claim:
+    """May a hello presenting ``secret`` speak for a run? ``registered``: the run exists in the
+    store, with ``stored_hash`` (None: registered by an engine that sends no secret).
+
+    The first hello of a run registers its secret; every later hello must present the same one.
+    A run registered without a secret stays unproven for good (nobody can claim it later)."""
+    if secret is not None and (not isinstance(secret, str) or not 16 <= len(secret) <= 256):
+        return Claim(refused="run_secret must be a string of 16 to 256 characters")
+    if not registered:
+        if secret is None:
+            return Claim()
+        return Claim(proven=True, register=secret_hash(secret))
+    if stored_hash is None:
+        return Claim()
+    if secret is not None and hmac.compare_digest(secret_hash(secret), stored_hash):
+        return Claim(proven=True)
+    return Claim(refused="this run is bound to another run_secret: missing or wrong run_secret")
+
+
+def may_take_over(*, proven: bool, live: bool) -> bool:
+    """A hello replaces a live connection of its run only when it proved the run's secret; an
+    unproven one waits until the live connection is gone."""
+    return proven or not live
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (NaN and Infinity are refused)")
 
 
 def parse(raw: str | bytes) -> tuple[dict[str, Any] | None, str]:
@@ -27,9 +90,11 @@ def parse(raw: str | bytes) -> tuple[dict[str, Any] | None, str]:
     if isinstance(raw, bytes):
         return None, "binary frame: frames are JSON text"
     try:
-        msg = json.loads(raw)
+        msg = json.loads(raw, parse_constant=_no_constant)
     except ValueError as exc:
         return None, f"malformed JSON: {exc}"
+    except RecursionError:
+        return None, "JSON nested too deep"
     if not isinstance(msg, dict):
         return None, f"a frame must be a JSON object, got {type(msg).__name__}"
     return msg, ""
@@ -44,6 +109,8 @@ def check_hello(h: dict[str, Any]) -> str:
     for key in ("engine_id", "run_id"):
         if not isinstance(h.get(key), str) or not h[key]:
             return f"hello needs a non-empty string {key}"
+        if len(h[key]) > MAX_ID_CHARS or not h[key].isprintable():
+            return f"hello {key} must be printable and at most {MAX_ID_CHARS} characters"
     clock = h.get("clock")
     if not isinstance(clock, dict) or not all(
         isinstance(clock.get(k), int) and not isinstance(clock.get(k), bool)
@@ -64,16 +131,36 @@ def check_hello(h: dict[str, Any]) -> str:
     return ""
 
 
+def check_hello_frame(raw: str | bytes) -> tuple[dict[str, Any] | None, str]:
+    """The first frame of a connection as a hello, or None and why not (size first: a hello is
+    a few KiB, and what the store keeps of it is bounded by this)."""
+    if len(raw) > MAX_HELLO_BYTES:
+        return None, f"hello over {MAX_HELLO_BYTES} bytes"
+    hello, why = parse(raw)
+    if hello is None:
+        return None, why
+    why = check_hello(hello)
+    return (None, why) if why else (hello, "")
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def declares(ev: dict[str, Any], expected: int) -> bool:
-    """A gap event may jump over the seqs it declares lost."""
+    """A gap event may jump over the seqs it declares lost: a range that starts at or before the
+    next expected seq, reaches the gap's own seq - 1 (or the seq itself, see docs), and jumps
+    at most ``MAX_GAP_EVENTS``."""
     if ev.get("type") != "gap":
         return False
     first, last = ev.get("first_seq_lost"), ev.get("last_seq_lost")
+    seq = ev["seq"]
     return (
-        isinstance(first, int)
-        and isinstance(last, int)
-        and first <= expected
-        and last >= ev["seq"] - 1
+        _int(first)
+        and _int(last)
+        and 1 <= first <= expected
+        and seq - 1 <= last <= MAX_SEQ
+        and seq - expected <= MAX_GAP_EVENTS
     )
 
 
@@ -115,11 +202,16 @@ def frame(msg: dict[str, Any], *, engine_id: str, run_id: str, expected: int) ->
             return Verdict(close=f"{key} differs from the hello's", expected=expected)
     events = msg.get("events")
     if not isinstance(events, list) or not all(
-        isinstance(e, dict) and isinstance(e.get("seq"), int) and not isinstance(e.get("seq"), bool)
-        for e in events
+        isinstance(e, dict) and _int(e.get("seq")) and 1 <= e["seq"] <= MAX_SEQ for e in events
     ):
         return Verdict(
-            close="events must be a list of objects with an integer seq", expected=expected
+            close=f"events must be a list of objects with an integer seq from 1 to {MAX_SEQ}",
+            expected=expected,
+        )
+    if len(events) > MAX_EVENTS_PER_FRAME:
+        return Verdict(
+            close=f"{len(events)} events in one frame (at most {MAX_EVENTS_PER_FRAME})",
+            expected=expected,
         )
     seqs = [e["seq"] for e in events]
     if any(b <= a for a, b in itertools.pairwise(seqs)):
@@ -146,3 +238,84 @@ def frame(msg: dict[str, Any], *, engine_id: str, run_id: str, expected: int) ->
         verdict.accepted.append(ev)
         verdict.expected = seq + 1
     return verdict
+
+
+def control_refusal_row(
+    msg: dict[str, Any], param: str | None, *, known_engine: bool
+) -> tuple[str | None, Any] | None:
+    """What the collector stores of a control it refused: None (nothing: the engine is not one it
+    has seen, so a client cannot make rows for engines that do not exist), else one row's
+    ``(key, new_value)``: the key at fault when it is a control key, otherwise no key and no
+    value. Never one row per key of ``set``: a message of a million keys is one row."""
+    if not known_engine:
+        return None
+    new = msg.get("set")
+    if param in CONTROL_KEYS and isinstance(new, dict):
+        value = new.get(param)
+        if isinstance(value, str) and len(value) > MAX_ID_CHARS:
+            value = value[:MAX_ID_CHARS]
+        if isinstance(value, (dict, list, float)):
+            value = None
+        return param, value
+    return None, None
+
+
+def check_control_message(raw: str | bytes) -> tuple[dict[str, Any] | None, str]:
+    """A /control message, bounded before it is parsed: None and why when it is too big, not a
+    JSON object, or its id is not a short string."""
+    if len(raw) > MAX_CONTROL_BYTES:
+        return None, f"message over {MAX_CONTROL_BYTES} bytes"
+    msg, why = parse(raw)
+    if msg is None:
+        return None, why
+    cid = msg.get("id")
+    if cid is not None and (
+        not isinstance(cid, (str, int)) or isinstance(cid, bool) or len(str(cid)) > MAX_ID_CHARS
+    ):
+        return None, f"id must be a string of at most {MAX_ID_CHARS} characters"
+    return msg, ""
+
+
+def bad_events_reply(bad: list[tuple[int, str]]) -> dict[str, Any]:
+    """One ``bad_event`` error for every event of a batch that could not be read: the first
+    one's seq and reason, and how many."""
+    seq, why = bad[0]
+    more = f" (and {len(bad) - 1} more in this batch)" if len(bad) > 1 else ""
+    return error(
+        "bad_event",
+        f"event {seq} could not be read and was skipped: {why[:200]}{more}",
+        seq=seq,
+        count=len(bad),
+    )
+
+
+MAX_ENGINES_LISTED = 200  # one list_engines reply (a few hundred bytes each: well under 1 MiB)
+
+
+def engines_page(rows: list[dict[str, Any]], offset: object = None) -> dict[str, Any]:
+    """One ``engines`` reply: connected engines first, then the others as first seen, at most
+    ``MAX_ENGINES_LISTED`` from ``offset``; ``next_offset`` when more follow (older clients
+    read the first page, which holds the connected engines)."""
+    start = offset if isinstance(offset, int) and not isinstance(offset, bool) else 0
+    start = max(0, start)
+    ordered = sorted(rows, key=lambda r: not r.get("connected"))  # stable: first seen first
+    page = ordered[start : start + MAX_ENGINES_LISTED]
+    reply: dict[str, Any] = {"type": "engines", "engines": page, "total": len(ordered)}
+    if start + MAX_ENGINES_LISTED < len(ordered):
+        reply["next_offset"] = start + MAX_ENGINES_LISTED
+    return reply
+
+
+MAX_ENGINES_REMEMBERED = 10_000  # engine ids the collector lists (a row each in memory)
+
+
+def seen_to_forget(
+    rows: dict[str, dict[str, Any]], limit: int = MAX_ENGINES_REMEMBERED
+) -> list[str]:
+    """The engine ids to forget so that at most ``limit`` remain: disconnected ones, first seen
+    first; a connected engine is never forgotten (their number is bounded by the connection
+    cap)."""
+    excess = len(rows) - limit
+    if excess <= 0:
+        return []
+    return [k for k, r in rows.items() if not r.get("connected")][:excess]

@@ -74,6 +74,8 @@ runs = Table(
     Column("num_events", BigInteger, nullable=False, default=0),
     Column("num_gap_events", Integer, nullable=False, default=0),
     Column("next_req_no", Integer, nullable=False, default=0),
+    # SHA-256 (hex) of the run_secret of the run's first hello; NULL: an engine without one.
+    Column("secret_sha256", Text),
     UniqueConstraint("engine_id", "run_id", name="uq_runs_engine_run"),
 )
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 
-from storage import schema
+from storage import ingest, schema
 from storage.packing import FLAG_CAPPED, FLAG_DECODE, FLAG_PRODUCED, pack_chunks, pack_tokens
 
 logger = logging.getLogger(__name__)
@@ -209,6 +209,8 @@ class RunInfo:
     token_budget: int | None
     max_token_budget: int | None
     policy: str | None
+    proven: bool = False  # the hello presented the run's secret
+    refused: str = ""  # why the hello may not speak for this run (nothing was changed)
 
 
 @dataclass
@@ -391,6 +393,19 @@ class Store:
         engine_id, run_id = str(h["engine_id"]), str(h["run_id"])
         clock = h["clock"]
         now = op.received
+        r = schema.runs
+        row = self.conn.execute(
+            select(r.c.id, r.c.secret_sha256).where(
+                r.c.engine_id == engine_id, r.c.run_id == run_id
+            )
+        ).first()
+        verdict = ingest.claim(
+            registered=row is not None,
+            stored_hash=row[1] if row is not None else None,
+            secret=h.get("run_secret"),
+        )
+        if verdict.refused:
+            return RunInfo(0, 0, None, None, None, refused=verdict.refused)
         e = schema.engines
         found = self.conn.execute(select(e.c.engine_id).where(e.c.engine_id == engine_id)).first()
         if found is None:
@@ -409,12 +424,8 @@ class Store:
                 .where(e.c.engine_id == engine_id)
                 .values(host=_opt_str(h.get("host")), model=_opt_str(h.get("model")), last_seen=now)
             )
-        r = schema.runs
-        row = self.conn.execute(
-            select(r.c.id).where(r.c.engine_id == engine_id, r.c.run_id == run_id)
-        ).first()
         if row is None:
-            hello_copy = {k: v for k, v in h.items() if k != "token"}
+            hello_copy = {k: v for k, v in h.items() if k not in ("token", "run_secret")}
             result = self.conn.execute(
                 insert(r).values(
                     engine_id=engine_id,
@@ -441,6 +452,7 @@ class Store:
                     num_events=0,
                     num_gap_events=0,
                     next_req_no=0,
+                    secret_sha256=verdict.register,
                 )
             )
             run_key = int(result.inserted_primary_key[0])
@@ -470,7 +482,12 @@ class Store:
                 run.policy = str(h["policy"])
             batch.dirty_runs[run.run_key] = run
         return RunInfo(
-            run.run_key, run.last_seq, run.token_budget, run.max_token_budget, run.policy
+            run.run_key,
+            run.last_seq,
+            run.token_budget,
+            run.max_token_budget,
+            run.policy,
+            proven=verdict.proven,
         )
 
     # -- events -------------------------------------------------------------------------------

@@ -4,7 +4,11 @@ Async handlers call ``Writer.submit(op)`` (constant time, never blocks); the thr
 everything queued (up to ``max_batch_events`` events), applies it in one transaction
 (``Store.apply``) and reports ``(ops, results, seconds)`` through ``on_commit`` after the commit.
 If a batch fails, each op is retried alone so one bad op cannot take the others down; an op that
-still fails gets its exception as its result.
+still fails gets its exception as its result, and so does every later ``Events`` op of the same
+run in that batch (not applied: a run's durable seq never moves past events it failed to store;
+the collector closes that connection and the engine resends from the durable seq). The latest
+outcome is kept for ``/healthz``: ``last_error`` (None once a batch with events commits
+again) and ``alive``.
 
 On SQLite the writer's connection does not checkpoint the WAL itself: a checkpoint copies the
 WAL into the database file and syncs it, which can take a few hundred milliseconds on a slow
@@ -52,6 +56,11 @@ class Writer:
         self._max_batch_events = max_batch_events
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self.last_error: str | None = None  # why the latest batch failed; None: it committed
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
         n = self.store.startup()
@@ -129,17 +138,32 @@ class Writer:
         t0 = time.perf_counter()
         try:
             results = self.store.apply(ops)
-        except Exception:
+            if any(isinstance(op, Events) for op in ops):
+                self.last_error = None  # events commit again
+        except Exception as batch_exc:
             logger.exception(
                 "writing a batch of %d operations failed; retrying one by one", len(ops)
             )
             results = []
+            failed_runs: dict[int, BaseException] = {}
+            n_failed = 0
             for op in ops:
+                run_key = op.run_key if isinstance(op, Events) else None
+                if run_key is not None and run_key in failed_runs:
+                    results.append(failed_runs[run_key])  # never past a seq that failed
+                    n_failed += 1
+                    continue
                 try:
                     results.append(self.store.apply([op])[0])
                 except Exception as exc:
                     logger.exception("operation %s failed", type(op).__name__)
                     results.append(exc)
+                    n_failed += 1
+                    if run_key is not None:
+                        failed_runs[run_key] = exc
+            self.last_error = (
+                f"{type(batch_exc).__name__}: {str(batch_exc)[:200]}" if n_failed else None
+            )
         try:
             self._on_commit(ops, results, time.perf_counter() - t0)
         except Exception:

@@ -10,6 +10,7 @@ The collector to talk to is ``testkit.collector``'s; a PostgreSQL server, ``test
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -63,6 +64,9 @@ class SyntheticEngine:
     mono_ns: int = 1_000_000_000_000
     wall_ns: int | None = None
     kv_blocks_total: int = 4096
+    # The hello's run_secret: "" derives one from the ids (so a test's second SyntheticEngine of
+    # the same run is the same engine); None sends none (an engine from before run secrets).
+    run_secret: str | None = ""
     seq: int = 0
     step: int = 0
     truth: dict[str, list[int]] = field(default_factory=dict)  # request_id -> token end_ns
@@ -73,6 +77,9 @@ class SyntheticEngine:
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
+        if self.run_secret == "":
+            ids = f"{self.engine_id}/{self.run_id}".encode()
+            self.run_secret = "synthetic-" + hashlib.sha256(ids).hexdigest()[:32]
         if self.wall_ns is None:
             self.wall_ns = time.time_ns()
         self._clock = (self.wall_ns, self.mono_ns)
@@ -97,6 +104,8 @@ class SyntheticEngine:
         }
         if token is not None:
             d["token"] = token
+        if self.run_secret is not None:
+            d["run_secret"] = self.run_secret
         return d
 
     def wall(self, t_ns: int) -> float:

@@ -8,6 +8,9 @@ Stdlib only.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 from collections.abc import Mapping
 
 CAP_KEY = "long_prefill_token_threshold"
@@ -81,3 +84,31 @@ def check_changes(
         if reason is not None:
             raise ControlRefused(reason, param=str(key))
     return {k: changes[k] for k in CONTROL_KEYS if k in changes}
+
+
+# ---- steering credential on the relay -----------------------------------------------------------
+# The collector never forwards an operator's control token to an engine connection: it sends a
+# MAC of the control under that token instead, bound to the engine, run and control id, which the
+# engine checks with its own ``--control-token``. A connection that is not the engine learns
+# nothing it could present to ``PUT /v1/scheduler`` or replay to another run.
+
+_MAC_CONTEXT = b"chunkscope-control-mac-v1\n"
+
+
+def control_mac(
+    token: str, *, control_id: str, engine_id: str, run_id: str, changes: Mapping[str, object]
+) -> str:
+    """HMAC-SHA256 (hex) of one relayed control under ``token``."""
+    body = json.dumps(
+        {"id": control_id, "engine_id": engine_id, "run_id": run_id, "set": dict(changes)},
+        sort_keys=True,
+        separators=(",", ":"),
+        default=str,
+    )
+    return hmac.new(token.encode(), _MAC_CONTEXT + body.encode(), hashlib.sha256).hexdigest()
+
+
+def same_secret(given: object, expected: str) -> bool:
+    """Constant-time comparison of a presented secret with the expected one; False for a value
+    that is not a string (non-ASCII text is compared as UTF-8, never raises)."""
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())

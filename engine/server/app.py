@@ -20,7 +20,11 @@ from engine.server.metrics import EngineMetrics
 from engine.server.multimodal import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 from engine.server.routes_control import add_control_routes
 from engine.server.routes_openai import add_openai_routes
-from engine.server.state import DEFAULT_MAX_BODY_BYTES, ServerState
+from engine.server.state import (
+    DEFAULT_LIMIT_IMAGES_PER_PROMPT,
+    DEFAULT_MAX_BODY_BYTES,
+    ServerState,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ def build_app(
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     engine_id: str | None = None,
+    limit_images_per_prompt: int = DEFAULT_LIMIT_IMAGES_PER_PROMPT,
 ) -> FastAPI:
     """The FastAPI app serving ``engine``; its shutdown stops the engine core.
 
@@ -63,6 +68,7 @@ def build_app(
         max_body_bytes=max_body_bytes,
         max_image_bytes=max_image_bytes,
         max_image_pixels=max_image_pixels,
+        limit_images_per_prompt=limit_images_per_prompt,
     )
 
     @contextlib.asynccontextmanager

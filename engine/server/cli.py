@@ -17,8 +17,23 @@ from engine.process.transport import default_core_threads
 from engine.server.app import build_app
 from engine.server.multimodal import DEFAULT_MAX_IMAGE_BYTES
 from engine.server.serve import bind_socket, uvicorn_server
-from engine.server.state import DEFAULT_MAX_BODY_BYTES
+from engine.server.state import DEFAULT_LIMIT_IMAGES_PER_PROMPT, DEFAULT_MAX_BODY_BYTES
 from wire.ready import engine_ready_line
+
+
+def _mm_limit(text: str) -> int:
+    """``--limit-mm-per-prompt '{"image": N}'`` (vLLM's form) -> N."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f'expected JSON such as {{"image": 4}}: {exc}') from exc
+    n = value.get("image") if isinstance(value, dict) else None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise argparse.ArgumentTypeError(f'expected {{"image": N}} with N >= 0, got {text!r}')
+    return n
+
 
 _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--model", {"default": "tiny", "help": "preset name (tiny, demo, llama3-8b, ...) or a "
@@ -73,6 +88,10 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
                           "help": "largest request body accepted; larger gets 413"}),
     ("--max-image-bytes", {"type": int, "default": DEFAULT_MAX_IMAGE_BYTES,
                            "help": "largest encoded image accepted; larger gets 400"}),
+    ("--limit-mm-per-prompt", {"type": _mm_limit, "default": DEFAULT_LIMIT_IMAGES_PER_PROMPT,
+                               "metavar": "JSON",
+                               "help": "images one request may carry, as vLLM spells it: "
+                               "'{\"image\": N}'; more gets 400 before any is decoded"}),
     ("--cpu-threads", {"type": int, "default": None,
                        "help": "torch threads the engine core steps with (default: one per "
                        "usable CPU but one, which is left to the HTTP side: a step split over "
@@ -180,6 +199,7 @@ def _serve(engine: EngineClient, args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_image_bytes=args.max_image_bytes,
         engine_id=args.engine_id,
+        limit_images_per_prompt=args.limit_mm_per_prompt,
     )
     try:
         sock = bind_socket(args.host, args.port)

@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "chunkscope:"
 DEFAULT_TRAFFIC_CLASS = "default"
+# A label value is a time series per metric: the first MAX_TRAFFIC_CLASS_LABELS classes seen get
+# their own, later ones are counted under OTHER_TRAFFIC_CLASS (the telemetry keeps the real one).
+MAX_TRAFFIC_CLASS_LABELS = 32
+OTHER_TRAFFIC_CLASS = "other"
 
 # vLLM's buckets; the latency-per-token ones gain sub-10 ms buckets for fast GPUs.
 TTFT_BUCKETS = (
@@ -74,6 +78,7 @@ class EngineMetrics:
         self.engine_id = engine_id
         self._lock = threading.Lock()
         self._tracks: dict[str, _Track] = {}
+        self._classes: set[str] = set()  # traffic classes with a label of their own
         base = ("model_name", "engine_id")
         lat = (*base, "traffic_class")
         r = self.registry
@@ -198,9 +203,18 @@ class EngineMetrics:
         self.budget.labels(**labels).set(ev.token_budget)
         self.long_prefill.labels(**labels).set(ev.long_prefill_token_threshold)
 
+    def _label_class(self, tc: str) -> str:
+        """The label for traffic class ``tc``: bounded in number (called under the lock)."""
+        if tc in self._classes:
+            return tc
+        if len(self._classes) < MAX_TRAFFIC_CLASS_LABELS:
+            self._classes.add(tc)
+            return tc
+        return OTHER_TRAFFIC_CLASS
+
     def _on_request(self, ev: RequestEvent) -> None:
-        tc = ev.traffic_class or DEFAULT_TRAFFIC_CLASS
         with self._lock:
+            tc = self._label_class(ev.traffic_class or DEFAULT_TRAFFIC_CLASS)
             if ev.kind == "arrived":
                 self._tracks[ev.request_id] = _Track(arrival_ns=ev.time_ns, traffic_class=tc)
                 return

@@ -84,7 +84,32 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         raise APIError(400, str(exc), code="invalid_value") from exc
 
 
+def check_images(state: ServerState, req: ChatCompletionRequest) -> None:
+    """The cheap checks on a request's images, before any is decoded: the model takes images,
+    and no more than ``--limit-mm-per-prompt`` of them."""
+    n = req.num_images
+    if not n:
+        return
+    limits = getattr(state.client, "limits", None)
+    if limits is not None and not limits.accepts_images:
+        raise APIError(
+            400,
+            f"model {state.model_name!r} does not accept images",
+            param="messages",
+            code="invalid_image",
+        )
+    if n > state.limit_images_per_prompt:
+        raise APIError(
+            400,
+            f"{n} images in one request; this server takes at most "
+            f"{state.limit_images_per_prompt} (--limit-mm-per-prompt)",
+            param="messages",
+            code="invalid_image",
+        )
+
+
 def load_chat_images(state: ServerState, req: ChatCompletionRequest) -> tuple[list, list]:
+    check_images(state, req)
     cap = int(state.client.config.image_token_cap)
 
     def load(url: str) -> Any:

@@ -10,6 +10,8 @@ from engine.server.metrics import EngineMetrics
 from engine.server.multimodal import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+# Images one request may carry (vLLM's --limit-mm-per-prompt '{"image": N}' is the convention).
+DEFAULT_LIMIT_IMAGES_PER_PROMPT = 8
 
 
 @dataclass
@@ -23,4 +25,5 @@ class ServerState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    limit_images_per_prompt: int = DEFAULT_LIMIT_IMAGES_PER_PROMPT
     started: float = field(default_factory=time.time)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import random
+import secrets
 import threading
 import time
 import uuid
@@ -38,7 +38,7 @@ from engine.telemetry.buffer import (
     EventBuffer,
     encode_or_placeholder,
 )
-from wire.control import ControlRefused
+from wire.control import ControlRefused, control_mac, same_secret
 from wire.events import SCHEMA_VERSION
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,9 @@ class Publisher:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.engine_id = engine_id
         self.run_id = run_id or new_run_id()
+        # Proves to the collector that a reconnect is this run (docs/telemetry.md): it never
+        # leaves this process except in the hello, and the collector keeps only its hash.
+        self.run_secret = secrets.token_urlsafe(32)
         self._hello = hello
         self._token = token or None
         self._apply_control = apply_control
@@ -300,6 +303,8 @@ class Publisher:
         rcvd = getattr(exc, "rcvd", None)
         if rcvd is not None and rcvd.code == 4401:
             problem = f"the collector refused the --collector-token (close 4401: {rcvd.reason})"
+        elif rcvd is not None and rcvd.code == 4403:
+            problem = f"the collector holds this run for another secret (4403: {rcvd.reason})"
         elif rcvd is not None and rcvd.code == 4400:
             problem = f"the collector refused the hello (close 4400: {rcvd.reason})"
         if problem != self._last_problem:  # say it once, not at every retry
@@ -339,6 +344,7 @@ class Publisher:
             "type": "hello",
             "engine_id": self.engine_id,
             "run_id": self.run_id,
+            "run_secret": self.run_secret,
         }
         if self._token is not None:
             hello["token"] = self._token
@@ -479,15 +485,11 @@ class Publisher:
                 raise ControlRefused(
                     'a control needs "set": an object such as {"token_budget": 512}'
                 )
-            if self._control_token is not None:
-                token = msg.get("token")
-                if not isinstance(token, str) or not hmac.compare_digest(
-                    token.encode(), self._control_token.encode()
-                ):
-                    raise ControlRefused(
-                        "missing or wrong control token: this engine needs its --control-token "
-                        'in the control\'s "token"'
-                    )
+            if self._control_token is not None and not self._control_authentic(msg, changes):
+                raise ControlRefused(
+                    "missing or wrong control token: this engine takes controls made with its "
+                    "--control-token"
+                )
             if self._apply_control is None:
                 raise ControlRefused("this engine does not accept control from the collector")
             result = await self._apply_control(changes, cid if isinstance(cid, str) else None)
@@ -502,6 +504,23 @@ class Publisher:
         logger.info("telemetry: control %s from the collector: %s", cid, reply)
         with contextlib.suppress(ConnectionClosed):
             await ws.send(json.dumps(reply, default=str))
+
+    def _control_authentic(self, msg: dict[str, Any], changes: dict[str, Any]) -> bool:
+        """The relayed control was made with this engine's control token: its ``mac`` (what a
+        collector of this version sends) or, from an older collector, the token itself."""
+        assert self._control_token is not None
+        cid = msg.get("id")
+        mac = msg.get("mac")
+        if isinstance(mac, str) and isinstance(cid, str):
+            want = control_mac(
+                self._control_token,
+                control_id=cid,
+                engine_id=self.engine_id,
+                run_id=self.run_id,
+                changes=changes,
+            )
+            return same_secret(mac, want)
+        return same_secret(msg.get("token"), self._control_token)
 
     def _publish_refusals(self, changes: dict[str, Any], cid: Any, reason: str) -> None:
         """Record a control refused here (the engine never saw it) as control events."""
@@ -539,7 +558,7 @@ class _Session:
 def _parse(raw: str | bytes) -> dict[str, Any]:
     try:
         msg = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         logger.warning("telemetry: the collector sent something that is not JSON: %r", raw[:200])
         return {}
     return msg if isinstance(msg, dict) else {}

@@ -15,6 +15,7 @@ from storage import queries
 from storage.control import list_engines, send_control
 from testkit.collector import start_collector
 from testkit.engines import FakeEngineClient, SyntheticEngine
+from wire.control import control_mac
 
 from .helpers import run_row, wait_until
 
@@ -109,9 +110,10 @@ def test_refused_by_collector_changes_nothing(
     client.send_events(eng.steps(1))
     client.wait_ack(eng.seq)
     ctl = wait_until(
-        lambda: len(_controls(sqlite_url)) >= max(1, len(changes)) and _controls(sqlite_url),
+        lambda: len(_controls(sqlite_url)) >= 1 and _controls(sqlite_url),
         what="refusal stored",
     )
+    assert len(ctl) == 1  # one row per refused message, whatever its number of keys
     assert set(ctl.source) == {"collector"} and not ctl.accepted.any()
     assert set(ctl.request_id) == {"bad"} and all(why in r for r in ctl.reason)
     client.close()
@@ -126,8 +128,10 @@ def test_unknown_and_disconnected_engines(collector: Any, db_url: str) -> None:
     wait_until(lambda: not list_engines(collector.url)[0]["connected"], what="disconnect seen")
     ack = send_control(collector.url, "engine-ctl", {"token_budget": 64})
     assert ack["ok"] is False and "not connected" in ack["error"]
-    ctl = wait_until(lambda: len(_controls(db_url)) == 2 and _controls(db_url), what="stored")
-    assert list(ctl.engine_id) == ["engine-nobody", "engine-ctl"]
+    ctl = wait_until(lambda: len(_controls(db_url)) >= 1 and _controls(db_url), what="stored")
+    # A control for an engine never seen is answered and counted, not stored: a client cannot
+    # make rows for engines that do not exist.
+    assert list(ctl.engine_id) == ["engine-ctl"]
     assert run_row(db_url, "engine-ctl", "run-ctl")["token_budget"] == 512
 
 
@@ -160,16 +164,22 @@ def test_no_answer_times_out(collector_factory: Any, sqlite_url: str) -> None:
 
 
 def test_control_token(collector_factory: Any, sqlite_url: str) -> None:
-    collector = collector_factory(sqlite_url, control_token="tok")
+    collector = collector_factory(sqlite_url, control_token="s3cret-tok")
     eng, client = _engine(collector)
     ack = send_control(collector.url, "engine-ctl", {"token_budget": 100})
     assert ack["ok"] is False and "control token" in ack["error"]
     ack = send_control(collector.url, "engine-ctl", {"token_budget": 100}, token="nope")
     assert ack["ok"] is False
     assert eng.token_budget == 512
-    ack = send_control(collector.url, "engine-ctl", {"token_budget": 100}, token="tok")
+    ack = send_control(collector.url, "engine-ctl", {"token_budget": 100}, token="s3cret-tok")
     assert ack["ok"] is True and eng.token_budget == 100
-    assert client.controls[-1]["token"] == "tok"  # forwarded for the engine's own check
+    # Never the token itself to an engine connection: a MAC under it, bound to engine, run, id.
+    relayed = client.controls[-1]
+    assert "token" not in relayed and "s3cret" not in json.dumps(relayed)
+    assert relayed["mac"] == control_mac(
+        "s3cret-tok", control_id=relayed["id"], engine_id="engine-ctl", run_id="run-ctl",
+        changes={"token_budget": 100},
+    )  # fmt: skip
     client.close()
 
 

@@ -90,3 +90,139 @@ def test_parse() -> None:
     assert ingest.parse(json.dumps({"a": 1})) == ({"a": 1}, "")
     assert ingest.parse(b"{}")[0] is None and ingest.parse("[1]")[0] is None
     assert "malformed" in ingest.parse("{")[1]
+
+
+# ---- trust: identity, bounded seqs, bounded messages (issue 18) --------------------------------
+
+SECRET = "s" * 32
+
+
+def test_the_first_hello_of_a_run_registers_its_secret_and_later_ones_must_present_it() -> None:
+    first = ingest.claim(registered=False, stored_hash=None, secret=SECRET)
+    assert first.proven and first.register == ingest.secret_hash(SECRET) and not first.refused
+    assert SECRET not in (first.register or "")  # the store keeps a hash, never the secret
+    same = ingest.claim(registered=True, stored_hash=first.register, secret=SECRET)
+    assert same.proven and same.register is None and not same.refused
+    for wrong in ("x" * 32, None):
+        other = ingest.claim(registered=True, stored_hash=first.register, secret=wrong)
+        assert other.refused and not other.proven
+    # Non-ASCII and odd types are refused with a reason, never raise.
+    assert ingest.claim(registered=True, stored_hash=first.register, secret="é" * 20).refused
+    assert ingest.claim(registered=False, stored_hash=None, secret=12345).refused
+    assert ingest.claim(registered=False, stored_hash=None, secret="short").refused
+
+
+def test_a_run_of_an_engine_without_a_secret_stays_unproven() -> None:
+    legacy = ingest.claim(registered=False, stored_hash=None, secret=None)
+    assert not legacy.proven and legacy.register is None and not legacy.refused
+    # Nobody can bind it to a secret later, and nobody proves it.
+    late = ingest.claim(registered=True, stored_hash=None, secret=SECRET)
+    assert not late.proven and late.register is None and not late.refused
+
+
+def test_only_a_proven_hello_replaces_a_live_connection() -> None:
+    assert ingest.may_take_over(proven=True, live=True)
+    assert ingest.may_take_over(proven=False, live=False)
+    assert not ingest.may_take_over(proven=False, live=True)
+
+
+def _gap(seq: int, first: int, last: int) -> dict[str, Any]:
+    return {"type": "gap", "seq": seq, "first_seq_lost": first, "last_seq_lost": last}
+
+
+def test_a_gap_may_not_jump_absurdly_far() -> None:
+    top = 2**63 - 1
+    msg = _frame(1)
+    msg["events"].append(_gap(top, 2, top - 1))
+    v = _verdict(msg)
+    assert v.close is not None and v.expected == 1 and v.accepted == []  # nothing poisoned
+    far = _frame(1)
+    far["events"].append(_gap(ingest.MAX_GAP_EVENTS + 3, 2, ingest.MAX_GAP_EVENTS + 2))
+    v = _verdict(far)
+    assert [e["seq"] for e in v.accepted] == [1] and v.expected == 2
+    assert v.error is not None and v.error["code"] == "seq_gap"
+    ok = _frame(1)
+    ok["events"].append(_gap(ingest.MAX_GAP_EVENTS + 2, 2, ingest.MAX_GAP_EVENTS + 1))
+    assert _verdict(ok).expected == ingest.MAX_GAP_EVENTS + 3
+
+
+def test_a_gap_must_start_at_the_hole() -> None:
+    assert not ingest.declares(_gap(9, 4, 8), 3)  # starts after the hole: seq 3 undeclared
+    assert not ingest.declares(_gap(9, 0, 8), 1)  # seqs start at 1
+    assert not ingest.declares({**_gap(9, 3, 8), "first_seq_lost": 3.0}, 3)
+    assert ingest.declares(_gap(9, 3, 8), 3) and ingest.declares(_gap(9, 3, 9), 3)
+
+
+def test_frames_are_bounded_in_events() -> None:
+    n = ingest.MAX_EVENTS_PER_FRAME
+    assert _verdict(_frame(*range(1, n + 1))).close is None
+    v = _verdict(_frame(*range(1, n + 2)))
+    assert v.close is not None and "events in one frame" in v.close and v.accepted == []
+
+
+def test_hellos_are_bounded() -> None:
+    good = {"type": "hello", "schema": SCHEMA_VERSION, "engine_id": "e", "run_id": "r",
+            "clock": {"wall_ns": 1, "mono_ns": 2}}  # fmt: skip
+    assert ingest.check_hello_frame(json.dumps(good)) == (good, "")
+    big = dict(good, config={"pad": "x" * ingest.MAX_HELLO_BYTES})
+    hello, why = ingest.check_hello_frame(json.dumps(big))
+    assert hello is None and "over" in why
+    long_id = dict(good, engine_id="e" * (ingest.MAX_ID_CHARS + 1))
+    assert "at most" in ingest.check_hello_frame(json.dumps(long_id))[1]
+    assert "printable" in ingest.check_hello_frame(json.dumps(dict(good, run_id="r\n")))[1]
+
+
+def test_a_refused_control_is_one_row_at_most() -> None:
+    huge = {"type": "control", "engine_id": "e", "set": {f"k{i}": i for i in range(100_000)}}
+    assert ingest.control_refusal_row(huge, "k0", known_engine=True) == (None, None)
+    assert ingest.control_refusal_row(huge, "k0", known_engine=False) is None
+    bad = {"type": "control", "set": {"token_budget": 0, "policy": "x"}}
+    assert ingest.control_refusal_row(bad, "token_budget", known_engine=True) == (
+        "token_budget",
+        0,
+    )
+    nested = {"type": "control", "set": {"token_budget": {"a": [1] * 1000}}}
+    assert ingest.control_refusal_row(nested, "token_budget", known_engine=True) == (
+        "token_budget",
+        None,
+    )
+
+
+def test_control_messages_are_bounded_before_parsing() -> None:
+    msg = {"type": "control", "id": "c1", "engine_id": "e", "set": {"token_budget": 1}}
+    assert ingest.check_control_message(json.dumps(msg)) == (msg, "")
+    big = dict(msg, set={f"k{i}": i for i in range(ingest.MAX_CONTROL_BYTES // 8)})
+    assert "over" in ingest.check_control_message(json.dumps(big))[1]
+    assert "id" in ingest.check_control_message(json.dumps(dict(msg, id="i" * 500)))[1]
+
+
+def test_engines_replies_are_paged_with_the_connected_first() -> None:
+    rows = [{"engine_id": f"e{i}", "connected": i == 500} for i in range(1000)]
+    page = ingest.engines_page(rows)
+    assert len(page["engines"]) == ingest.MAX_ENGINES_LISTED and page["total"] == 1000
+    assert page["engines"][0]["engine_id"] == "e500" and page["next_offset"] == 200
+    assert len(json.dumps(page)) < 1 << 20
+    last = ingest.engines_page(rows, 800)
+    assert len(last["engines"]) == 200 and "next_offset" not in last
+    assert ingest.engines_page(rows, True)["engines"][0]["engine_id"] == "e500"
+
+
+def test_bad_events_get_one_reply_per_batch() -> None:
+    reply = ingest.bad_events_reply([(i, "KeyError: 'end_ns'") for i in range(5, 5005)])
+    assert reply["code"] == "bad_event" and reply["seq"] == 5 and reply["count"] == 5000
+    assert "4999 more" in reply["message"]
+
+
+def test_nan_infinity_and_deep_nesting_are_refused_with_a_reason() -> None:
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        msg, why = ingest.parse('{"type": "control", "set": {"token_budget": ' + constant + "}}")
+        assert msg is None and constant in why
+    msg, why = ingest.parse("[" * 100_000 + "]" * 100_000)
+    assert msg is None and ("deep" in why or "malformed" in why)
+
+
+def test_the_engines_remembered_are_bounded_and_connected_ones_kept() -> None:
+    rows = {f"e{i}": {"connected": i % 2 == 0} for i in range(10)}
+    assert ingest.seen_to_forget(rows, limit=10) == []
+    assert ingest.seen_to_forget(rows, limit=7) == ["e1", "e3", "e5"]
+    assert ingest.seen_to_forget(rows, limit=2) == ["e1", "e3", "e5", "e7", "e9"]

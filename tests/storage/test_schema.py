@@ -44,6 +44,7 @@ EXPECTED = {
         "num_events",
         "num_gap_events",
         "next_req_no",
+        "secret_sha256",
     ],
     "steps": [
         "run_key",
@@ -158,7 +159,7 @@ def test_migrate_empty_store_gives_expected_tables(db_url: str) -> None:
     db = dbm.connect(db_url)
     try:
         dbm.migrate(db)
-        assert dbm.current_revision(db) == "0002"
+        assert dbm.current_revision(db) == "0003"
         insp = inspect(db)
         layout = {t: [c["name"] for c in insp.get_columns(t)] for t in insp.get_table_names()}
         assert layout.pop("alembic_version") == ["version_num"]
@@ -182,7 +183,7 @@ def test_migrate_twice_is_a_no_op(db_url: str) -> None:
         before = _layout(db_url)
         dbm.migrate(db)
         assert _layout(db_url) == before
-        assert dbm.current_revision(db) == "0002"
+        assert dbm.current_revision(db) == "0003"
     finally:
         db.dispose()
 
@@ -283,7 +284,7 @@ def test_store_written_before_the_cap_reads_and_migrates(db_url: str) -> None:
         assert before["token_budget"].tolist() == [512]
         assert before["long_prefill_token_threshold"].isna().all()
         dbm.migrate(db)
-        assert dbm.current_revision(db) == "0002"
+        assert dbm.current_revision(db) == "0003"
         after = queries.steps(db)
         assert after["step"].tolist() == [0]
         assert after["long_prefill_token_threshold"].isna().all()

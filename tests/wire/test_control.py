@@ -62,3 +62,28 @@ def test_engine_policies_only_when_the_engine_says_so() -> None:
     assert refusal("token_budget", 0, max_token_budget=None) == (
         "token_budget must be from 1 or more, got 0"
     )
+
+
+def test_secrets_compare_as_bytes_and_never_raise() -> None:
+    from wire.control import same_secret
+
+    assert same_secret("s3cret", "s3cret") and same_secret("été", "été")
+    assert not same_secret("été", "ete") and not same_secret("ete", "été")
+    assert not same_secret(None, "x") and not same_secret(["x"], "x")
+
+
+def test_a_control_mac_binds_engine_run_id_and_changes() -> None:
+    from wire.control import control_mac
+
+    base = {"control_id": "c1", "engine_id": "e", "run_id": "r", "changes": {"token_budget": 8}}
+    mac = control_mac("tok", **base)  # type: ignore[arg-type]
+    assert len(mac) == 64 and "tok" not in mac
+    for change in ({"control_id": "c2"}, {"engine_id": "f"}, {"run_id": "s"},
+                   {"changes": {"token_budget": 9}}):  # fmt: skip
+        assert control_mac("tok", **{**base, **change}) != mac  # type: ignore[arg-type]
+    assert control_mac("other", **base) != mac  # type: ignore[arg-type]
+    reordered = {"policy": "chunked", "token_budget": 8}
+    assert control_mac("tok", **{**base, "changes": reordered}) == control_mac(  # type: ignore[arg-type]
+        "tok",
+        **{**base, "changes": dict(reversed(list(reordered.items())))},  # type: ignore[arg-type]
+    )

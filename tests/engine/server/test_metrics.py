@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core.sampling_params import SamplingParams
-from engine.server.metrics import EngineMetrics
+from engine.server.metrics import MAX_TRAFFIC_CLASS_LABELS, EngineMetrics
 from wire.events import ChunkRecord, RequestEvent, StepEvent
 
 S = 1_000_000_000  # nanoseconds per second
@@ -96,6 +96,23 @@ def test_metrics_from_events() -> None:
     s = _samples(m.render()[0].decode())
     assert s["chunkscope:kv_cache_usage_perc{" + base + "}"] == 0.0
     assert s["chunkscope:token_budget{" + base + "}"] == 32
+
+
+def test_traffic_class_labels_are_bounded() -> None:
+    """A client choosing a new X-Traffic-Class per request cannot grow the series without end."""
+    m = EngineMetrics("tiny", "e0")
+    for i in range(MAX_TRAFFIC_CLASS_LABELS + 50):
+        m.on_event(RequestEvent("arrived", f"r{i}", 0, traffic_class=f"c{i}"))
+        m.on_event(RequestEvent("first_scheduled", f"r{i}", _ns(0.5), traffic_class=f"c{i}"))
+    s = _samples(m.render()[0].decode())
+    classes = {
+        k.split("traffic_class=")[1].rstrip("}")
+        for k in s
+        if k.startswith("chunkscope:request_queue_time_seconds_count{")
+    }
+    assert len(classes) == MAX_TRAFFIC_CLASS_LABELS + 1 and "other" in classes and "c0" in classes
+    base = "engine_id=e0,model_name=tiny"
+    assert s["chunkscope:request_queue_time_seconds_count{" + base + ",traffic_class=other}"] == 50
 
 
 def test_registries_are_independent() -> None:

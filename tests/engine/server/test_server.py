@@ -457,6 +457,10 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
      "messages[0].content[0]"),
     ("oversized image", "/v1/chat/completions", _image_body(_image_url(300, 300)), 400,
      "messages[0].content[0]"),
+    ("more images than --limit-mm-per-prompt", "/v1/chat/completions",
+     {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+         {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}}] * 9}]},
+     400, "messages"),
     ("bad traffic class", "/v1/completions", {"prompt": "x"}, 400, "X-Traffic-Class"),
     ("image placeholder without an image", "/v1/completions", {"prompt": [256, 258, 65]}, 400,
      None),

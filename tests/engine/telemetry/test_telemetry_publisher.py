@@ -16,7 +16,7 @@ import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
 from engine.telemetry import BufferLimits, Publisher, normalize_collector_url
-from wire.control import ControlRefused
+from wire.control import ControlRefused, control_mac
 from wire.events import ControlEvent, RequestEvent
 
 WAIT_S = 20.0
@@ -458,6 +458,43 @@ def test_control_needs_the_engine_control_token(collector: FakeCollector) -> Non
             ("c1", False, "collector"),
             ("c2", False, "collector"),
         ]
+    finally:
+        pub.close(timeout=WAIT_S)
+
+
+def test_control_made_with_the_token_is_taken_as_a_mac_bound_to_the_run(
+    collector: FakeCollector,
+) -> None:
+    """A collector relays a MAC of the control under the token, never the token; the MAC holds
+    only for this engine, run and control id."""
+    engine = FakeEngine()
+    pub = make_publisher(collector.url, apply_control=engine.apply, control_token="s3cret")
+    pub.start()
+    try:
+        wait_until(lambda: pub.connected, "connected")
+        hello = collector.hellos[-1]
+        secret = hello["run_secret"]
+        assert isinstance(secret, str) and len(secret) >= 32
+        change = {"token_budget": 32}
+
+        def mac(cid: str, **kw: Any) -> str:
+            ids = {"engine_id": pub.engine_id, "run_id": pub.run_id, **kw}
+            return control_mac("s3cret", control_id=cid, changes=change, **ids)
+
+        forged = [
+            ("m1", mac("m1", run_id="run-other")),  # made for another run
+            ("m2", mac("other-id")),  # replayed under another id
+            ("m3", control_mac("wrong", control_id="m3", engine_id=pub.engine_id,
+                               run_id=pub.run_id, changes=change)),
+        ]  # fmt: skip
+        for cid, m in forged:
+            collector.send({"type": "control", "id": cid, "set": change, "mac": m})
+            assert collector.wait_reply(cid)["ok"] is False
+        assert engine.calls == [] and engine.budget == 64
+        collector.send({"type": "control", "id": "m4", "set": change, "mac": mac("m4")})
+        assert collector.wait_reply("m4")["ok"] is True and engine.budget == 32
+        pub2 = make_publisher(collector.url)
+        assert pub2.run_secret != pub.run_secret  # one secret per run
     finally:
         pub.close(timeout=WAIT_S)
 

@@ -1,0 +1,232 @@
+"""The attacks of issue 18 over real sockets (loopback, port 0, bounded): nobody poses as a live
+run, takes an engine id's control route, learns the control token, poisons a run's seq or makes
+the collector store a row per key. The rules themselves are unit-tested in test_ingest.py."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from storage import db as dbm
+from storage import ingest, queries
+from storage.control import exchange, list_engines, send_control
+from storage.store import Events
+from testkit.engines import FakeEngineClient, SyntheticEngine
+
+from .helpers import run_row, stored_seqs, wait_until
+
+
+def _live(collector: Any, **kw: Any) -> tuple[SyntheticEngine, FakeEngineClient]:
+    kw.setdefault("engine_id", "eng")
+    kw.setdefault("run_id", "run-a")
+    eng = SyntheticEngine(seed=3, max_token_budget=2048, **kw)
+    client = FakeEngineClient(collector.url, eng)
+    client.connect()
+    client.send_events(eng.steps(2))
+    client.wait_ack(eng.seq)
+    return eng, client
+
+
+def _hello_close_code(collector: Any, hello: dict[str, Any]) -> int | None:
+    """Say ``hello`` on a fresh connection; the close code, or None when it was acked."""
+    with connect(collector.url + "/ingest", open_timeout=5, proxy=None) as ws:
+        ws.send(json.dumps(hello))
+        try:
+            reply = json.loads(ws.recv(timeout=5))
+        except ConnectionClosed:
+            return ws.close_code
+        assert reply["type"] == "ack", reply
+        return None
+
+
+def _controls(db_url: str) -> Any:
+    db = dbm.connect(db_url, readonly=True)
+    try:
+        return queries.controls(db)
+    finally:
+        db.dispose()
+
+
+def test_a_hello_without_the_run_secret_never_replaces_or_pollutes_a_run(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    collector = collector_factory(sqlite_url)
+    eng, client = _live(collector)
+    forged = eng.hello()
+    for secret in ("w" * 43, None):
+        hello = dict(forged)
+        hello.pop("run_secret")
+        if secret is not None:
+            hello["run_secret"] = secret
+        assert _hello_close_code(collector, hello) == 4403
+    client.send_events(eng.steps(2))  # the real connection was never replaced
+    assert client.wait_ack(eng.seq) == eng.seq and client.close_code is None
+    client.close()
+    wait_until(lambda: not run_row(sqlite_url, "eng", "run-a")["connected"], what="disconnect")
+    assert _hello_close_code(collector, dict(forged, run_secret="w" * 43)) == 4403  # not live
+    back = FakeEngineClient(collector.url, eng)
+    assert back.connect() == eng.seq  # the engine itself comes back, secret in hand
+    back.close()
+    assert stored_seqs(sqlite_url, "eng", "run-a") == list(range(1, eng.seq + 1))
+    row = run_row(sqlite_url, "eng", "run-a")
+    assert eng.run_secret and eng.run_secret not in json.dumps(row, default=str)  # hash only
+    assert row["secret_sha256"] == ingest.secret_hash(eng.run_secret)
+
+
+def test_an_engine_without_a_secret_is_not_replaced_while_live(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    collector = collector_factory(sqlite_url)
+    eng, client = _live(collector, run_secret=None)
+    assert _hello_close_code(collector, eng.hello()) == 4409
+    client.send_events(eng.steps(1))
+    assert client.wait_ack(eng.seq) == eng.seq
+    client.close()
+    wait_until(lambda: not run_row(sqlite_url, "eng", "run-a")["connected"], what="disconnect")
+    assert _hello_close_code(collector, eng.hello()) is None  # it reconnects as before
+
+
+def test_a_second_run_of_an_engine_id_never_takes_the_control_route(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    collector = collector_factory(sqlite_url)
+    eng_a, a = _live(collector)
+    eng_b, b = _live(collector, run_id="run-b")
+    [row] = list_engines(collector.url)
+    assert row["run_id"] == "run-a"  # the engine list names the run that holds the route
+    ack = send_control(collector.url, "eng", {"token_budget": 100}, control_id="c1")
+    assert ack["ok"] is True and eng_a.token_budget == 100 and b.controls == []
+    ack = exchange(
+        collector.url,
+        {"type": "control", "id": "c2", "engine_id": "eng", "run_id": "run-b",
+         "set": {"token_budget": 64}},
+        "control_ack",
+        "c2",
+    )  # fmt: skip
+    assert ack["ok"] is True and eng_b.token_budget == 64 and eng_a.token_budget == 100
+    b.close()
+    wait_until(lambda: not run_row(sqlite_url, "eng", "run-b")["connected"], what="disconnect")
+    ack = send_control(collector.url, "eng", {"token_budget": 200}, control_id="c3")
+    assert ack["ok"] is True and eng_a.token_budget == 200  # the route survived B leaving
+    [row] = list_engines(collector.url)
+    assert row["run_id"] == "run-a" and row["connected"] is True
+    b = FakeEngineClient(collector.url, eng_b)
+    b.connect()
+    a.close()  # the first run goes: the route passes to the live one
+    wait_until(lambda: not run_row(sqlite_url, "eng", "run-a")["connected"], what="disconnect")
+    ack = send_control(collector.url, "eng", {"token_budget": 32}, control_id="c4")
+    assert ack["ok"] is True and eng_b.token_budget == 32
+    [row] = list_engines(collector.url)
+    assert row["run_id"] == "run-b" and row["connected"] is True
+    b.close()
+
+
+def test_an_absurd_gap_is_refused_and_the_run_goes_on(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    collector = collector_factory(sqlite_url)
+    eng, client = _live(collector)
+    top = 2**63 - 1
+    client.send(
+        {"schema": 1, "type": "events", "engine_id": "eng", "run_id": "run-a",
+         "events": [{"type": "gap", "seq": top, "first_seq_lost": eng.seq + 1,
+                     "last_seq_lost": top - 1, "num_events_lost": 0, "reason": "x"}]}
+    )  # fmt: skip
+    assert client.wait_closed() == 4400
+    assert run_row(sqlite_url, "eng", "run-a")["last_seq"] == eng.seq
+    back = FakeEngineClient(collector.url, eng)
+    assert back.connect() == eng.seq
+    back.send_events(eng.steps(2))
+    assert back.wait_ack(eng.seq) == eng.seq  # later real events are stored, not "duplicates"
+    back.close()
+
+
+def test_a_control_of_many_keys_stores_one_row_and_a_huge_one_none(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    collector = collector_factory(sqlite_url)
+    eng, client = _live(collector)
+    many = {f"k{i}": i for i in range(1000)}
+    ack = send_control(collector.url, "eng", many, control_id="many")
+    assert ack["ok"] is False and "unknown key" in ack["error"]
+    huge = {f"k{i}": i for i in range(ingest.MAX_CONTROL_BYTES // 8)}
+    reply = exchange(
+        collector.url,
+        {"type": "control", "id": "huge", "engine_id": "eng", "set": huge},
+        "control_ack",
+        "huge",
+    )
+    assert reply["type"] == "error" and "over" in reply["message"]
+    client.send_events(eng.steps(1))
+    client.wait_ack(eng.seq)
+    ctl = wait_until(lambda: _controls(sqlite_url), what="refusal stored")
+    assert list(ctl.request_id) == ["many"] and client.controls == []
+    client.close()
+
+
+def _healthz(collector: Any) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{collector.port}/healthz", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_a_failing_store_is_seen_and_nothing_unstored_is_acked(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    collector = collector_factory(sqlite_url)
+    eng, client = _live(collector)
+    durable = eng.seq
+    assert _healthz(collector) == (200, "ok\n")
+    store = collector._writer.store
+    original = store.apply
+
+    def failing(ops: list[Any]) -> list[Any]:
+        if any(isinstance(op, Events) for op in ops):
+            raise OSError("database or disk is full")
+        return original(ops)
+
+    store.apply = failing
+    try:
+        unstored = eng.steps(2)
+        client.send_events(unstored)
+        assert client.wait_closed() == 1011 and client.acked == durable
+        status, body = _healthz(collector)
+        assert status == 503 and "disk is full" in body
+    finally:
+        store.apply = original
+    back = FakeEngineClient(collector.url, eng)
+    assert back.connect() == durable  # resend from the durable seq
+    back.send_events(unstored + eng.steps(1))
+    assert back.wait_ack(eng.seq) == eng.seq
+    assert stored_seqs(sqlite_url, "eng", "run-a") == list(range(1, eng.seq + 1))
+    assert _healthz(collector) == (200, "ok\n")
+    back.close()
+
+
+def test_connections_are_capped_and_healthz_still_answers(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    from contextlib import ExitStack
+
+    from websockets.exceptions import InvalidStatus
+
+    collector = collector_factory(sqlite_url, max_connections=2)
+    with ExitStack() as stack:
+        first = stack.enter_context(connect(collector.url + "/control", open_timeout=5, proxy=None))
+        stack.enter_context(connect(collector.url + "/control", open_timeout=5, proxy=None))
+        try:
+            with connect(collector.url + "/ingest", open_timeout=5, proxy=None):
+                raise AssertionError("a third connection was accepted")
+        except InvalidStatus as exc:
+            assert exc.response.status_code == 503
+        assert _healthz(collector) == (200, "ok\n")
+        first.close()
+        wait_until(lambda: collector._n_conns < 2, what="a slot freed")
+        assert list_engines(collector.url) == []  # a slot is free again

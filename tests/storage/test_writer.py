@@ -1,0 +1,55 @@
+"""The writer when a store operation fails: it never moves a run's durable seq past events it
+failed to store, and says so for ``/healthz`` (issue 18). Driven directly, no server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from storage import db as dbm
+from storage.store import Events, EventsResult, Hello, RunInfo
+from storage.writer import Writer
+from testkit.engines import SyntheticEngine
+
+
+def test_a_failed_op_stops_its_run_until_the_engine_resends(sqlite_url: str) -> None:
+    db = dbm.connect(sqlite_url)
+    dbm.migrate(db)
+    commits: list[tuple[list[Any], list[Any]]] = []
+    writer = Writer(db, lambda ops, results, _s: commits.append((ops, results)))
+    a = SyntheticEngine(engine_id="a", run_id="ra", seed=1)
+    b = SyntheticEngine(engine_id="b", run_id="rb", seed=2)
+    writer._write([Hello(a.hello()), Hello(b.hello())])  # one batch, as the thread would
+    info_a, info_b = commits[-1][1]
+    assert isinstance(info_a, RunInfo) and isinstance(info_b, RunInfo)
+    ev_a, ev_b = a.steps(6), b.steps(2)
+    third = len(ev_a) // 3
+    parts = [ev_a[:third], ev_a[third : 2 * third], ev_a[2 * third :]]
+    poison = Events(info_a.run_key, parts[1])
+    original = writer.store.apply
+
+    def apply(ops: list[Any]) -> list[Any]:
+        if any(op is poison for op in ops):
+            raise RuntimeError("disk I/O error")
+        return original(ops)
+
+    writer.store.apply = apply  # type: ignore[method-assign]
+    ops = [
+        Events(info_a.run_key, parts[0]),
+        poison,
+        Events(info_a.run_key, parts[2]),  # would succeed alone: must not be applied
+        Events(info_b.run_key, ev_b),  # another run goes on
+    ]
+    writer._write(ops)
+    results = commits[-1][1]
+    assert isinstance(results[0], EventsResult) and results[0].last_seq == parts[0][-1]["seq"]
+    assert isinstance(results[1], Exception) and isinstance(results[2], Exception)
+    assert isinstance(results[3], EventsResult) and results[3].last_seq == ev_b[-1]["seq"]
+    assert writer.last_error is not None and "disk I/O error" in writer.last_error
+    # The engine resends from the durable seq: everything lands, once, and health comes back.
+    writer.store.apply = original  # type: ignore[method-assign]
+    writer._write([Events(info_a.run_key, parts[1] + parts[2])])
+    [again] = commits[-1][1]
+    assert isinstance(again, EventsResult) and again.last_seq == ev_a[-1]["seq"]
+    assert again.duplicates == 0 and writer.last_error is None
+    writer.store.close()
+    db.dispose()
