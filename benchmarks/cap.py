@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import random
@@ -31,12 +30,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from benchmarks._common import add_common_args, config_of, setup, start_engine_server, write_json
+from benchmarks.stall_story.measure import stream_completion
+from benchmarks.stall_story.workload import ClientRequest
 
 SCRIPT = "cap.py"
 CAP_KEY = "long_prefill_token_threshold"
@@ -70,15 +71,6 @@ def plan_windows(budgets: list[int], caps: list[int], pairs: int, reference: int
     return out
 
 
-@dataclass
-class ClientRequest:
-    traffic_class: str
-    num_prompt_tokens: int
-    sent: float
-    chunk_times: list[float] = field(default_factory=list)
-    error: str | None = None
-
-
 class Prompts:
     """Seeded random byte prompts after BOS (no prefix-cache hits)."""
 
@@ -93,39 +85,6 @@ class Prompts:
     def length(self, lo: int, hi: int) -> int:
         with self._lock:
             return self._rng.randint(lo, hi)
-
-
-async def _stream(
-    session: Any, url: str, model: str, prompt: list[int], max_tokens: int, cls: str
-) -> ClientRequest:
-    rec = ClientRequest(cls, len(prompt), time.time())
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    try:
-        async with session.post(
-            f"{url}/v1/completions", json=body, headers={"x-traffic-class": cls}
-        ) as resp:
-            if resp.status != 200:
-                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return rec
-            async for line in resp.content:
-                now = time.time()
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:].strip()
-                if data == b"[DONE]":
-                    break
-                if json.loads(data).get("choices"):
-                    rec.chunk_times.append(now)
-    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
-        rec.error = f"{type(exc).__name__}: {exc}"
-    return rec
 
 
 async def drive(args: argparse.Namespace, url: str, windows: list[Window]) -> dict[str, Any]:
@@ -144,7 +103,9 @@ async def drive(args: argparse.Namespace, url: str, windows: list[Window]) -> di
         def send(cls: str, n: int, out: int) -> None:
             prompt = prompts.make(n)
             tasks.append(
-                asyncio.ensure_future(_stream(session, url, args.preset, prompt, out, cls))
+                asyncio.ensure_future(
+                    stream_completion(session, url, args.preset, prompt, out, cls)
+                )
             )
 
         async def chat() -> None:

@@ -123,9 +123,11 @@ def child_pids(pid: int) -> list[int]:
         return []
 
 
-async def _stream(
+async def stream_completion(
     session: Any, url: str, model: str, prompt: list[int], max_tokens: int, cls: str
 ) -> ClientRequest:
+    """One streamed completion, timed as the client sees it: every SSE chunk with choices is a
+    token (empty text included); errors are recorded, never raised."""
     rec = ClientRequest(cls, len(prompt), time.time())
     body = {
         "model": model,
@@ -180,7 +182,7 @@ async def _drive(
 
         async def chat() -> None:
             while not stop.is_set():
-                rec = await _stream(
+                rec = await stream_completion(
                     session, url, model, traffic.chat_prompt_ids(), traffic.chat_output, "chat"
                 )
                 done.append(rec)
@@ -193,7 +195,7 @@ async def _drive(
             while not stop.is_set():
                 tasks.append(
                     asyncio.ensure_future(
-                        _stream(
+                        stream_completion(
                             session,
                             url,
                             model,

@@ -73,38 +73,26 @@ def _answered(res: control.ControlResult, eng: str, db_url: str | None) -> None:
             data.controls.clear()
 
 
-def apply_budget(eng: str, max_b: int | None, where: ui.Context) -> None:
-    """Runs before the page is drawn (a button callback), so the figures below show the value
-    in force and History the change as soon as the engine has answered."""
+# The integer controls: the widget that holds the user's value and the check it must pass.
+INT_CONTROLS = {
+    "token_budget": ("budget_input", control.validate_budget),
+    "long_prefill_token_threshold": ("cap_input", control.validate_cap),
+}
+
+
+def apply_int(key: str, eng: str, max_b: int | None, where: ui.Context) -> None:
+    """The budget's or the cap's Apply: runs before the page is drawn (a button callback), so
+    the figures below show the value in force and History the change as soon as the engine has
+    answered."""
+    widget, validate = INT_CONTROLS[key]
     try:
-        n = control.validate_budget(st.session_state.get("budget_input"), max_b)
+        n = validate(st.session_state.get(widget), max_b)
     except ValueError as exc:
         st.session_state["control_answer"] = ("refused", f"Not sent: {exc}")
         return
     try:
         res = control.set_scheduler(
-            where.collector_url or "", eng, token_budget=n, token=where.settings.control_token
-        )
-    except (CollectorUnavailable, ValueError) as exc:
-        st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
-        ui.collector_engines.clear()
-        return
-    _answered(res, eng, where.db_url)
-
-
-def apply_cap(eng: str, max_b: int | None, where: ui.Context) -> None:
-    """The long-prefill cap, like the budget: acted on before the page is drawn."""
-    try:
-        n = control.validate_cap(st.session_state.get("cap_input"), max_b)
-    except ValueError as exc:
-        st.session_state["control_answer"] = ("refused", f"Not sent: {exc}")
-        return
-    try:
-        res = control.set_scheduler(
-            where.collector_url or "",
-            eng,
-            long_prefill_token_threshold=n,
-            token=where.settings.control_token,
+            where.collector_url or "", eng, token=where.settings.control_token, **{key: n}
         )
     except (CollectorUnavailable, ValueError) as exc:
         st.session_state["control_answer"] = ("refused", f"Not applied: {exc}")
@@ -143,7 +131,10 @@ with left:
         help=f"a whole number from 1 to {max_budget or 'the engine maximum'}",
     )
     st.button(
-        "Apply budget", type="primary", on_click=apply_budget, args=(engine_id, max_budget, ctx)
+        "Apply budget",
+        type="primary",
+        on_click=apply_int,
+        args=("token_budget", engine_id, max_budget, ctx),
     )
 # Only the policies this engine honours (its hello's list; a vLLM engine has only "chunked").
 policies = [p for p in POLICIES if p in (info.get("policies") or POLICIES)]
@@ -182,7 +173,11 @@ with cap_form:
         "budget; budget nobody else can use still goes to it. A whole number from 0 to "
         f"{max_budget or 'the engine maximum'}",
     )
-    st.button("Apply cap", on_click=apply_cap, args=(engine_id, max_budget, ctx))
+    st.button(
+        "Apply cap",
+        on_click=apply_int,
+        args=("long_prefill_token_threshold", engine_id, max_budget, ctx),
+    )
 
 answer = st.session_state.get("control_answer")
 if answer:
