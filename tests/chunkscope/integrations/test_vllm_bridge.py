@@ -262,3 +262,43 @@ def test_a_bridge_fault_never_reaches_vllm(rig: Rig) -> None:
     got = rig.wait_finished([after["id"]])
     assert got.loc[after["id"]].num_output_tokens == 3
     assert rig.vllm.proc.poll() is None
+
+
+def test_a_relayed_long_prefill_cap_is_in_force_by_vllms_own_rule(rig: Rig) -> None:
+    """vLLM 0.32's rule (scheduler.py, top of ``schedule()``): with more than one request running
+    or waiting, a prefill chunk is at most ``long_prefill_token_threshold``; a lone request is
+    not capped (nobody to starve). The adaptive fair-share floor is off by default."""
+    cap = 40
+    ack = send_control(rig.collector.url, ENGINE_ID, {"long_prefill_token_threshold": cap})
+    assert ack["ok"] and ack["old"] == {"long_prefill_token_threshold": 0}, ack
+    at = int(ack["applied_at_step"])
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # a decoding request keeps a second one in the batch while a long prompt prefills
+            first = pool.submit(rig.stream, _prompt(8), 100)
+            deadline = time.monotonic() + WAIT_S
+            while rig.steps().step.max() < at + 2:  # it is decoding (vLLM was idle till now)
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            outs = [rig.stream(_prompt(500), 2), first.result()]
+        got = rig.wait_finished([o["id"] for o in outs])
+    finally:
+        off = send_control(rig.collector.url, ENGINE_ID, {"long_prefill_token_threshold": 0})
+    assert off["ok"] and off["old"] == {"long_prefill_token_threshold": cap}
+    steps = rig.steps().set_index("step")
+    assert at == steps.index[steps.index >= at].min()
+    assert (steps.loc[: at - 1].long_prefill_token_threshold == 0).all()
+    mine_steps = steps.loc[at : int(off["applied_at_step"]) - 1]
+    assert (mine_steps.long_prefill_token_threshold == cap).all()
+    chunks = rig.chunks(at, int(mine_steps.index.max()))
+    chunks = chunks[chunks.request_id.isin(got.index) & (chunks.kind == "prefill")]
+    eligible = mine_steps.num_running + mine_steps.num_waiting
+    shared = chunks[chunks.step.map(eligible) > 1]
+    alone = chunks[chunks.step.map(eligible) == 1]
+    # the long prompt was prefilled beside the decoding request, every such chunk within the
+    # cap, and the full cap used
+    assert len(shared) >= 4 and shared.num_tokens.max() == cap, shared
+    assert (shared.num_tokens <= cap).all()
+    # a request alone is not capped: it gets the whole budget or the rest of its prompt
+    rest = alone.request_id.map(got.num_prompt_tokens) - alone.start
+    assert (alone.num_tokens == rest.clip(upper=BUDGET)).all(), alone
