@@ -45,6 +45,9 @@ ENV_URL = "CHUNKSCOPE_COLLECTOR_URL"
 ENV_FAULT_FILE = "CHUNKSCOPE_BRIDGE_FAULT_FILE"
 
 
+CLOSE_TIMEOUT_S = 2.0
+
+
 class BridgeFault(RuntimeError):
     """Raised by the bridge's own code on purpose (``CHUNKSCOPE_BRIDGE_FAULT_FILE``)."""
 
@@ -100,6 +103,13 @@ class _Bridge:
             int(getattr(sc, "long_prefill_token_threshold", 0) or 0),
         )
         self._refused = ControlRefused
+        if not int(getattr(vc, "shutdown_timeout", 0) or 0):
+            logger.warning(
+                "chunkscope: with --shutdown-timeout 0 vLLM kills this engine core right after "
+                "SIGTERM, so its run ends without a goodbye and events not yet acknowledged "
+                "are lost; start vLLM with --shutdown-timeout N (N > 0, `chunkscope vllm` "
+                "passes 5) to let the bridge flush and say goodbye"
+            )
         self.publisher.start()
         logger.info(
             "chunkscope: vLLM engine %s publishing to %s (budget %d, controls: token_budget, "
@@ -155,7 +165,10 @@ class _Bridge:
             logger.warning("chunkscope: bridge fault in %s (%d so far)", place, self.faults)
 
     def close(self) -> None:
-        self.publisher.close()
+        # vLLM's process manager kills the core --shutdown-timeout s after its SIGTERM; a drain
+        # may have used most of that, so the flush is short (at most one batch is unacknowledged
+        # when the collector is up)
+        self.publisher.close(timeout=CLOSE_TIMEOUT_S)
 
 
 class ChunkscopeScheduler(Scheduler):
@@ -330,6 +343,7 @@ def vllm_config_summary(vc: Any) -> dict[str, Any]:
         "long_prefill_token_threshold": getattr(sc, "long_prefill_token_threshold", None),
         "max_num_partial_prefills": getattr(sc, "max_num_partial_prefills", None),
         "async_scheduling": getattr(sc, "async_scheduling", None),
+        "shutdown_timeout": getattr(vc, "shutdown_timeout", None),
         "block_size": getattr(cc, "block_size", None),
         "num_gpu_blocks": getattr(cc, "num_gpu_blocks", None),
         "enable_prefix_caching": getattr(cc, "enable_prefix_caching", None),

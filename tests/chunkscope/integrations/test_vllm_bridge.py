@@ -55,7 +55,7 @@ class Rig:
         self.model = build_llama_folder(tmp / "tiny-llama")
         self.vllm = VllmServer(
             py, self.model, "--max-num-batched-tokens", str(BUDGET),
-            "--kv-cache-memory-bytes", str(64 << 20),
+            "--kv-cache-memory-bytes", str(64 << 20), "--shutdown-timeout", "5",
             env={"CHUNKSCOPE_COLLECTOR_URL": self.collector.url,
                  "CHUNKSCOPE_ENGINE_ID": ENGINE_ID,
                  "CHUNKSCOPE_SPILL_DIR": str(tmp / "spill"),
@@ -302,3 +302,21 @@ def test_a_relayed_long_prefill_cap_is_in_force_by_vllms_own_rule(rig: Rig) -> N
     # a request alone is not capped: it gets the whole budget or the rest of its prompt
     rest = alone.request_id.map(got.num_prompt_tokens) - alone.start
     assert (alone.num_tokens == rest.clip(upper=BUDGET)).all(), alone
+
+
+def test_sigterm_ends_the_run_with_a_goodbye_and_nothing_unsent(rig: Rig) -> None:
+    """Last in this module: it stops the shared server. With ``--shutdown-timeout`` > 0 (what
+    ``chunkscope vllm`` passes) vLLM tears the core down after a SIGTERM, which closes the
+    bridge: the events of the last request, sent an instant before, reach the store."""
+    out = rig.stream(_prompt(60), max_tokens=4)
+    rig.vllm.proc.terminate()  # at once: the last step's events are at most a batch old
+    assert rig.vllm.proc.wait(30) == 0
+    runs = queries.engines(rig.db)
+    run = runs[runs.engine_id == ENGINE_ID].iloc[0]
+    assert run.ended is not None and not run.ended_without_goodbye, run.to_dict()
+    got = queries.requests(rig.db, engine_id=ENGINE_ID).set_index("request_id").loc[out["id"]]
+    assert got.num_output_tokens == 4 and got.finished is not None
+    steps = rig.steps()
+    assert list(steps.step) == list(range(1, len(steps) + 1))
+    assert steps.step.max() == run.last_step
+    assert "chunkscope: with --shutdown-timeout 0" not in rig.vllm.log_text()
