@@ -45,6 +45,9 @@ def build_body(spec: RequestSpec, cfg: ClientConfig, tokens: TokenSource) -> tup
         "max_tokens": spec.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
+        # the class again where vLLM passes it to its scheduler (SamplingParams.extra_args: the
+        # chunkscope bridge stores it); chunkscope's server reads the header and ignores this
+        "vllm_xargs": {"traffic_class": spec.traffic_class},
     }
     if cfg.ignore_eos:
         common["ignore_eos"] = True

@@ -34,7 +34,12 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from chunkscope.integrations.vllm_events import BudgetControl, ScheduledChunk, StepTranslator
+from chunkscope.integrations.vllm_events import (
+    BudgetControl,
+    ScheduledChunk,
+    StepTranslator,
+    traffic_class_of,
+)
 
 # Under "vllm." so that vLLM's own logging configuration shows these lines.
 logger = logging.getLogger("vllm.chunkscope")
@@ -194,8 +199,12 @@ class ChunkscopeScheduler(Scheduler):
         if bridge is None or not new:
             return
         try:
+            params = getattr(request, "sampling_params", None)
             bridge.translator.arrived(
-                request.request_id, request.arrival_time, int(request.num_prompt_tokens)
+                request.request_id,
+                request.arrival_time,
+                int(request.num_prompt_tokens),
+                traffic_class_of(getattr(params, "extra_args", None)),
             )
         except Exception:  # noqa: BLE001
             bridge.fault("add_request")

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.server.protocol import TRAFFIC_CLASS_MAX_LEN
 from wire.control import CAP_KEY, check_changes
 from wire.events import ChunkRecord, ClockAnchor, ControlEvent, RequestEvent, StepEvent
 
@@ -69,6 +70,24 @@ def finish_reason_name(reason: Any) -> str | None:
         return FINISH_REASONS.get(int(reason), str(reason))
     except (TypeError, ValueError):
         return str(reason)
+
+
+def traffic_class_of(extra_args: Mapping[str, Any] | None) -> str | None:
+    """The traffic class a client put in vLLM's ``vllm_xargs`` (``{"traffic_class": "chat"}``,
+    which vLLM hands to the scheduler as ``SamplingParams.extra_args``; loadgen sends it), by
+    the rule of chunkscope's ``X-Traffic-Class`` header; None when absent or not such a label
+    (vLLM has accepted the request by then: it is stored without a class, not refused)."""
+    if not isinstance(extra_args, Mapping):
+        return None
+    value = extra_args.get("traffic_class")
+    if not isinstance(value, str):
+        return None
+    value = value.strip()
+    if not value or len(value) > TRAFFIC_CLASS_MAX_LEN:
+        return None
+    if not all(c.isalnum() or c in "-_.:" for c in value):
+        return None
+    return value.lower()
 
 
 def chunk_kind(start: int, num_tokens: int, num_prompt_tokens: int, num_tokens_total: int) -> str:
@@ -134,7 +153,11 @@ class StepTranslator:
 
     # --- requests --------------------------------------------------------------------------
     def arrived(
-        self, request_id: str, arrival_wall_s: float | None, num_prompt_tokens: int
+        self,
+        request_id: str,
+        arrival_wall_s: float | None,
+        num_prompt_tokens: int,
+        traffic_class: str | None = None,
     ) -> None:
         if request_id in self._reqs:
             return
@@ -142,7 +165,15 @@ class StepTranslator:
         self._reqs[request_id] = _Req(ext, int(num_prompt_tokens))
         now = time.monotonic_ns()
         t = now if arrival_wall_s is None else min(now, self.anchor.to_mono_ns(arrival_wall_s))
-        self._emit(RequestEvent("arrived", ext, t, num_prompt_tokens=int(num_prompt_tokens)))
+        self._emit(
+            RequestEvent(
+                "arrived",
+                ext,
+                t,
+                num_prompt_tokens=int(num_prompt_tokens),
+                traffic_class=traffic_class,
+            )
+        )
 
     def aborted(self, request_ids: list[str], reason: str = "abort") -> None:
         """Requests finished from outside the scheduler (client gone, stop string matched by

@@ -67,15 +67,21 @@ class Rig:
 
         self.client = openai.OpenAI(base_url=self.vllm.url + "/v1", api_key="none", timeout=WAIT_S)
 
-    def stream(self, prompt: str, max_tokens: int) -> dict[str, Any]:
-        """One streamed completion: its id, token counts and when each SSE chunk arrived."""
+    def stream(
+        self, prompt: str, max_tokens: int, traffic_class: str | None = None
+    ) -> dict[str, Any]:
+        """One streamed completion: its id, token counts and when each SSE chunk arrived; a
+        traffic class goes where loadgen puts it (``vllm_xargs``)."""
+        extra: dict[str, Any] = {"ignore_eos": True}
+        if traffic_class is not None:
+            extra["vllm_xargs"] = {"traffic_class": traffic_class}
         sent = time.time()
         times: list[float] = []
         ids: set[str] = set()
         usage = None
         for chunk in self.client.completions.create(
             model="tiny-llama", prompt=prompt, max_tokens=max_tokens, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True}, extra_body=extra,
         ):  # fmt: skip
             ids.add(chunk.id)
             if chunk.usage is not None:
@@ -100,6 +106,10 @@ class Rig:
 
     def steps(self) -> pd.DataFrame:
         return queries.steps(self.db, engine_id=ENGINE_ID)
+
+    def last_step(self) -> int:
+        steps = self.steps()
+        return int(steps.step.max()) if len(steps) else 0
 
     def chunks(self, step_from: int = 1, step_to: int = 10**9) -> pd.DataFrame:
         return queries.step_chunks(
@@ -152,7 +162,7 @@ def _check_layout(chunks: pd.DataFrame, steps: pd.DataFrame, reqs: pd.DataFrame)
 
 
 def test_a_lone_request_is_stored_step_by_step_under_its_client_id(rig: Rig) -> None:
-    before = int(rig.steps().step.max()) if len(rig.steps()) else 0
+    before = rig.last_step()
     out = rig.stream(_prompt(600), max_tokens=6)
     got = rig.wait_finished([out["id"]])
     req = got.loc[out["id"]]
@@ -184,14 +194,17 @@ def test_a_lone_request_is_stored_step_by_step_under_its_client_id(rig: Rig) -> 
 def test_concurrent_requests_agree_with_vllms_own_counters(rig: Rig) -> None:
     it0 = rig.vllm_metric("vllm:iteration_tokens_total_count")
     gen0 = rig.vllm_metric("vllm:generation_tokens_total")
-    before = int(rig.steps().step.max())
-    sizes = [(40, 12), (700, 4), (300, 8), (5, 16)]
+    before = rig.last_step()
+    sizes = [(40, 12, "chat"), (700, 4, "RAG"), (300, 8, "bad label!"), (5, 16, None)]
     with concurrent.futures.ThreadPoolExecutor(len(sizes)) as pool:
-        outs = list(pool.map(lambda s: rig.stream(_prompt(s[0]), s[1]), sizes))
+        outs = list(pool.map(lambda s: rig.stream(_prompt(s[0]), s[1], s[2]), sizes))
     got = rig.wait_finished([o["id"] for o in outs])
     for o in outs:
         assert got.loc[o["id"]].num_output_tokens == o["completion_tokens"]
         assert got.loc[o["id"]].num_prompt_tokens == o["prompt_tokens"]
+    # the class from vllm_xargs, by the X-Traffic-Class rule (lower case; not a label: none)
+    classes = [got.loc[o["id"]].traffic_class for o in outs]
+    assert classes[:2] == ["chat", "rag"] and pd.isna(classes[2]) and pd.isna(classes[3])
     steps = rig.steps()
     mine = steps[steps.step > before]
     chunks = rig.chunks(before + 1)
@@ -277,7 +290,7 @@ def test_a_relayed_long_prefill_cap_is_in_force_by_vllms_own_rule(rig: Rig) -> N
             # a decoding request keeps a second one in the batch while a long prompt prefills
             first = pool.submit(rig.stream, _prompt(8), 100)
             deadline = time.monotonic() + WAIT_S
-            while rig.steps().step.max() < at + 2:  # it is decoding (vLLM was idle till now)
+            while rig.last_step() < at + 2:  # it is decoding (vLLM was idle till now)
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             outs = [rig.stream(_prompt(500), 2), first.result()]

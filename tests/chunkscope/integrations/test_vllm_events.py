@@ -15,6 +15,7 @@ from chunkscope.integrations.vllm_events import (
     chunk_kind,
     external_request_id,
     finish_reason_name,
+    traffic_class_of,
 )
 from wire.control import ControlRefused
 from wire.events import ClockAnchor, ControlEvent, RequestEvent, StepEvent
@@ -53,6 +54,20 @@ def test_external_ids_are_what_the_openai_client_sees() -> None:
     assert external_request_id("my-header-id-0badf00d") == "my-header-id"
     assert external_request_id("chatcmpl-77aa", randomized=False) == "chatcmpl-77aa"
     assert external_request_id("cmpl-x-0", randomized=False) == "cmpl-x"
+
+
+def test_the_traffic_class_comes_from_vllm_xargs_by_the_header_rule() -> None:
+    assert traffic_class_of({"traffic_class": " RAG "}) == "rag"
+    assert traffic_class_of({"traffic_class": "chat:v2"}) == "chat:v2"
+    for bad in (None, {}, {"traffic_class": 3}, {"traffic_class": "a b"},
+                {"traffic_class": "x" * 33}, {"traffic_class": ""}, ["traffic_class"]):  # fmt: skip
+        assert traffic_class_of(bad) is None  # type: ignore[arg-type]
+    tr, events = _translator()
+    tr.arrived("cmpl-a-0-1a2b3c4d", None, 5, traffic_class="chat")
+    tr.arrived("cmpl-b-0-1a2b3c4d", None, 5)
+    assert [(e.request_id, e.traffic_class) for e in events] == [
+        ("cmpl-a", "chat"), ("cmpl-b", None),
+    ]  # fmt: skip
 
 
 def test_chunk_kinds_and_finish_reasons() -> None:
