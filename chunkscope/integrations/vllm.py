@@ -68,6 +68,9 @@ class _Bridge:
 
         self.faults = 0
         self._fault_places: set[str] = set()
+        # steps vLLM ran that a fault left unrecorded since the last recorded one: (count, when
+        # the first ran); declared by a ``gap`` event before the next recorded step
+        self.unrecorded: tuple[int, int] | None = None
         self._fault_file = os.environ.get(ENV_FAULT_FILE) or None
         vc = sched.vllm_config
         sc = sched.scheduler_config
@@ -169,6 +172,26 @@ class _Bridge:
         else:
             logger.warning("chunkscope: bridge fault in %s (%d so far)", place, self.faults)
 
+    def dropped_step(self, t_ns: int) -> None:
+        n, first = self.unrecorded or (0, t_ns)
+        self.unrecorded = (n + 1, first)
+
+    def declare_unrecorded(self) -> None:
+        """Publish the ``gap`` that declares the steps faults left unrecorded (none: nothing)."""
+        if self.unrecorded is None:
+            return
+        n, first = self.unrecorded
+        self.unrecorded = None
+        self.publisher.publish(
+            {
+                "type": "gap",
+                "time_ns": first,
+                "num_steps_unrecorded": n,
+                "reason": f"vLLM bridge fault: {n} step(s) vLLM ran were not recorded (their "
+                "events are missing; see vLLM's log for the fault)",
+            }
+        )
+
     def close(self) -> None:
         # vLLM's process manager kills the core --shutdown-timeout s after its SIGTERM; a drain
         # may have used most of that, so the flush is short (at most one batch is unacknowledged
@@ -246,6 +269,8 @@ class ChunkscopeScheduler(Scheduler):
                 self._chunkscope_scheduled(bridge, out, start_ns, budget, cap)
             except Exception:  # noqa: BLE001
                 bridge.translator._inflight = None
+                if getattr(out, "total_num_scheduled_tokens", 0):
+                    bridge.dropped_step(start_ns)
                 bridge.fault("schedule")
         finally:
             lock.release()
@@ -256,6 +281,8 @@ class ChunkscopeScheduler(Scheduler):
         self, bridge: _Bridge, out: Any, start_ns: int, budget: int, cap: int
     ) -> None:
         bridge.check_fault()
+        if out.total_num_scheduled_tokens:
+            bridge.declare_unrecorded()
         starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
@@ -310,6 +337,8 @@ class ChunkscopeScheduler(Scheduler):
                 forward_start_ns=bridge.exec_start_ns,
             )
         except Exception:  # noqa: BLE001
+            if bridge.translator._inflight is not None:
+                bridge.dropped_step(bridge.exec_start_ns or end_ns)
             bridge.translator._inflight = None
             bridge.fault("update_from_output")
         return outputs

@@ -274,6 +274,11 @@ def test_a_bridge_fault_never_reaches_vllm(rig: Rig) -> None:
     after = rig.stream(_prompt(30), max_tokens=3)  # the bridge records again
     got = rig.wait_finished([after["id"]])
     assert got.loc[after["id"]].num_output_tokens == 3
+    # the steps the fault left unrecorded (the 4-token request's: 1 prefill + 3 decode) are
+    # declared by a gap right before the next recorded step
+    gaps = queries.gaps(rig.db, engine_id=ENGINE_ID)
+    assert len(gaps) == 1, gaps
+    assert "vLLM bridge fault: 4 step(s)" in gaps.reason.iloc[0]
     assert rig.vllm.proc.poll() is None
 
 
