@@ -335,6 +335,8 @@ class ChunkscopeScheduler(Scheduler):
                 produced=produced,
                 finished=finished,
                 forward_start_ns=bridge.exec_start_ns,
+                num_running=len(self.running),
+                num_waiting=len(self.waiting),
             )
         except Exception:  # noqa: BLE001
             if bridge.translator._inflight is not None:

@@ -301,15 +301,23 @@ class StepTranslator:
         produced: Mapping[str, int],
         finished: Mapping[str, Any],
         forward_start_ns: int | None = None,
+        num_running: int | None = None,
+        num_waiting: int | None = None,
     ) -> None:
         """The model output of the step in flight is back (``end_ns``): ``produced`` maps
         vLLM's request ids to the number of tokens each got, ``finished`` to a finish reason
-        (a ``FinishReason`` or its name)."""
+        (a ``FinishReason`` or its name). ``num_running`` / ``num_waiting``: vLLM's queues once
+        the step's finished requests left them, what the native engine's step reports (a
+        reader tells "busy after this step" from them); None keeps the counts at schedule."""
         flight, self._inflight = self._inflight, None
         if flight is None:
             return
         step = flight.step
         step.end_ns = end_ns
+        if num_running is not None:
+            step.num_running = int(num_running)
+        if num_waiting is not None:
+            step.num_waiting = int(num_waiting)
         step.forward_ns = max(0, end_ns - forward_start_ns) if forward_start_ns else 0
         after: list[RequestEvent] = []
         for i, c in enumerate(flight.chunks):

@@ -175,6 +175,8 @@ def test_a_lone_request_is_stored_step_by_step_under_its_client_id(rig: Rig) -> 
     mine = steps[steps.step > before]
     assert len(mine) == math.ceil(out["prompt_tokens"] / BUDGET) + 6 - 1
     assert list(mine.step) == list(range(before + 1, before + 1 + len(mine)))
+    # queues after each step: the request runs until its last step, which leaves vLLM idle
+    assert list(mine.num_running + mine.num_waiting) == [1] * (len(mine) - 1) + [0]
     chunks = rig.chunks(before + 1)
     _check_layout(chunks, mine, got)
     assert req.num_cached_tokens == 0
@@ -293,7 +295,7 @@ def test_a_relayed_long_prefill_cap_is_in_force_by_vllms_own_rule(rig: Rig) -> N
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             # a decoding request keeps a second one in the batch while a long prompt prefills
-            first = pool.submit(rig.stream, _prompt(8), 100)
+            first = pool.submit(rig.stream, _prompt(8), 400)
             deadline = time.monotonic() + WAIT_S
             while rig.last_step() < at + 2:  # it is decoding (vLLM was idle till now)
                 assert time.monotonic() < deadline
@@ -310,7 +312,11 @@ def test_a_relayed_long_prefill_cap_is_in_force_by_vllms_own_rule(rig: Rig) -> N
     assert (mine_steps.long_prefill_token_threshold == cap).all()
     chunks = rig.chunks(at, int(mine_steps.index.max()))
     chunks = chunks[chunks.request_id.isin(got.index) & (chunks.kind == "prefill")]
-    eligible = mine_steps.num_running + mine_steps.num_waiting
+    # vLLM's count at the top of schedule(): those scheduled in the step (every running request
+    # fits in the budget here) and those still waiting after it (the step's counts are taken
+    # once its finished requests left, as the native engine's)
+    in_step = rig.chunks(at, int(mine_steps.index.max())).groupby("step").request_id.nunique()
+    eligible = in_step.reindex(mine_steps.index, fill_value=0) + mine_steps.num_waiting
     shared = chunks[chunks.step.map(eligible) > 1]
     alone = chunks[chunks.step.map(eligible) == 1]
     # the long prompt was prefilled beside the decoding request, every such chunk within the

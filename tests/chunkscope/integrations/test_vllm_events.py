@@ -91,13 +91,18 @@ def test_a_request_told_in_causal_order_with_exact_token_times() -> None:
     # nothing scheduled (e.g. everything waits on blocks): no step index is spent
     assert _schedule(tr, []) is None
     assert _schedule(tr, [ScheduledChunk("cmpl-a-0-11111111", 100, 1, 100, 101)]) == 3
-    tr.executed(end_ns=4_000, produced={"cmpl-a-0-11111111": 1}, finished={"cmpl-a-0-11111111": 1})
+    tr.executed(
+        end_ns=4_000, produced={"cmpl-a-0-11111111": 1}, finished={"cmpl-a-0-11111111": 1},
+        num_running=0, num_waiting=0,
+    )  # fmt: skip
     assert _kinds(events) == [
         "arrived:cmpl-a", "first_scheduled:cmpl-a", "step1", "step2", "first_token:cmpl-a",
         "step3", "finished:cmpl-a",
     ]  # fmt: skip
     steps = [e for e in events if isinstance(e, StepEvent)]
     assert [c.produced_token for s in steps for c in s.chunks] == [False, True, True]
+    # the queues after the step (the finished request left them), as the native engine's
+    assert [(s.num_running, s.num_waiting) for s in steps] == [(1, 0), (1, 0), (0, 0)]
     assert [s.chunks[0].kind for s in steps] == ["prefill", "prefill", "decode"]
     assert [(s.num_prefill_tokens, s.num_decode_tokens) for s in steps] == [
         (64, 0), (36, 0), (0, 1),
