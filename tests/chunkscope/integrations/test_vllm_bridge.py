@@ -300,7 +300,8 @@ def test_a_relayed_long_prefill_cap_is_in_force_by_vllms_own_rule(rig: Rig) -> N
             while rig.last_step() < at + 2:  # it is decoding (vLLM was idle till now)
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            outs = [rig.stream(_prompt(500), 2), first.result()]
+            # a first word no earlier prompt had: no prefix-cache hit shortens the prefill
+            outs = [rig.stream("zebra crossing " + _prompt(500), 2), first.result()]
         got = rig.wait_finished([o["id"] for o in outs])
     finally:
         off = send_control(rig.collector.url, ENGINE_ID, {"long_prefill_token_threshold": 0})
