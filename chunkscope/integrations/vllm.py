@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -119,6 +121,7 @@ class _Bridge:
                 "passes 5) to let the bridge flush and say goodbye"
             )
         self.publisher.start()
+        self._chain_sigterm(sched)
         logger.info(
             "chunkscope: vLLM engine %s publishing to %s (budget %d, controls: token_budget, "
             "long_prefill_token_threshold)",
@@ -171,6 +174,36 @@ class _Bridge:
             logger.exception("chunkscope: bridge fault in %s (vLLM serves on; counted)", place)
         else:
             logger.warning("chunkscope: bridge fault in %s (%d so far)", place, self.faults)
+
+    def _chain_sigterm(self, sched: Scheduler) -> None:
+        """Close the publisher (flush + goodbye) once a SIGTERM'd core has drained: vLLM calls
+        the scheduler's ``shutdown()`` only after its executor's teardown, which can outlast
+        ``--shutdown-timeout`` (the core is then SIGKILLed). vLLM's own handler runs after ours.
+        The scheduler is built on the core's main thread; elsewhere there is nothing to chain."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            try:
+                threading.Thread(
+                    target=self._close_when_drained, args=(sched,), name="chunkscope-stop",
+                    daemon=True,
+                ).start()  # fmt: skip
+            except Exception:  # noqa: BLE001
+                logger.exception("chunkscope: could not start the closing thread")
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:  # the default: die of it as without us
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _close_when_drained(self, sched: Scheduler) -> None:
+        while sched.get_num_unfinished_requests() or self.translator._inflight is not None:
+            time.sleep(0.01)
+        self.close()
 
     def dropped_step(self, t_ns: int) -> None:
         n, first = self.unrecorded or (0, t_ns)
