@@ -36,6 +36,10 @@ class ClientConfig:
     connect_timeout_s: float = 10.0
     extra_body: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
+    # Put the traffic class where vLLM passes it to its scheduler too (``vllm_xargs``, which
+    # the chunkscope bridge stores): only for a vLLM server, since a strict OpenAI-compatible
+    # one may refuse an unknown field. Set from /v1/models' ``owned_by`` by the run and sweep.
+    vllm_xargs: bool = False
 
 
 def build_body(spec: RequestSpec, cfg: ClientConfig, tokens: TokenSource) -> tuple[str, dict]:
@@ -46,6 +50,8 @@ def build_body(spec: RequestSpec, cfg: ClientConfig, tokens: TokenSource) -> tup
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if cfg.vllm_xargs:
+        common["vllm_xargs"] = {"traffic_class": spec.traffic_class}
     if cfg.ignore_eos:
         common["ignore_eos"] = True
     if spec.is_chat:

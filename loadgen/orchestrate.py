@@ -103,6 +103,7 @@ async def run_from_args(args: argparse.Namespace, profiles: Profiles) -> tuple[i
         ignore_eos=args.ignore_eos,
         request_timeout_s=args.request_timeout,
         api_key=args.api_key,
+        vllm_xargs=info.owned_by == "vllm",
     )
     needs_ids = any(not s.is_chat for s in specs)
     if args.prompt_format != "auto":

@@ -34,6 +34,7 @@ class ServerInfo:
     max_model_len: int | None = None
     error: str | None = None
     models: list[str] = field(default_factory=list)
+    owned_by: str | None = None  # /v1/models' owned_by: "vllm" for a vLLM server
 
 
 @dataclass
@@ -73,6 +74,7 @@ async def probe_server(
         model=str(data[0].get("id")),
         models=[str(d.get("id")) for d in data if isinstance(d, dict)],
         max_model_len=int(mml) if isinstance(mml, int | float) else None,
+        owned_by=str(data[0]["owned_by"]) if data[0].get("owned_by") is not None else None,
     )
 
 

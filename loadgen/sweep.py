@@ -291,6 +291,64 @@ async def set_budget(
     return body if isinstance(body, dict) else {}
 
 
+def collector_scheduler(url: str, engine_id: str) -> dict[str, Any]:
+    """What ``GET /v1/scheduler`` says, from a collector's engine list (for engines without that
+    API, such as vLLM with the chunkscope bridge); SweepError when the engine is not connected."""
+    from storage.control import list_engines  # the collector's client: only with --collector
+
+    try:
+        rows = list_engines(url)
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        raise SweepError(f"collector {url}: {exc}") from exc
+    row = next((r for r in rows if r.get("engine_id") == engine_id and r.get("connected")), None)
+    if row is None:
+        seen = sorted(str(r.get("engine_id")) for r in rows if r.get("connected"))
+        raise SweepError(f"engine {engine_id!r} is not connected to {url} (connected: {seen})")
+    out = {k: row.get(k) for k in ("token_budget", "max_token_budget", "policy")}
+    if row.get(CAP_KEY) is not None:
+        out[CAP_KEY] = row[CAP_KEY]
+    return out
+
+
+def collector_set_budget(
+    url: str, engine_id: str, budget: int, token: str | None, cap: int | None = None
+) -> dict[str, Any]:
+    """The budget (and cap) through the collector's control relay; the ack, or SweepError."""
+    from storage.control import send_control
+
+    changes: dict[str, int] = {"token_budget": int(budget)}
+    if cap is not None:
+        changes[CAP_KEY] = int(cap)
+    try:
+        ack = send_control(url, engine_id, changes, token=token)
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        raise SweepError(f"collector {url}: {exc}") from exc
+    if not ack.get("ok"):
+        raise SweepError(f"control {changes} for {engine_id} refused: {ack.get('error')}")
+    logger.info("token budget %d from step %s (collector)", budget, ack.get("applied_at_step"))
+    return ack
+
+
+async def _get(control: aiohttp.ClientSession, base: str, args: argparse.Namespace) -> dict:
+    if getattr(args, "collector", None):
+        return await asyncio.to_thread(collector_scheduler, args.collector, args.engine)
+    return await get_scheduler(control, base)
+
+
+async def _set(
+    control: aiohttp.ClientSession,
+    base: str,
+    args: argparse.Namespace,
+    budget: int,
+    cap: int | None = None,
+) -> dict[str, Any]:
+    if getattr(args, "collector", None):
+        return await asyncio.to_thread(
+            collector_set_budget, args.collector, args.engine, budget, args.control_token, cap
+        )
+    return await set_budget(control, base, budget, args.control_token, cap)
+
+
 # ---- the run ----------------------------------------------------------------------------------
 
 
@@ -312,7 +370,7 @@ async def run_sweep(
         raise SweepError(f"server not reachable: {info.error}")
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as control:
-        before = await get_scheduler(control, base)
+        before = await _get(control, base, args)
         top = before.get("max_token_budget")
         if isinstance(top, int) and max(budgets) > top:
             raise SweepError(f"budget {max(budgets)} is above the server's maximum {top}")
@@ -337,6 +395,7 @@ async def run_sweep(
             ignore_eos=args.ignore_eos,
             request_timeout_s=args.request_timeout,
             api_key=args.api_key,
+            vllm_xargs=info.owned_by == "vllm",
         )
         if args.prompt_format != "auto":
             cfg.prompt_format = args.prompt_format
@@ -349,7 +408,7 @@ async def run_sweep(
 
         windows: list[Window] = []
         b0, c0 = pairs[0]
-        first = await set_budget(control, base, b0, args.control_token, c0)
+        first = await _set(control, base, args, b0, c0)
         t_start = time.time()
         windows.append(Window(b0, t_start, t_start, first.get("applied_at_step"), [first], c0))
         logger.info(
@@ -372,7 +431,7 @@ async def run_sweep(
         try:
             for k, (budget, cap) in enumerate(pairs[1:], start=1):
                 await _sleep_until(t_start + k * args.window_s, traffic)
-                ack = await set_budget(control, base, budget, args.control_token, cap)
+                ack = await _set(control, base, args, budget, cap)
                 now = time.time()
                 windows[-1].end = now
                 windows.append(Window(budget, now, now, ack.get("applied_at_step"), [ack], cap))
@@ -387,7 +446,7 @@ async def run_sweep(
             final_cap = None if caps is None else before.get(CAP_KEY)
             if final is not None:
                 try:
-                    await set_budget(control, base, int(final), args.control_token, final_cap)
+                    await _set(control, base, args, int(final), final_cap)
                 except (SweepError, aiohttp.ClientError, TimeoutError) as exc:
                     logger.warning("could not set the budget back to %s: %s", final, exc)
 
@@ -515,6 +574,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="every window replays the traffic planned for the first (same arrivals and "
         "lengths, fresh prompt tokens): budgets compared on the same requests",
     )
+    p.add_argument(
+        "--collector",
+        metavar="WS_URL",
+        help="change the budget through this collector's control relay instead of the "
+        "server's PUT /v1/scheduler (vLLM with the chunkscope bridge); needs --engine",
+    )
+    p.add_argument("--engine", metavar="ENGINE_ID", help="the engine id with --collector")
     p.add_argument("--slo-itl-ms", type=positive(float), help="SLO on the p99 ITL")
     p.add_argument("--slo-ttft-ms", type=positive(float), help="SLO on the p99 TTFT")
     p.add_argument("--out", metavar="FILE.json", help="write the sweep document here")
@@ -587,6 +653,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--budgets must not repeat a budget")
     if args.apply and args.apply_budget is not None:
         parser.error("give --apply or --apply-budget, not both")
+    if bool(args.collector) != bool(args.engine):
+        parser.error("give --collector and --engine together (the engine to steer through it)")
     try:
         predicted: list[dict[str, Any]] | None = None
         if args.predictions:
@@ -616,4 +684,4 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _apply(args: argparse.Namespace, budget: int, cap: int | None = None) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        await set_budget(s, args.url.rstrip("/"), budget, args.control_token, cap)
+        await _set(s, args.url.rstrip("/"), args, budget, cap)

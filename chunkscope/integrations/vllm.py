@@ -27,14 +27,21 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from chunkscope.integrations.vllm_events import BudgetControl, ScheduledChunk, StepTranslator
+from chunkscope.integrations.vllm_events import (
+    BudgetControl,
+    ScheduledChunk,
+    StepTranslator,
+    traffic_class_of,
+)
 
 # Under "vllm." so that vLLM's own logging configuration shows these lines.
 logger = logging.getLogger("vllm.chunkscope")
@@ -43,6 +50,9 @@ ENV_URL = "CHUNKSCOPE_COLLECTOR_URL"
 # A test hook: while the file this names exists, the bridge's per-step code raises (the fault
 # path that must never reach vLLM).
 ENV_FAULT_FILE = "CHUNKSCOPE_BRIDGE_FAULT_FILE"
+
+
+CLOSE_TIMEOUT_S = 2.0
 
 
 class BridgeFault(RuntimeError):
@@ -60,6 +70,9 @@ class _Bridge:
 
         self.faults = 0
         self._fault_places: set[str] = set()
+        # steps vLLM ran that a fault left unrecorded since the last recorded one: (count, when
+        # the first ran); declared by a ``gap`` event before the next recorded step
+        self.unrecorded: tuple[int, int] | None = None
         self._fault_file = os.environ.get(ENV_FAULT_FILE) or None
         vc = sched.vllm_config
         sc = sched.scheduler_config
@@ -100,7 +113,15 @@ class _Bridge:
             int(getattr(sc, "long_prefill_token_threshold", 0) or 0),
         )
         self._refused = ControlRefused
+        if not int(getattr(vc, "shutdown_timeout", 0) or 0):
+            logger.warning(
+                "chunkscope: with --shutdown-timeout 0 vLLM kills this engine core right after "
+                "SIGTERM, so its run ends without a goodbye and events not yet acknowledged "
+                "are lost; start vLLM with --shutdown-timeout N (N > 0, `chunkscope vllm` "
+                "passes 5) to let the bridge flush and say goodbye"
+            )
         self.publisher.start()
+        self._chain_sigterm(sched)
         logger.info(
             "chunkscope: vLLM engine %s publishing to %s (budget %d, controls: token_budget, "
             "long_prefill_token_threshold)",
@@ -154,8 +175,61 @@ class _Bridge:
         else:
             logger.warning("chunkscope: bridge fault in %s (%d so far)", place, self.faults)
 
+    def _chain_sigterm(self, sched: Scheduler) -> None:
+        """Close the publisher (flush + goodbye) once a SIGTERM'd core has drained: vLLM calls
+        the scheduler's ``shutdown()`` only after its executor's teardown, which can outlast
+        ``--shutdown-timeout`` (the core is then SIGKILLed). vLLM's own handler runs after ours.
+        The scheduler is built on the core's main thread; elsewhere there is nothing to chain."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            try:
+                threading.Thread(
+                    target=self._close_when_drained, args=(sched,), name="chunkscope-stop",
+                    daemon=True,
+                ).start()  # fmt: skip
+            except Exception:  # noqa: BLE001
+                logger.exception("chunkscope: could not start the closing thread")
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:  # the default: die of it as without us
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _close_when_drained(self, sched: Scheduler) -> None:
+        while sched.get_num_unfinished_requests() or self.translator._inflight is not None:
+            time.sleep(0.01)
+        self.close()
+
+    def dropped_step(self, t_ns: int) -> None:
+        n, first = self.unrecorded or (0, t_ns)
+        self.unrecorded = (n + 1, first)
+
+    def declare_unrecorded(self) -> None:
+        """Publish the ``gap`` that declares the steps faults left unrecorded (none: nothing)."""
+        if self.unrecorded is None:
+            return
+        n, first = self.unrecorded
+        self.unrecorded = None
+        self.publisher.publish(
+            {
+                "type": "gap",
+                "time_ns": first,
+                "num_steps_unrecorded": n,
+                "reason": f"vLLM bridge fault: {n} step(s) vLLM ran were not recorded (their "
+                "events are missing; see vLLM's log for the fault)",
+            }
+        )
+
     def close(self) -> None:
-        self.publisher.close()
+        # vLLM's process manager kills the core --shutdown-timeout s after its SIGTERM; a drain
+        # may have used most of that, so the flush is short (at most one batch is unacknowledged
+        # when the collector is up)
+        self.publisher.close(timeout=CLOSE_TIMEOUT_S)
 
 
 class ChunkscopeScheduler(Scheduler):
@@ -181,8 +255,12 @@ class ChunkscopeScheduler(Scheduler):
         if bridge is None or not new:
             return
         try:
+            params = getattr(request, "sampling_params", None)
             bridge.translator.arrived(
-                request.request_id, request.arrival_time, int(request.num_prompt_tokens)
+                request.request_id,
+                request.arrival_time,
+                int(request.num_prompt_tokens),
+                traffic_class_of(getattr(params, "extra_args", None)),
             )
         except Exception:  # noqa: BLE001
             bridge.fault("add_request")
@@ -224,6 +302,8 @@ class ChunkscopeScheduler(Scheduler):
                 self._chunkscope_scheduled(bridge, out, start_ns, budget, cap)
             except Exception:  # noqa: BLE001
                 bridge.translator._inflight = None
+                if getattr(out, "total_num_scheduled_tokens", 0):
+                    bridge.dropped_step(start_ns)
                 bridge.fault("schedule")
         finally:
             lock.release()
@@ -234,6 +314,8 @@ class ChunkscopeScheduler(Scheduler):
         self, bridge: _Bridge, out: Any, start_ns: int, budget: int, cap: int
     ) -> None:
         bridge.check_fault()
+        if out.total_num_scheduled_tokens:
+            bridge.declare_unrecorded()
         starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
@@ -286,8 +368,12 @@ class ChunkscopeScheduler(Scheduler):
                 produced=produced,
                 finished=finished,
                 forward_start_ns=bridge.exec_start_ns,
+                num_running=len(self.running),
+                num_waiting=len(self.waiting),
             )
         except Exception:  # noqa: BLE001
+            if bridge.translator._inflight is not None:
+                bridge.dropped_step(bridge.exec_start_ns or end_ns)
             bridge.translator._inflight = None
             bridge.fault("update_from_output")
         return outputs
@@ -330,6 +416,7 @@ def vllm_config_summary(vc: Any) -> dict[str, Any]:
         "long_prefill_token_threshold": getattr(sc, "long_prefill_token_threshold", None),
         "max_num_partial_prefills": getattr(sc, "max_num_partial_prefills", None),
         "async_scheduling": getattr(sc, "async_scheduling", None),
+        "shutdown_timeout": getattr(vc, "shutdown_timeout", None),
         "block_size": getattr(cc, "block_size", None),
         "num_gpu_blocks": getattr(cc, "num_gpu_blocks", None),
         "enable_prefix_caching": getattr(cc, "enable_prefix_caching", None),

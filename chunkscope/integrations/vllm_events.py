@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.server.protocol import TRAFFIC_CLASS_MAX_LEN
 from wire.control import CAP_KEY, check_changes
 from wire.events import ChunkRecord, ClockAnchor, ControlEvent, RequestEvent, StepEvent
 
@@ -69,6 +70,24 @@ def finish_reason_name(reason: Any) -> str | None:
         return FINISH_REASONS.get(int(reason), str(reason))
     except (TypeError, ValueError):
         return str(reason)
+
+
+def traffic_class_of(extra_args: Mapping[str, Any] | None) -> str | None:
+    """The traffic class a client put in vLLM's ``vllm_xargs`` (``{"traffic_class": "chat"}``,
+    which vLLM hands to the scheduler as ``SamplingParams.extra_args``; loadgen sends it), by
+    the rule of chunkscope's ``X-Traffic-Class`` header; None when absent or not such a label
+    (vLLM has accepted the request by then: it is stored without a class, not refused)."""
+    if not isinstance(extra_args, Mapping):
+        return None
+    value = extra_args.get("traffic_class")
+    if not isinstance(value, str):
+        return None
+    value = value.strip()
+    if not value or len(value) > TRAFFIC_CLASS_MAX_LEN:
+        return None
+    if not all(c.isalnum() or c in "-_.:" for c in value):
+        return None
+    return value.lower()
 
 
 def chunk_kind(start: int, num_tokens: int, num_prompt_tokens: int, num_tokens_total: int) -> str:
@@ -134,7 +153,11 @@ class StepTranslator:
 
     # --- requests --------------------------------------------------------------------------
     def arrived(
-        self, request_id: str, arrival_wall_s: float | None, num_prompt_tokens: int
+        self,
+        request_id: str,
+        arrival_wall_s: float | None,
+        num_prompt_tokens: int,
+        traffic_class: str | None = None,
     ) -> None:
         if request_id in self._reqs:
             return
@@ -142,7 +165,15 @@ class StepTranslator:
         self._reqs[request_id] = _Req(ext, int(num_prompt_tokens))
         now = time.monotonic_ns()
         t = now if arrival_wall_s is None else min(now, self.anchor.to_mono_ns(arrival_wall_s))
-        self._emit(RequestEvent("arrived", ext, t, num_prompt_tokens=int(num_prompt_tokens)))
+        self._emit(
+            RequestEvent(
+                "arrived",
+                ext,
+                t,
+                num_prompt_tokens=int(num_prompt_tokens),
+                traffic_class=traffic_class,
+            )
+        )
 
     def aborted(self, request_ids: list[str], reason: str = "abort") -> None:
         """Requests finished from outside the scheduler (client gone, stop string matched by
@@ -270,15 +301,23 @@ class StepTranslator:
         produced: Mapping[str, int],
         finished: Mapping[str, Any],
         forward_start_ns: int | None = None,
+        num_running: int | None = None,
+        num_waiting: int | None = None,
     ) -> None:
         """The model output of the step in flight is back (``end_ns``): ``produced`` maps
         vLLM's request ids to the number of tokens each got, ``finished`` to a finish reason
-        (a ``FinishReason`` or its name)."""
+        (a ``FinishReason`` or its name). ``num_running`` / ``num_waiting``: vLLM's queues once
+        the step's finished requests left them, what the native engine's step reports (a
+        reader tells "busy after this step" from them); None keeps the counts at schedule."""
         flight, self._inflight = self._inflight, None
         if flight is None:
             return
         step = flight.step
         step.end_ns = end_ns
+        if num_running is not None:
+            step.num_running = int(num_running)
+        if num_waiting is not None:
+            step.num_waiting = int(num_waiting)
         step.forward_ns = max(0, end_ns - forward_start_ns) if forward_start_ns else 0
         after: list[RequestEvent] = []
         for i, c in enumerate(flight.chunks):

@@ -2,8 +2,10 @@
 
 It runs ``python -m vllm.entrypoints.openai.api_server <vLLM args> --scheduler-cls
 chunkscope.integrations.vllm.ChunkscopeScheduler`` with ``CHUNKSCOPE_COLLECTOR_URL`` (and the
-engine id, tokens and spill folder) set, in place of this process. The python is this one when
-it can import vllm, else the venv ``scripts/setup_vllm.sh`` made. Imports no vllm itself.
+engine id, tokens and spill folder) set, in place of this process, and ``--shutdown-timeout 5``
+unless given (so that a SIGTERM lets the bridge send its last events and a goodbye). The
+python is this one when it can import vllm, else the venv ``scripts/setup_vllm.sh`` made.
+Imports no vllm itself.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from pathlib import Path
 
 SCHEDULER_CLS = "chunkscope.integrations.vllm.ChunkscopeScheduler"
 DEFAULT_COLLECTOR_URL = "ws://127.0.0.1:8765"
+# vLLM's default --shutdown-timeout 0 SIGKILLs the engine core right after its SIGTERM (no code
+# of the core runs: the run ends without a goodbye and unacknowledged events are lost); with N > 0
+# vLLM drains in-flight requests up to N s, then tears the core down, which closes the bridge.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5
 
 
 def vllm_venv_python() -> Path:
@@ -84,6 +90,8 @@ def build_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     ):
         if value:
             env[key] = value
+    if not any(a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in rest):
+        rest += ["--shutdown-timeout", str(DEFAULT_SHUTDOWN_TIMEOUT_S)]
     python = find_python(args.python)
     cmd = [
         python,

@@ -1,8 +1,10 @@
-"""Compare: two windows of one run (before and after a budget change) or two runs, side by
-side: ITL p50/p99/p99.9/max, TTFT p50/p99, TPOT, throughput, and each ratio."""
+"""Compare: two windows of one run (before and after a budget change), two runs, or two
+engines over the same wall-clock window (ours and vLLM on the same traffic), side by side: ITL
+p50/p99/p99.9/max, TTFT p50/p99, TPOT, throughput, and each ratio."""
 
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
 from dashboard import charts, data, ui
@@ -14,7 +16,7 @@ if ctx.empty:
     st.stop()
 mode = st.radio(
     "Compare",
-    ["Before / after a budget change", "Two windows", "Two runs"],
+    ["Before / after a budget change", "Two windows", "Two runs", "Two engines"],
     horizontal=True,
 )
 if mode == "Two runs":
@@ -29,6 +31,35 @@ if mode == "Two runs":
         (rb["engine_id"], rb["run_id"], None, None),
     ]
     names = ("A: " + a_label, "B: " + b_label)
+elif mode == "Two engines":
+    # each engine's newest run (the engines frame is newest first), over one wall-clock window
+    # ending where the earlier of the two last reported: the same traffic when one load drives
+    # both (or two loads start together)
+    newest = ctx.engines.drop_duplicates("engine_id").to_dict("records")
+    ids = [r["engine_id"] for r in newest]
+    if len(ids) < 2:
+        st.info("Only one engine in the store: start another (e.g. `chunkscope vllm`) on the "
+                "same traffic to compare them.")  # fmt: skip
+        st.stop()
+    c1, c2, c3 = st.columns(3)
+    a_id = c1.selectbox("Engine A", ids, index=1, key="compare_engine_a")
+    b_id = c2.selectbox("Engine B", ids, index=0, key="compare_engine_b")
+    width = c3.select_slider(
+        "Window (s)", options=[30, 60, 120, 300, 600, 1800], value=300, key="compare_engine_w"
+    )
+    ra, rb = newest[ids.index(a_id)], newest[ids.index(b_id)]
+    ends = [pd.to_numeric(r["last_time"], errors="coerce") for r in (ra, rb)]
+    if any(pd.isna(e) for e in ends):
+        st.info("One of the two engines has no steps yet.")
+        st.stop()
+    end = float(min(ends))
+    specs = [
+        (ra["engine_id"], ra["run_id"], end - width, end),
+        (rb["engine_id"], rb["run_id"], end - width, end),
+    ]
+    when = charts.to_datetime([end]).iloc[0]
+    names = (f"A: {a_id}", f"B: {b_id}")
+    st.caption(f"Both engines over the same {width} s ending {when:%H:%M:%S}.")
 elif mode == "Two windows":
     latest = ctx.latest
     if latest is None:

@@ -133,6 +133,31 @@ def test_every_page_renders_the_seeded_store(
         assert not at.exception, mode
         cols = ["metric", "A", "B", "B / A", "better", "B vs A"]
         assert list(at.dataframe[0].value.columns) == cols
+    # two engines over the same window: each side is its own engine's traffic
+    at.radio[0].set_value("Two engines").run()
+    assert not at.exception
+    assert at.selectbox(key="compare_engine_a").value == "engine-other"
+    assert at.selectbox(key="compare_engine_b").value == "engine-test"
+    table = at.dataframe[0].value.set_index("metric")
+    from storage import queries
+    from storage.db import connect
+
+    store = connect(seeded[1])
+    runs = queries.engines(store).drop_duplicates("engine_id").set_index("engine_id")
+    end = float(runs.last_time.min())  # the earlier engine's last step: the shared window's end
+    for side, engine in (("A", "engine-other"), ("B", "engine-test")):
+        want = queries.latency_summary(
+            store, engine_id=engine, run_id=runs.loc[engine, "run_id"], since=end - 300, until=end
+        )
+        shown = next(s for s in at.selectbox if s.label == "Traffic class").value  # chat here
+        want = want[want.traffic_class == shown].iloc[0]
+        assert table.loc["throughput (tokens/s)", side] == pytest.approx(want.tokens_per_s)
+        assert table.loc["requests", side] == want.num_requests
+    assert table.loc["throughput (tokens/s)", "A"] != table.loc["throughput (tokens/s)", "B"]
+    assert any("Both engines over the same 300 s" in c for c in _texts(at, "caption"))
+    at.selectbox(key="compare_engine_a").set_value("engine-test").run()
+    table = at.dataframe[0].value.set_index("metric")
+    assert len(table["B / A"].dropna()) > 3 and (table["B / A"].dropna() == 1.0).all()
 
 
 def test_empty_store_and_collector_down_show_what_to_run(

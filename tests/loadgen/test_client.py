@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from loadgen.client import ClientConfig
+from loadgen.client import ClientConfig, build_body
 from loadgen.record import RequestRecord
 from loadgen.runner import execute, probe_prompt_format, probe_server
 from loadgen.spec import ImageRef, RequestSpec
@@ -224,3 +224,14 @@ def test_completion_empty_text_chunks_count(raw_server: Any) -> None:
     assert r.status == "ok" and len(r.chunk_wall) == 2 and r.output_tokens == 2
     assert not r.usage_present and r.ttft_s is not None and r.e2e_s is not None
     assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / (r.output_tokens - 1))
+
+
+def test_the_class_goes_in_the_header_and_where_vllm_passes_it(mock_server: MockServer) -> None:
+    (r,) = _run(mock_server.url, [_spec()])
+    seen = mock_server.seen[-1]
+    assert r.status == "ok" and seen["class"] == r.traffic_class
+    assert "vllm_xargs" not in seen["body"]  # not for a server that is not vLLM
+    tokens = TokenSource(1)
+    cfg = ClientConfig(base_url="http://x", model="m", vllm_xargs=True)
+    _, body = build_body(_spec(), cfg, tokens)
+    assert body["vllm_xargs"] == {"traffic_class": _spec().traffic_class}

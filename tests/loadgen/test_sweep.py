@@ -138,6 +138,8 @@ def test_sweep_never_imports_torch_or_engine() -> None:
         ["--window-s", "2", "--warmup-s", "2"],
         ["--url", "localhost:1"],
         ["--apply", "--apply-budget", "64"],
+        ["--collector", "ws://127.0.0.1:1"],
+        ["--engine", "vllm-a"],
     ],
 )
 def test_sweep_usage_errors_exit_2(argv: list[str]) -> None:
@@ -328,3 +330,31 @@ def test_sweep_over_caps_against_the_tiny_engine(server: ServerHandle, tmp_path:
     log: Log = server.log  # type: ignore[attr-defined]
     caps = [e.new_value for e in log.controls if e.key == "long_prefill_token_threshold"]
     assert caps[:2] == [0, 16] and caps[-1] == doc["recommended_cap"]
+
+
+def test_the_budget_through_a_collector_relay(tmp_path: Path) -> None:
+    """``--collector URL --engine ID`` (vLLM with the bridge has no PUT /v1/scheduler): the
+    scheduler's state from the collector's engine list, changes through its control relay."""
+    from loadgen.sweep import SweepError, collector_scheduler, collector_set_budget
+    from testkit.collector import start_collector
+    from testkit.engines import FakeEngineClient, SyntheticEngine
+
+    collector = start_collector(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        eng = SyntheticEngine(engine_id="vllm-a", run_id="run-a", seed=3, max_token_budget=1024)
+        client = FakeEngineClient(collector.url, eng)
+        client.connect()
+        client.send_events(eng.steps(2))
+        client.wait_ack(eng.seq)
+        before = collector_scheduler(collector.url, "vllm-a")
+        assert before["token_budget"] == 512 and before["max_token_budget"] == 1024
+        ack = collector_set_budget(collector.url, "vllm-a", 128, None)
+        assert ack["ok"] and ack["applied_at_step"] == 2 and eng.token_budget == 128
+        with pytest.raises(SweepError, match="refused"):
+            collector_set_budget(collector.url, "vllm-a", 4096, None)
+        assert eng.token_budget == 128
+        with pytest.raises(SweepError, match="'nope' is not connected"):
+            collector_scheduler(collector.url, "nope")
+        client.close()
+    finally:
+        collector.stop()

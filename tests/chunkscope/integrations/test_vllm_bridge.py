@@ -55,7 +55,7 @@ class Rig:
         self.model = build_llama_folder(tmp / "tiny-llama")
         self.vllm = VllmServer(
             py, self.model, "--max-num-batched-tokens", str(BUDGET),
-            "--kv-cache-memory-bytes", str(64 << 20),
+            "--kv-cache-memory-bytes", str(64 << 20), "--shutdown-timeout", "5",
             env={"CHUNKSCOPE_COLLECTOR_URL": self.collector.url,
                  "CHUNKSCOPE_ENGINE_ID": ENGINE_ID,
                  "CHUNKSCOPE_SPILL_DIR": str(tmp / "spill"),
@@ -67,15 +67,21 @@ class Rig:
 
         self.client = openai.OpenAI(base_url=self.vllm.url + "/v1", api_key="none", timeout=WAIT_S)
 
-    def stream(self, prompt: str, max_tokens: int) -> dict[str, Any]:
-        """One streamed completion: its id, token counts and when each SSE chunk arrived."""
+    def stream(
+        self, prompt: str, max_tokens: int, traffic_class: str | None = None
+    ) -> dict[str, Any]:
+        """One streamed completion: its id, token counts and when each SSE chunk arrived; a
+        traffic class goes where loadgen puts it (``vllm_xargs``)."""
+        extra: dict[str, Any] = {"ignore_eos": True}
+        if traffic_class is not None:
+            extra["vllm_xargs"] = {"traffic_class": traffic_class}
         sent = time.time()
         times: list[float] = []
         ids: set[str] = set()
         usage = None
         for chunk in self.client.completions.create(
             model="tiny-llama", prompt=prompt, max_tokens=max_tokens, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True}, extra_body=extra,
         ):  # fmt: skip
             ids.add(chunk.id)
             if chunk.usage is not None:
@@ -100,6 +106,10 @@ class Rig:
 
     def steps(self) -> pd.DataFrame:
         return queries.steps(self.db, engine_id=ENGINE_ID)
+
+    def last_step(self) -> int:
+        steps = self.steps()
+        return int(steps.step.max()) if len(steps) else 0
 
     def chunks(self, step_from: int = 1, step_to: int = 10**9) -> pd.DataFrame:
         return queries.step_chunks(
@@ -152,7 +162,7 @@ def _check_layout(chunks: pd.DataFrame, steps: pd.DataFrame, reqs: pd.DataFrame)
 
 
 def test_a_lone_request_is_stored_step_by_step_under_its_client_id(rig: Rig) -> None:
-    before = int(rig.steps().step.max()) if len(rig.steps()) else 0
+    before = rig.last_step()
     out = rig.stream(_prompt(600), max_tokens=6)
     got = rig.wait_finished([out["id"]])
     req = got.loc[out["id"]]
@@ -165,6 +175,8 @@ def test_a_lone_request_is_stored_step_by_step_under_its_client_id(rig: Rig) -> 
     mine = steps[steps.step > before]
     assert len(mine) == math.ceil(out["prompt_tokens"] / BUDGET) + 6 - 1
     assert list(mine.step) == list(range(before + 1, before + 1 + len(mine)))
+    # queues after each step: the request runs until its last step, which leaves vLLM idle
+    assert list(mine.num_running + mine.num_waiting) == [1] * (len(mine) - 1) + [0]
     chunks = rig.chunks(before + 1)
     _check_layout(chunks, mine, got)
     assert req.num_cached_tokens == 0
@@ -184,14 +196,17 @@ def test_a_lone_request_is_stored_step_by_step_under_its_client_id(rig: Rig) -> 
 def test_concurrent_requests_agree_with_vllms_own_counters(rig: Rig) -> None:
     it0 = rig.vllm_metric("vllm:iteration_tokens_total_count")
     gen0 = rig.vllm_metric("vllm:generation_tokens_total")
-    before = int(rig.steps().step.max())
-    sizes = [(40, 12), (700, 4), (300, 8), (5, 16)]
+    before = rig.last_step()
+    sizes = [(40, 12, "chat"), (700, 4, "RAG"), (300, 8, "bad label!"), (5, 16, None)]
     with concurrent.futures.ThreadPoolExecutor(len(sizes)) as pool:
-        outs = list(pool.map(lambda s: rig.stream(_prompt(s[0]), s[1]), sizes))
+        outs = list(pool.map(lambda s: rig.stream(_prompt(s[0]), s[1], s[2]), sizes))
     got = rig.wait_finished([o["id"] for o in outs])
     for o in outs:
         assert got.loc[o["id"]].num_output_tokens == o["completion_tokens"]
         assert got.loc[o["id"]].num_prompt_tokens == o["prompt_tokens"]
+    # the class from vllm_xargs, by the X-Traffic-Class rule (lower case; not a label: none)
+    classes = [got.loc[o["id"]].traffic_class for o in outs]
+    assert classes[:2] == ["chat", "rag"] and pd.isna(classes[2]) and pd.isna(classes[3])
     steps = rig.steps()
     mine = steps[steps.step > before]
     chunks = rig.chunks(before + 1)
@@ -261,4 +276,72 @@ def test_a_bridge_fault_never_reaches_vllm(rig: Rig) -> None:
     after = rig.stream(_prompt(30), max_tokens=3)  # the bridge records again
     got = rig.wait_finished([after["id"]])
     assert got.loc[after["id"]].num_output_tokens == 3
+    # the steps the fault left unrecorded (the 4-token request's: 1 prefill + 3 decode) are
+    # declared by a gap right before the next recorded step
+    gaps = queries.gaps(rig.db, engine_id=ENGINE_ID)
+    assert len(gaps) == 1, gaps
+    assert "vLLM bridge fault: 4 step(s)" in gaps.reason.iloc[0]
     assert rig.vllm.proc.poll() is None
+
+
+def test_a_relayed_long_prefill_cap_is_in_force_by_vllms_own_rule(rig: Rig) -> None:
+    """vLLM 0.32's rule (scheduler.py, top of ``schedule()``): with more than one request running
+    or waiting, a prefill chunk is at most ``long_prefill_token_threshold``; a lone request is
+    not capped (nobody to starve). The adaptive fair-share floor is off by default."""
+    cap = 40
+    ack = send_control(rig.collector.url, ENGINE_ID, {"long_prefill_token_threshold": cap})
+    assert ack["ok"] and ack["old"] == {"long_prefill_token_threshold": 0}, ack
+    at = int(ack["applied_at_step"])
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # a decoding request keeps a second one in the batch while a long prompt prefills
+            first = pool.submit(rig.stream, _prompt(8), 400)
+            deadline = time.monotonic() + WAIT_S
+            while rig.last_step() < at + 2:  # it is decoding (vLLM was idle till now)
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            # a first word no earlier prompt had: no prefix-cache hit shortens the prefill
+            outs = [rig.stream("zebra crossing " + _prompt(500), 2), first.result()]
+        got = rig.wait_finished([o["id"] for o in outs])
+    finally:
+        off = send_control(rig.collector.url, ENGINE_ID, {"long_prefill_token_threshold": 0})
+    assert off["ok"] and off["old"] == {"long_prefill_token_threshold": cap}
+    steps = rig.steps().set_index("step")
+    assert at == steps.index[steps.index >= at].min()
+    assert (steps.loc[: at - 1].long_prefill_token_threshold == 0).all()
+    mine_steps = steps.loc[at : int(off["applied_at_step"]) - 1]
+    assert (mine_steps.long_prefill_token_threshold == cap).all()
+    chunks = rig.chunks(at, int(mine_steps.index.max()))
+    chunks = chunks[chunks.request_id.isin(got.index) & (chunks.kind == "prefill")]
+    # vLLM's count at the top of schedule(): those scheduled in the step (every running request
+    # fits in the budget here) and those still waiting after it (the step's counts are taken
+    # once its finished requests left, as the native engine's)
+    in_step = rig.chunks(at, int(mine_steps.index.max())).groupby("step").request_id.nunique()
+    eligible = in_step.reindex(mine_steps.index, fill_value=0) + mine_steps.num_waiting
+    shared = chunks[chunks.step.map(eligible) > 1]
+    alone = chunks[chunks.step.map(eligible) == 1]
+    # the long prompt was prefilled beside the decoding request, every such chunk within the
+    # cap, and the full cap used
+    assert len(shared) >= 4 and shared.num_tokens.max() == cap, shared
+    assert (shared.num_tokens <= cap).all()
+    # a request alone is not capped: it gets the whole budget or the rest of its prompt
+    rest = alone.request_id.map(got.num_prompt_tokens) - alone.start
+    assert (alone.num_tokens == rest.clip(upper=BUDGET)).all(), alone
+
+
+def test_sigterm_ends_the_run_with_a_goodbye_and_nothing_unsent(rig: Rig) -> None:
+    """Last in this module: it stops the shared server. With ``--shutdown-timeout`` > 0 (what
+    ``chunkscope vllm`` passes) vLLM tears the core down after a SIGTERM, which closes the
+    bridge: the events of the last request, sent an instant before, reach the store."""
+    out = rig.stream(_prompt(60), max_tokens=4)
+    rig.vllm.proc.terminate()  # at once: the last step's events are at most a batch old
+    assert rig.vllm.proc.wait(30) == 0
+    runs = queries.engines(rig.db)
+    run = runs[runs.engine_id == ENGINE_ID].iloc[0]
+    assert run.ended is not None and not run.ended_without_goodbye, run.to_dict()
+    got = queries.requests(rig.db, engine_id=ENGINE_ID).set_index("request_id").loc[out["id"]]
+    assert got.num_output_tokens == 4 and got.finished is not None
+    steps = rig.steps()
+    assert list(steps.step) == list(range(1, len(steps) + 1))
+    assert steps.step.max() == run.last_step
+    assert "chunkscope: with --shutdown-timeout 0" not in rig.vllm.log_text()

@@ -15,6 +15,7 @@ from chunkscope.integrations.vllm_events import (
     chunk_kind,
     external_request_id,
     finish_reason_name,
+    traffic_class_of,
 )
 from wire.control import ControlRefused
 from wire.events import ClockAnchor, ControlEvent, RequestEvent, StepEvent
@@ -55,6 +56,20 @@ def test_external_ids_are_what_the_openai_client_sees() -> None:
     assert external_request_id("cmpl-x-0", randomized=False) == "cmpl-x"
 
 
+def test_the_traffic_class_comes_from_vllm_xargs_by_the_header_rule() -> None:
+    assert traffic_class_of({"traffic_class": " RAG "}) == "rag"
+    assert traffic_class_of({"traffic_class": "chat:v2"}) == "chat:v2"
+    for bad in (None, {}, {"traffic_class": 3}, {"traffic_class": "a b"},
+                {"traffic_class": "x" * 33}, {"traffic_class": ""}, ["traffic_class"]):  # fmt: skip
+        assert traffic_class_of(bad) is None  # type: ignore[arg-type]
+    tr, events = _translator()
+    tr.arrived("cmpl-a-0-1a2b3c4d", None, 5, traffic_class="chat")
+    tr.arrived("cmpl-b-0-1a2b3c4d", None, 5)
+    assert [(e.request_id, e.traffic_class) for e in events] == [
+        ("cmpl-a", "chat"), ("cmpl-b", None),
+    ]  # fmt: skip
+
+
 def test_chunk_kinds_and_finish_reasons() -> None:
     assert chunk_kind(0, 100, 100, 100) == "prefill"
     assert chunk_kind(100, 1, 100, 101) == "decode"
@@ -76,13 +91,18 @@ def test_a_request_told_in_causal_order_with_exact_token_times() -> None:
     # nothing scheduled (e.g. everything waits on blocks): no step index is spent
     assert _schedule(tr, []) is None
     assert _schedule(tr, [ScheduledChunk("cmpl-a-0-11111111", 100, 1, 100, 101)]) == 3
-    tr.executed(end_ns=4_000, produced={"cmpl-a-0-11111111": 1}, finished={"cmpl-a-0-11111111": 1})
+    tr.executed(
+        end_ns=4_000, produced={"cmpl-a-0-11111111": 1}, finished={"cmpl-a-0-11111111": 1},
+        num_running=0, num_waiting=0,
+    )  # fmt: skip
     assert _kinds(events) == [
         "arrived:cmpl-a", "first_scheduled:cmpl-a", "step1", "step2", "first_token:cmpl-a",
         "step3", "finished:cmpl-a",
     ]  # fmt: skip
     steps = [e for e in events if isinstance(e, StepEvent)]
     assert [c.produced_token for s in steps for c in s.chunks] == [False, True, True]
+    # the queues after the step (the finished request left them), as the native engine's
+    assert [(s.num_running, s.num_waiting) for s in steps] == [(1, 0), (1, 0), (0, 0)]
     assert [s.chunks[0].kind for s in steps] == ["prefill", "prefill", "decode"]
     assert [(s.num_prefill_tokens, s.num_decode_tokens) for s in steps] == [
         (64, 0), (36, 0), (0, 1),

@@ -20,12 +20,19 @@ def test_the_command_sets_the_bridge_and_the_collector(tmp_path: Path) -> None:
     )  # fmt: skip
     assert cmd == [
         str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", "m",
-        "--max-num-batched-tokens", "1024", "--scheduler-cls", SCHEDULER_CLS,
+        "--max-num-batched-tokens", "1024", "--shutdown-timeout", "5",
+        "--scheduler-cls", SCHEDULER_CLS,
     ]  # fmt: skip
     assert env == {
         "CHUNKSCOPE_COLLECTOR_URL": "ws://127.0.0.1:9999/ingest",
         "CHUNKSCOPE_ENGINE_ID": "vllm-a",
     }
+
+
+@pytest.mark.parametrize("given", [["--shutdown-timeout", "0"], ["--shutdown-timeout=30"]])
+def test_a_shutdown_timeout_of_the_user_is_kept(given: list[str]) -> None:
+    cmd, _ = build_command(["--python", "/bin/true", "--", "--model", "m", *given])
+    assert cmd[3:-2] == ["--model", "m", *given]
 
 
 @pytest.mark.parametrize(
