@@ -151,18 +151,30 @@ def export(url: str, selection: Selection, fmt: str, out: str | Path) -> ExportR
 # ---- command line -----------------------------------------------------------------------------
 
 
+# The stored times are compared in nanoseconds as 64-bit integers: a bound past 2262 (or before
+# 1970) is not a time any store holds, and would overflow the driver instead of selecting nothing.
+LATEST_TIME_S = (2**63 - 1) // 1_000_000_000
+
+
 def parse_time(text: str) -> float:
-    """Seconds since the epoch, or an ISO-8601 date/time (without a zone: local time)."""
+    """Seconds since the epoch, or an ISO-8601 date/time (without a zone: local time), from 1970
+    to 2262 (what a 64-bit nanosecond clock holds)."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
+        try:
+            value = datetime.fromisoformat(text).timestamp()
+        except (ValueError, OverflowError, OSError):
+            raise argparse.ArgumentTypeError(
+                f"not a time: {text!r} (seconds since the epoch or ISO-8601, "
+                "e.g. 2026-12-01T08:50)"
+            ) from None
+    if not 0 <= value <= LATEST_TIME_S:  # NaN fails too
         raise argparse.ArgumentTypeError(
-            f"not a time: {text!r} (seconds since the epoch or ISO-8601, e.g. 2026-12-01T08:50)"
-        ) from None
+            f"not a time: {text!r} (seconds since the epoch from 0 to {LATEST_TIME_S}, "
+            "i.e. 1970 to 2262)"
+        )
+    return value
 
 
 def build_parser(prog: str = "chunkscope export") -> argparse.ArgumentParser:

@@ -365,6 +365,10 @@ def _exit_code(args: list[str]) -> int:
         (["--run", "no-such-run"], "nothing to export"),
         (["--since", "4000000000"], "nothing to export"),
         (["--since", "yesterday"], "not a time"),
+        (["--since", "1e12"], "not a time"),
+        (["--until", "-5"], "not a time"),
+        (["--since", "nan"], "not a time"),
+        (["--until", "inf"], "not a time"),
         (["--since", "2000000000", "--until", "1000000000"], "is after"),
     ],
 )
