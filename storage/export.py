@@ -166,8 +166,7 @@ def parse_time(text: str) -> float:
             value = datetime.fromisoformat(text).timestamp()
         except (ValueError, OverflowError, OSError):
             raise argparse.ArgumentTypeError(
-                f"not a time: {text!r} (seconds since the epoch or ISO-8601, "
-                "e.g. 2026-12-01T08:50)"
+                f"not a time: {text!r} (seconds since the epoch or ISO-8601, e.g. 2026-12-01T08:50)"
             ) from None
     if not 0 <= value <= LATEST_TIME_S:  # NaN fails too
         raise argparse.ArgumentTypeError(

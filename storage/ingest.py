@@ -20,10 +20,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy import BigInteger, Integer, SmallInteger, Table
+
+from storage import schema
+from wire import strict_json
 from wire.control import CAP_KEY, CONTROL_KEYS
 from wire.events import SCHEMA_VERSION
 
@@ -81,23 +84,90 @@ def may_take_over(*, proven: bool, live: bool) -> bool:
     return proven or not live
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number (NaN and Infinity are refused)")
-
-
 def parse(raw: str | bytes) -> tuple[dict[str, Any] | None, str]:
-    """A frame as a JSON object, or None and why not."""
+    """A frame as a JSON object, or None and why not (``wire.strict_json``: no NaN or
+    Infinity, nesting bounded)."""
     if isinstance(raw, bytes):
         return None, "binary frame: frames are JSON text"
     try:
-        msg = json.loads(raw, parse_constant=_no_constant)
+        msg = strict_json.loads(raw)
     except ValueError as exc:
-        return None, f"malformed JSON: {exc}"
-    except RecursionError:
-        return None, "JSON nested too deep"
+        return None, str(exc)
     if not isinstance(msg, dict):
         return None, f"a frame must be a JSON object, got {type(msg).__name__}"
     return msg, ""
+
+
+# ---- integers the store can hold -----------------------------------------------------------------
+# Derived from the SQLAlchemy column types in storage/schema.py, narrowest backend first:
+# PostgreSQL's Integer is 32-bit, BigInteger 64-bit (SQLite holds 64 bits in either). An event
+# whose field would land in a column that cannot hold it is refused (a bad event: its seq counts
+# as received, nothing of it is stored) instead of failing a whole batch on PostgreSQL.
+
+
+def _bits(column_type: Any) -> int | None:
+    if isinstance(column_type, BigInteger):
+        return 64
+    if isinstance(column_type, SmallInteger):
+        return 16
+    if isinstance(column_type, Integer):
+        return 32
+    return None
+
+
+def _int_ranges(*tables: Table) -> dict[str, tuple[int, int]]:
+    """Column name -> (least, greatest) integer it holds, over ``tables`` (narrowest wins)."""
+    out: dict[str, tuple[int, int]] = {}
+    for table in tables:
+        for column in table.columns:
+            bits = _bits(column.type)
+            if bits is None:
+                continue
+            lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+            old = out.get(column.name, (lo, hi))
+            out[column.name] = (max(lo, old[0]), min(hi, old[1]))
+    return out
+
+
+INT_RANGES: dict[str, dict[str, tuple[int, int]]] = {
+    "step": _int_ranges(schema.steps),
+    "request": _int_ranges(schema.request_events, schema.requests),
+    "control": _int_ranges(schema.controls),
+    "gap": _int_ranges(schema.gaps),
+    "hello": _int_ranges(schema.runs),
+}
+
+
+def _out_of_range(name: str, value: Any, ranges: dict[str, tuple[int, int]]) -> str:
+    bounds = ranges.get(name)
+    if bounds is None or not _int(value) or bounds[0] <= value <= bounds[1]:
+        return ""
+    return f"{name} {value} is outside what the store holds ({bounds[0]} to {bounds[1]})"
+
+
+def integer_refusal(ev: dict[str, Any], kind: str | None = None) -> str:
+    """Why an event (or a hello, ``kind="hello"``) carries an integer its column cannot hold on
+    every backend ("" when none does)."""
+    kind = kind or ev.get("type")
+    ranges = INT_RANGES.get(kind) if isinstance(kind, str) else None
+    if ranges is None:
+        return ""
+    for name, value in ev.items():
+        why = _out_of_range(name, value, ranges)
+        if why:
+            return why
+    runs = INT_RANGES["hello"]
+    if kind == "hello" and isinstance(ev.get("clock"), dict):
+        for name, value in ev["clock"].items():
+            why = _out_of_range(f"clock_{name}", value, runs)
+            if why:
+                return why
+    if kind == "control" and ev.get("accepted") and isinstance(ev.get("key"), str):
+        # an accepted change lands in the run's row too (runs.token_budget, ...)
+        why = _out_of_range(ev["key"], ev.get("new_value"), runs)
+        if why:
+            return why
+    return ""
 
 
 def check_hello(h: dict[str, Any]) -> str:
@@ -128,7 +198,8 @@ def check_hello(h: dict[str, Any]) -> str:
         value = h.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             return f"hello {key} must be an integer, got {value!r}"
-    return ""
+    why = integer_refusal(h, "hello")
+    return f"hello {why}" if why else ""
 
 
 def check_hello_frame(raw: str | bytes) -> tuple[dict[str, Any] | None, str]:

@@ -501,7 +501,10 @@ class Store:
                 res.duplicates += 1
                 continue
             kind = ev.get("type")
+            why = ingest.integer_refusal(ev)
             try:
+                if why:
+                    raise ValueError(why)
                 if kind == "step":
                     batch.steps.append(self._step(run, ev, batch))
                 elif kind == "request":

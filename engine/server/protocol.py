@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.process.errors import APIError
+from wire import strict_json
 
 logger = logging.getLogger(__name__)
 
@@ -219,15 +220,11 @@ def parse_json_body(body: bytes) -> Any:
     if not body:
         raise APIError(400, "request body is empty; send a JSON object", code="invalid_json")
     try:
-        return json.loads(body)
+        return strict_json.loads(body)
     except UnicodeDecodeError as exc:
         raise APIError(400, f"request body is not UTF-8: {exc}", code="invalid_json") from exc
-    except json.JSONDecodeError as exc:
-        raise APIError(
-            400,
-            f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
-            code="invalid_json",
-        ) from exc
+    except ValueError as exc:
+        raise APIError(400, f"request body refused: {exc}", code="invalid_json") from exc
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str:

@@ -38,6 +38,7 @@ from engine.telemetry.buffer import (
     EventBuffer,
     encode_or_placeholder,
 )
+from wire import strict_json
 from wire.control import ControlRefused, control_mac, same_secret
 from wire.events import SCHEMA_VERSION
 
@@ -557,8 +558,8 @@ class _Session:
 
 def _parse(raw: str | bytes) -> dict[str, Any]:
     try:
-        msg = json.loads(raw)
-    except (ValueError, RecursionError):
+        msg = strict_json.loads(raw)
+    except ValueError:
         logger.warning("telemetry: the collector sent something that is not JSON: %r", raw[:200])
         return {}
     return msg if isinstance(msg, dict) else {}

@@ -226,3 +226,68 @@ def test_the_engines_remembered_are_bounded_and_connected_ones_kept() -> None:
     assert ingest.seen_to_forget(rows, limit=10) == []
     assert ingest.seen_to_forget(rows, limit=7) == ["e1", "e3", "e5"]
     assert ingest.seen_to_forget(rows, limit=2) == ["e1", "e3", "e5", "e7", "e9"]
+
+
+# ---- integers the store can hold (derived from storage/schema.py) ------------------------------
+
+INT32, INT64 = 2**31 - 1, 2**63 - 1
+
+
+def test_integer_bounds_come_from_the_column_types() -> None:
+    # planted: every column taken as 64-bit (the store's old _int rule) fails the first line
+    assert ingest.INT_RANGES["step"]["num_running"] == (-(2**31), INT32)
+    assert ingest.INT_RANGES["step"]["start_ns"] == (-(2**63), INT64)
+    assert ingest.INT_RANGES["request"]["num_prompt_tokens"] == (-(2**31), INT32)  # requests
+    assert ingest.INT_RANGES["hello"]["token_budget"] == (-(2**31), INT32)
+
+
+@pytest.mark.parametrize(
+    ("event", "field"),
+    [
+        ({"type": "step", "seq": 3, "num_running": INT32 + 1}, "num_running"),
+        ({"type": "step", "seq": 3, "start_ns": INT64 + 1}, "start_ns"),
+        ({"type": "request", "seq": 3, "num_output_tokens": -(2**31) - 1}, "num_output_tokens"),
+        ({"type": "request", "seq": 3, "num_cached_tokens": INT32 + 1}, "num_cached_tokens"),
+        ({"type": "gap", "seq": 3, "num_events_lost": INT64 + 1}, "num_events_lost"),
+        (
+            {
+                "type": "control",
+                "seq": 3,
+                "key": "token_budget",
+                "accepted": True,
+                "new_value": INT32 + 1,
+            },
+            "token_budget",
+        ),
+    ],
+)
+def test_an_integer_its_column_cannot_hold_is_refused_with_a_reason(
+    event: dict[str, Any], field: str
+) -> None:
+    why = ingest.integer_refusal(event)
+    assert field in why and "outside what the store holds" in why
+
+
+def test_integers_that_fit_pass() -> None:
+    assert ingest.integer_refusal({"type": "step", "seq": 3, "num_running": INT32}) == ""
+    assert ingest.integer_refusal({"type": "step", "seq": 3, "start_ns": INT64}) == ""
+    refused_change = {
+        "type": "control",
+        "seq": 3,
+        "key": "token_budget",
+        "accepted": False,
+        "new_value": INT32 + 1,
+    }  # a refusal stores the value as JSON text only
+    assert ingest.integer_refusal(refused_change) == ""
+    assert ingest.integer_refusal({"type": "unknown", "x": 2**80}) == ""
+
+
+def test_a_hello_with_an_integer_its_run_row_cannot_hold_is_refused() -> None:
+    from testkit.engines import SyntheticEngine
+
+    hello = SyntheticEngine(engine_id="e", run_id="r").hello()
+    assert ingest.check_hello(hello) == ""
+    assert "pid" in ingest.check_hello({**hello, "pid": INT32 + 1})
+    assert "clock_wall_ns" in ingest.check_hello(
+        {**hello, "clock": {**hello["clock"], "wall_ns": INT64 + 1}}
+    )

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy import select
+
 from storage import db as dbm
+from storage import schema
 from storage.store import Events, EventsResult, Hello, RunInfo
 from storage.writer import Writer
 from testkit.engines import SyntheticEngine
@@ -51,5 +54,35 @@ def test_a_failed_op_stops_its_run_until_the_engine_resends(sqlite_url: str) -> 
     [again] = commits[-1][1]
     assert isinstance(again, EventsResult) and again.last_seq == ev_a[-1]["seq"]
     assert again.duplicates == 0 and writer.last_error is None
+    writer.store.close()
+    db.dispose()
+
+
+def test_an_integer_a_column_cannot_hold_is_one_bad_event_not_a_failed_batch(db_url: str) -> None:
+    """On PostgreSQL an Integer column is 32-bit: one such value used to roll back the whole
+    batch (every run in it onto the slow path); SQLite stored it. Now: refused, on both."""
+    db = dbm.connect(db_url)
+    dbm.migrate(db)
+    commits: list[tuple[list[Any], list[Any]]] = []
+    writer = Writer(db, lambda ops, results, _s: commits.append((ops, results)))
+    a = SyntheticEngine(engine_id="a", run_id="ra", seed=1)
+    b = SyntheticEngine(engine_id="b", run_id="rb", seed=2)
+    writer._write([Hello(a.hello()), Hello(b.hello())])
+    info_a, info_b = commits[-1][1]
+    ev_a, ev_b = a.steps(4), b.steps(4)
+    step_events = [e for e in ev_a if e["type"] == "step"]
+    bad = step_events[1]
+    bad["num_running"] = 2**31  # fits SQLite and int64, not PostgreSQL's Integer
+    writer._write([Events(info_a.run_key, ev_a), Events(info_b.run_key, ev_b)])
+    res_a, res_b = commits[-1][1]
+    assert isinstance(res_a, EventsResult) and isinstance(res_b, EventsResult), commits[-1][1]
+    assert [seq for seq, _ in res_a.bad] == [bad["seq"]]
+    assert "num_running" in res_a.bad[0][1] and "outside what the store holds" in res_a.bad[0][1]
+    assert res_a.last_seq == ev_a[-1]["seq"] and res_b.last_seq == ev_b[-1]["seq"]
+    assert writer.last_error is None
+    with db.connect() as c:
+        rows = c.execute(select(schema.steps.c.run_key, schema.steps.c.num_running)).all()
+    assert all(n != 2**31 for _, n in rows)
+    assert len(rows) == len(step_events) - 1 + sum(e["type"] == "step" for e in ev_b)
     writer.store.close()
     db.dispose()

@@ -427,6 +427,14 @@ def _image_body(url: str) -> dict[str, Any]:
 BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("malformed json", "/v1/completions", b'{"prompt": "x",', 400, None),
     ("not an object", "/v1/completions", b"[1, 2]", 400, None),
+    # refused at the edge by wire.strict_json (one rule with the collector), not by a field
+    ("NaN in the body", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, None),
+    ("Infinity in the body", "/v1/completions", b'{"prompt": "x", "max_tokens": Infinity}',
+     400, None),
+    ("nested past the limit", "/v1/completions",
+     b'{"prompt": "x", "user_data": ' + b"[" * 40 + b"]" * 40 + b"}", 400, None),
+    ("nested past the recursion limit", "/v1/completions",
+     b'{"prompt": "x", "user_data": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, None),
     ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("mistyped max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": "3"}, 400,
      "max_tokens"),
