@@ -733,3 +733,51 @@ def _finish_reasons(http: httpx.Client) -> dict[str, float]:
         for s in f.samples
         if s.name.endswith("_total")
     }
+
+
+def test_a_big_body_is_prepared_off_the_event_loop(
+    server: ServerHandle, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a big body is being tokenized, /health answers and another request's stream keeps
+    flowing: ordering, not timing (planted: prepared inline -> the big body comes first)."""
+    tokenizer = server.state.client.tokenizer
+    original = tokenizer.encode
+    entered, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def encode(text: str, *args: Any, **kwargs: Any) -> Any:
+        if text.startswith("BIG"):
+            entered.set()
+            release.wait(30)  # the test releases it; inline, this blocks the loop for 30 s
+            order.append("big body prepared")
+        return original(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
+    _wait_idle(server)
+    big = json.dumps({"prompt": "BIG" + "b" * 200_000, "max_tokens": 1}).encode()
+    stream_req = {"prompt": "go", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, timeout=120) as slow:
+        with http.stream("POST", "/v1/completions", json=stream_req) as stream:
+            lines = (line for line in stream.iter_lines() if line.startswith("data: {"))
+            next(lines)  # the stream is flowing
+            answer: list[httpx.Response] = []
+            poster = threading.Thread(
+                target=lambda: answer.append(
+                    slow.post(
+                        "/v1/completions",
+                        content=big,
+                        headers={"Content-Type": "application/json"},
+                    )
+                )
+            )
+            poster.start()
+            assert entered.wait(60), "the big body never reached the tokenizer"
+            assert http.get("/health").status_code == 200
+            order.append("health")
+            for _ in range(3):
+                next(lines)
+            order.append("stream chunks")
+            release.set()
+            poster.join(120)
+    assert order == ["health", "stream chunks", "big body prepared"]
+    assert answer and answer[0].status_code == 400  # longer than the context: refused, cleanly
