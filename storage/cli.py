@@ -12,11 +12,11 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import signal
 import sys
 
 from storage.db import default_url
+from wire import credentials
 from wire.ready import collector_ready_line
 
 logger = logging.getLogger(__name__)
@@ -52,16 +52,29 @@ def _collector_parser() -> argparse.ArgumentParser:
         "--data-dir", default="./data", help="folder of the default SQLite store (default ./data)"
     )
     p.add_argument(
-        "--auth-token",
-        default=os.environ.get("CHUNKSCOPE_AUTH_TOKEN"),
-        help="when set, engines must send it in their hello and control clients as ?token= "
-        "or an Authorization: Bearer header (default: $CHUNKSCOPE_AUTH_TOKEN, else none)",
+        "--publish-token",
+        default=credentials.from_env(credentials.PUBLISH_ENV),
+        help="engines must send it in their hello to publish on /ingest; it opens nothing "
+        f"else (default: ${credentials.PUBLISH_ENV}, else none)",
     )
     p.add_argument(
         "--control-token",
-        default=os.environ.get("CHUNKSCOPE_CONTROL_TOKEN"),
-        help='when set, every control message must carry it as "token" '
-        "(default: $CHUNKSCOPE_CONTROL_TOKEN, else none)",
+        default=credentials.from_env(credentials.CONTROL_ENV),
+        help="control clients must present it to open /control ('Authorization: Bearer' or "
+        "?token=) and to steer; relayed to engines only as a MAC, never itself "
+        f"(default: ${credentials.CONTROL_ENV}, else none)",
+    )
+    p.add_argument(
+        "--auth-token",
+        default=credentials.from_env(credentials.LEGACY_ENV),
+        help="older single token: stands in for --publish-token and opens /control beside "
+        f"--control-token (default: ${credentials.LEGACY_ENV}, else none)",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="listen on an address other than loopback without --publish-token and "
+        "--control-token (only on a network you trust; docs/security.md)",
     )
     p.add_argument(
         "--max-frame-bytes",
@@ -89,11 +102,23 @@ def run_collector(argv: list[str]) -> int:
     )
     # one line per connection and HTTP probe is noise at INFO
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.root.level))
+    missing = {}
+    if not (args.publish_token or args.auth_token):
+        missing["--publish-token"] = "who may publish"
+    if not (args.control_token or args.auth_token):
+        missing["--control-token"] = "who may steer"
+    refusal = credentials.bind_refusal(
+        "the collector", args.host, missing, allowed=args.allow_unauthenticated
+    )
+    if refusal:
+        print(f"python -m storage: {refusal}", file=sys.stderr)
+        return 2
     try:
         config = CollectorConfig(
             db_url=args.db or default_url(args.data_dir),
             host=args.host,
             port=args.port,
+            publish_token=args.publish_token,
             auth_token=args.auth_token,
             control_token=args.control_token,
             max_frame_bytes=args.max_frame_bytes,
@@ -133,6 +158,19 @@ def run_collector(argv: list[str]) -> int:
     return 0
 
 
+def _client_credentials(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--control-token",
+        default=credentials.from_env(credentials.CONTROL_ENV),
+        help=f"the collector's --control-token (default ${credentials.CONTROL_ENV})",
+    )
+    p.add_argument(
+        "--auth-token",
+        default=credentials.from_env(credentials.LEGACY_ENV),
+        help=f"older collectors' single token (default ${credentials.LEGACY_ENV})",
+    )
+
+
 def run_control(argv: list[str]) -> int:
     from storage.control import send_control
 
@@ -152,11 +190,9 @@ def run_control(argv: list[str]) -> int:
         default=None,
         help="new cap on one request's prefill tokens per step while other prompts wait (0: off)",
     )
-    p.add_argument("--token", default=None, help="control token, when one is configured")
+    _client_credentials(p)
     p.add_argument(
-        "--auth-token",
-        default=os.environ.get("CHUNKSCOPE_AUTH_TOKEN"),
-        help="the collector's auth token (default $CHUNKSCOPE_AUTH_TOKEN)",
+        "--token", default=None, help="older clients: a control token sent in the message itself"
     )
     p.add_argument("--timeout", type=float, default=20.0, help="seconds to wait (default 20)")
     args = p.parse_args(argv)
@@ -177,7 +213,7 @@ def run_control(argv: list[str]) -> int:
             args.engine,
             changes,
             token=args.token,
-            auth_token=args.auth_token,
+            auth_token=args.control_token or args.token or args.auth_token,
             timeout=args.timeout,
         )
     except (OSError, TimeoutError, RuntimeError) as exc:
@@ -195,15 +231,13 @@ def run_engines(argv: list[str]) -> int:
         description="List the engines the collector has seen (JSON, one per line).",
     )
     p.add_argument("--url", default=DEFAULT_URL, help=f"collector URL (default {DEFAULT_URL})")
-    p.add_argument(
-        "--auth-token",
-        default=os.environ.get("CHUNKSCOPE_AUTH_TOKEN"),
-        help="the collector's auth token (default $CHUNKSCOPE_AUTH_TOKEN)",
-    )
+    _client_credentials(p)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (default 10)")
     args = p.parse_args(argv)
     try:
-        engines = list_engines(args.url, auth_token=args.auth_token, timeout=args.timeout)
+        engines = list_engines(
+            args.url, auth_token=args.control_token or args.auth_token, timeout=args.timeout
+        )
     except (OSError, TimeoutError, RuntimeError) as exc:
         print(f"python -m storage engines: {exc}", file=sys.stderr)
         return 2

@@ -61,18 +61,42 @@ CLOSE_REPLACED = 4409
 CLOSE_STORE_ERROR = 1011
 
 
+def presented_token(request: Request) -> str | None:
+    """The token a /control client presented: ``Authorization: Bearer`` over ``?token=``."""
+    auth = request.headers.get("Authorization", "")
+    scheme, _, value = auth.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return parse_qs(request.path.partition("?")[2]).get("token", [None])[0]
+
+
 @dataclass
 class CollectorConfig:
     db_url: str
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
-    auth_token: str | None = None
+    # Credentials (wire/credentials.py): engines present publish_token in their hello; control
+    # clients present control_token when they connect to /control (or in each control message).
+    # auth_token is the one token of older releases: it stands in for whichever is not set.
+    publish_token: str | None = None
     control_token: str | None = None
+    auth_token: str | None = None
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     control_timeout: float = 15.0
     hello_timeout: float = 10.0
     max_pending_events: int = 200_000
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # /ingest and /control together
+
+    @property
+    def ingest_token(self) -> str | None:
+        """What a hello must carry (None: nothing)."""
+        return self.publish_token or self.auth_token
+
+    def control_gate(self) -> tuple[str, ...]:
+        """The tokens that open a /control connection (empty: open). The legacy auth token
+        opens it beside a control token, as before; steering then still needs the control
+        token in each message."""
+        return tuple(t for t in (self.control_token, self.auth_token) if t)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -273,14 +297,16 @@ class Collector:
             return connection.respond(
                 HTTPStatus.NOT_FOUND, "not found: use /ingest, /control, /healthz or /metrics\n"
             )
-        if path == "/control" and self.config.auth_token is not None:
-            token = parse_qs(query).get("token", [None])[0]
-            auth = request.headers.get("Authorization", "")
-            if auth.startswith("Bearer "):
-                token = auth[len("Bearer ") :]
-            if not same_secret(token, self.config.auth_token):
+        gate = self.config.control_gate()
+        if path == "/control" and gate:
+            token = presented_token(request)
+            if not any(same_secret(token, t) for t in gate):
                 self.metrics.refuse("auth")
-                return connection.respond(HTTPStatus.UNAUTHORIZED, "missing or wrong token\n")
+                return connection.respond(
+                    HTTPStatus.UNAUTHORIZED,
+                    "missing or wrong token: /control needs the collector's --control-token as "
+                    "'Authorization: Bearer <token>' or ?token=\n",
+                )
         return None
 
     async def _handle(self, ws: ServerConnection) -> None:
@@ -423,10 +449,10 @@ class Collector:
         if hello is None:
             await self._close(ws, CLOSE_BAD_INPUT, why)
             return
-        if self.config.auth_token is not None and not same_secret(
-            hello.get("token"), self.config.auth_token
-        ):
-            await self._close(ws, CLOSE_AUTH, "missing or wrong auth token")
+        expected = self.config.ingest_token
+        if expected is not None and not same_secret(hello.get("token"), expected):
+            self.metrics.refuse("auth")
+            await self._close(ws, CLOSE_AUTH, "missing or wrong publish token")
             return
         conn = IngestConn(ws=ws, engine_id=hello["engine_id"], run_id=hello["run_id"])
         self._take_hello(conn, hello)
@@ -638,6 +664,7 @@ class Collector:
 
     async def _control_client(self, ws: ServerConnection) -> None:
         self.metrics.control_clients.inc()
+        presented = presented_token(ws.request) if ws.request is not None else None
         in_flight: set[asyncio.Task[Any]] = set()
         try:
             async for raw in ws:
@@ -663,7 +690,7 @@ class Collector:
                         )
                         continue
                     # Several controls from one client may be in flight at once.
-                    task = asyncio.ensure_future(self._relay_and_answer(ws, msg))
+                    task = asyncio.ensure_future(self._relay_and_answer(ws, msg, presented))
                     in_flight.add(task)
                     task.add_done_callback(in_flight.discard)
                     self._tasks.add(task)
@@ -692,12 +719,16 @@ class Collector:
         ``ingest.MAX_ENGINES_LISTED`` from ``offset`` (``next_offset`` when more follow)."""
         return ingest.engines_page(self.list_engines(), msg.get("offset"))
 
-    async def _relay_and_answer(self, ws: ServerConnection, msg: dict[str, Any]) -> None:
-        answer = await self.relay(msg)
+    async def _relay_and_answer(
+        self, ws: ServerConnection, msg: dict[str, Any], presented: str | None
+    ) -> None:
+        answer = await self.relay(msg, presented)
         await self._send(ws, answer)
 
-    async def relay(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Check a control, forward it to its engine, and return the control_ack to send back."""
+    async def relay(self, msg: dict[str, Any], presented: str | None = None) -> dict[str, Any]:
+        """Check a control, forward it to its engine, and return the control_ack to send back.
+        ``presented``: the token the /control client connected with; a ``token`` in the
+        message itself (older clients) takes its place."""
         cid = msg.get("id")
         cid = str(cid)[: ingest.MAX_ID_CHARS] if cid is not None else f"collector-{next(self._ids)}"
         engine_id = msg.get("engine_id")
@@ -739,6 +770,8 @@ class Collector:
             return {"type": "control_ack", "id": cid, "ok": False, "error": reason}
 
         token = msg.get("token")
+        if token is None:
+            token = presented
         if self.config.control_token is not None and not same_secret(
             token, self.config.control_token
         ):

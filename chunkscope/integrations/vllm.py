@@ -11,7 +11,7 @@ vLLM's ``Scheduler`` and nothing more. With it, the class publishes chunkscope's
 (docs/telemetry.md) through the engine's own publisher: a hello with vLLM's configuration, a
 ``step`` event per step that scheduled tokens (chunk layout included), request events with the
 ids the OpenAI client sees, and applies ``token_budget`` controls relayed by the collector at
-the top of the next ``schedule()``. Environment: ``CHUNKSCOPE_COLLECTOR_TOKEN`` (the hello's
+the top of the next ``schedule()``. Environment: ``CHUNKSCOPE_PUBLISH_TOKEN`` (the hello's
 token), ``CHUNKSCOPE_CONTROL_TOKEN``, ``CHUNKSCOPE_ENGINE_ID`` (default ``vllm-<host>-<engine-core
 pid>``, ``-dp<rank>`` added with data parallelism), ``CHUNKSCOPE_SPILL_DIR``.
 
@@ -98,7 +98,10 @@ class _Bridge:
             url,
             engine_id=engine_id,
             hello=lambda: self.hello(sched, str(model), rank, dp_size),
-            token=os.environ.get("CHUNKSCOPE_COLLECTOR_TOKEN") or None,
+            token=os.environ.get("CHUNKSCOPE_PUBLISH_TOKEN")
+            or os.environ.get("CHUNKSCOPE_COLLECTOR_TOKEN")  # older name
+            or os.environ.get("CHUNKSCOPE_AUTH_TOKEN")
+            or None,
             control_token=os.environ.get("CHUNKSCOPE_CONTROL_TOKEN") or None,
             apply_control=self.apply_control,
             limits=BufferLimits(spill_dir=os.environ.get("CHUNKSCOPE_SPILL_DIR") or None),

@@ -61,8 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the collector (default $CHUNKSCOPE_COLLECTOR_URL, else %(default)s)",
     )
     p.add_argument("--engine-id", default=None, help="the engine id in the store")
-    p.add_argument("--collector-token", default=None, help="the hello's auth token")
-    p.add_argument("--control-token", default=None, help="a token relayed controls must carry")
+    p.add_argument(
+        "--publish-token",
+        "--collector-token",
+        default=None,
+        help="the collector's --publish-token, sent in the hello (passed to vLLM's process as "
+        "$CHUNKSCOPE_PUBLISH_TOKEN, not on its command line)",
+    )
+    p.add_argument(
+        "--control-token", default=None, help="the steering token relayed controls are MACed with"
+    )
     p.add_argument("--spill-dir", default=None, help="where unacknowledged events spill")
     p.add_argument("--python", default=None, help="the python of vLLM's environment")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then vLLM's arguments")
@@ -84,7 +92,7 @@ def build_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     env = {"CHUNKSCOPE_COLLECTOR_URL": normalize_collector_url(args.collector_url)}
     for key, value in (
         ("CHUNKSCOPE_ENGINE_ID", args.engine_id),
-        ("CHUNKSCOPE_COLLECTOR_TOKEN", args.collector_token),
+        ("CHUNKSCOPE_PUBLISH_TOKEN", args.publish_token),
         ("CHUNKSCOPE_CONTROL_TOKEN", args.control_token),
         ("CHUNKSCOPE_SPILL_DIR", args.spill_dir),
     ):

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.process.client import EngineClient
 from engine.process.errors import APIError, error_body
+from engine.server.auth import APIKeyMiddleware, digests
 from engine.server.metrics import EngineMetrics
 from engine.server.multimodal import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 from engine.server.routes_control import add_control_routes
@@ -33,6 +34,7 @@ def build_app(
     engine: Any,
     *,
     control_token: str | None = None,
+    api_keys: Sequence[str] = (),
     collector_url: str | None = None,
     collector_token: str | None = None,
     telemetry_spill_dir: str | None = None,
@@ -64,6 +66,7 @@ def build_app(
         model_name=model_name,
         engine_id=eid,
         control_token=control_token or None,
+        api_keys=digests(api_keys),
         collector_url=collector_url,
         max_body_bytes=max_body_bytes,
         max_image_bytes=max_image_bytes,
@@ -86,6 +89,8 @@ def build_app(
     app = FastAPI(title="chunkscope engine", lifespan=lifespan)
     app.state.server = state
     _install_error_handlers(app)
+    if state.api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=state.api_keys)
     add_control_routes(app, state)
     add_openai_routes(app, state)
     return app

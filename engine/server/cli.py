@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ from engine.server.app import build_app
 from engine.server.multimodal import DEFAULT_MAX_IMAGE_BYTES
 from engine.server.serve import bind_socket, uvicorn_server
 from engine.server.state import DEFAULT_LIMIT_IMAGES_PER_PROMPT, DEFAULT_MAX_BODY_BYTES
+from wire import credentials
 from wire.ready import engine_ready_line
 
 
@@ -74,16 +74,26 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--collector-url", {"default": None,
                          "help": "telemetry collector to stream every engine event to, e.g. "
                          "ws://127.0.0.1:8765 (/ingest is appended); none: no telemetry"}),
-    ("--collector-token", {"default": None,
-                           "help": "the collector's --auth-token, sent in the hello; falls back "
-                           "to $CHUNKSCOPE_AUTH_TOKEN"}),
+    ("--publish-token", {"default": None,
+                         "help": "the collector's --publish-token, sent in the hello; falls back "
+                         "to $CHUNKSCOPE_PUBLISH_TOKEN, then $CHUNKSCOPE_AUTH_TOKEN"}),
+    ("--collector-token", {"default": None, "dest": "publish_token",
+                           "help": "older name of --publish-token"}),
     ("--telemetry-spill-dir", {"default": None,
                                "help": "folder for telemetry events the collector has not "
                                "acknowledged once 20,000 are held in memory (default: a "
                                "temporary folder)"}),
     ("--control-token", {"default": None,
-                         "help": "bearer token that PUT /v1/scheduler requires; falls back to "
+                         "help": "the steering credential: PUT /v1/scheduler needs it as a "
+                         "Bearer token and relayed controls a MAC under it; falls back to "
                          "$CHUNKSCOPE_CONTROL_TOKEN (keeps it out of ps); neither: no token"}),
+    ("--api-key", {"action": "append", "default": None,
+                   "help": "key the /v1 routes need as 'Authorization: Bearer KEY' (vLLM's "
+                   "flag; repeat it for several keys); /health and /metrics stay open; falls "
+                   "back to $CHUNKSCOPE_API_KEY"}),
+    ("--allow-unauthenticated", {"action": "store_true",
+                                 "help": "listen on an address other than loopback without "
+                                 "--api-key (only on a network you trust; docs/security.md)"}),
     ("--max-body-bytes", {"type": int, "default": DEFAULT_MAX_BODY_BYTES,
                           "help": "largest request body accepted; larger gets 413"}),
     ("--max-image-bytes", {"type": int, "default": DEFAULT_MAX_IMAGE_BYTES,
@@ -164,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    refusal = bind_refusal(args)
+    if refusal:
+        print(f"chunkscope engine: {refusal}", file=sys.stderr)
+        return 2
     try:
         config = config_from_args(args)
         if args.collector_url:
@@ -189,12 +203,31 @@ def _start_engine(config: Any, *, in_thread: bool) -> EngineClient:
     return EngineClient.in_thread(config) if in_thread else EngineClient.spawn(config)
 
 
+def _credentials(args: argparse.Namespace) -> tuple[list[str], str | None, str | None]:
+    """(API keys, control token, publish token): flags over environment variables."""
+    keys = [k for k in (args.api_key or [credentials.from_env(credentials.API_KEY_ENV)]) if k]
+    control = args.control_token or credentials.from_env(credentials.CONTROL_ENV)
+    publish = args.publish_token or credentials.from_env(credentials.PUBLISH_ENV, legacy=True)
+    return keys, control, publish
+
+
+def bind_refusal(args: argparse.Namespace) -> str:
+    """Why this engine may not listen on ``--host`` ("" when it may)."""
+    keys, _, _ = _credentials(args)
+    missing = {} if keys else {"--api-key": "who may generate"}
+    return credentials.bind_refusal(
+        "chunkscope engine", args.host, missing, allowed=args.allow_unauthenticated
+    )
+
+
 def _serve(engine: EngineClient, args: argparse.Namespace) -> int:
+    keys, control, publish = _credentials(args)
     app = build_app(
         engine,
-        control_token=args.control_token or os.environ.get("CHUNKSCOPE_CONTROL_TOKEN"),
+        control_token=control,
+        api_keys=keys,
         collector_url=args.collector_url,
-        collector_token=args.collector_token or os.environ.get("CHUNKSCOPE_AUTH_TOKEN"),
+        collector_token=publish,
         telemetry_spill_dir=args.telemetry_spill_dir,
         max_body_bytes=args.max_body_bytes,
         max_image_bytes=args.max_image_bytes,

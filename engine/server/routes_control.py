@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import time
 from typing import Any
@@ -12,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.process.errors import APIError
+from engine.server.auth import bearer_matches, digests
 from engine.server.control import apply_scheduler_update
 from engine.server.prepare import read_body
 from engine.server.protocol import parse_json_body
@@ -73,21 +73,26 @@ def add_control_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _check_control_token(state: ServerState, request: Request) -> None:
-    if state.control_token is None:
+    """Steering takes the control token; without one, the API key (when set) guards it too,
+    so a server with only ``--api-key`` never leaves its scheduler open."""
+    header = request.headers.get("authorization")
+    if state.control_token is not None:
+        if bearer_matches(header, digests([state.control_token])):
+            return
+        needed = "the server's --control-token"
+    elif state.api_keys:
+        if bearer_matches(header, state.api_keys):
+            return
+        needed = "the server's --api-key (it has no --control-token)"
+    else:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode(), state.control_token.encode()
-    ):
-        raise APIError(
-            401,
-            "changing the scheduler needs 'Authorization: Bearer <token>' with the server's "
-            "--control-token",
-            type="authentication_error",
-            code="invalid_control_token",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    raise APIError(
+        401,
+        f"changing the scheduler needs 'Authorization: Bearer <token>' with {needed}",
+        type="authentication_error",
+        code="invalid_control_token",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 def _scheduler_view(state: ServerState) -> dict[str, Any]:

@@ -21,6 +21,7 @@ class ServerState:
     model_name: str
     engine_id: str
     control_token: str | None = None
+    api_keys: tuple[bytes, ...] = ()  # SHA-256 of each --api-key (engine/server/auth.py)
     collector_url: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES

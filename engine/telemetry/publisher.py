@@ -303,7 +303,7 @@ class Publisher:
         problem = f"{type(exc).__name__}: {exc}"
         rcvd = getattr(exc, "rcvd", None)
         if rcvd is not None and rcvd.code == 4401:
-            problem = f"the collector refused the --collector-token (close 4401: {rcvd.reason})"
+            problem = f"the collector refused the --publish-token (close 4401: {rcvd.reason})"
         elif rcvd is not None and rcvd.code == 4403:
             problem = f"the collector holds this run for another secret (4403: {rcvd.reason})"
         elif rcvd is not None and rcvd.code == 4400:

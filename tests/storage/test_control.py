@@ -12,7 +12,7 @@ import pytest
 
 from storage import db as dbm
 from storage import queries
-from storage.control import list_engines, send_control
+from storage.control import CollectorUnavailable, list_engines, send_control
 from testkit.collector import start_collector
 from testkit.engines import FakeEngineClient, SyntheticEngine
 from wire.control import control_mac
@@ -166,12 +166,16 @@ def test_no_answer_times_out(collector_factory: Any, sqlite_url: str) -> None:
 def test_control_token(collector_factory: Any, sqlite_url: str) -> None:
     collector = collector_factory(sqlite_url, control_token="s3cret-tok")
     eng, client = _engine(collector)
-    ack = send_control(collector.url, "engine-ctl", {"token_budget": 100})
-    assert ack["ok"] is False and "control token" in ack["error"]
-    ack = send_control(collector.url, "engine-ctl", {"token_budget": 100}, token="nope")
-    assert ack["ok"] is False
+    # Steering is closed at the door: no token, or a wrong one, opens no /control connection.
+    for presented in (None, "nope", "s3cret-tok-"):
+        with pytest.raises(CollectorUnavailable, match="401"):
+            send_control(collector.url, "engine-ctl", {"token_budget": 100}, auth_token=presented)
+    ack = send_control(
+        collector.url, "engine-ctl", {"token_budget": 100}, auth_token="s3cret-tok", token="nope"
+    )
+    assert ack["ok"] is False and "control token" in ack["error"]  # a message's own token rules
     assert eng.token_budget == 512
-    ack = send_control(collector.url, "engine-ctl", {"token_budget": 100}, token="s3cret-tok")
+    ack = send_control(collector.url, "engine-ctl", {"token_budget": 100}, auth_token="s3cret-tok")
     assert ack["ok"] is True and eng.token_budget == 100
     # Never the token itself to an engine connection: a MAC under it, bound to engine, run, id.
     relayed = client.controls[-1]
