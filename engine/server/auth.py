@@ -21,6 +21,7 @@ GUARDED_PREFIX = "/v1"
 
 
 def digests(keys: Sequence[str]) -> tuple[bytes, ...]:
+    """SHA-256 of each key's UTF-8 bytes (what a client sends for a non-ASCII key)."""
     return tuple(hashlib.sha256(k.encode()).digest() for k in keys if k)
 
 
@@ -29,7 +30,12 @@ def bearer_matches(authorization: str | None, keys: tuple[bytes, ...]) -> bool:
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer":
         return False
-    digest = hashlib.sha256(given.strip().encode()).digest()
+    given = given.strip()
+    try:  # ASGI servers hand header bytes over decoded as latin-1: these are the bytes sent
+        raw = given.encode("latin-1")
+    except UnicodeEncodeError:
+        raw = given.encode()
+    digest = hashlib.sha256(raw).digest()
     ok = False
     for key in keys:
         ok |= hmac.compare_digest(digest, key)
