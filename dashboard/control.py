@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage.control import CollectorUnavailable, exchange
+from wire import credentials
 from wire.control import refusal
 
 logger = logging.getLogger(__name__)
@@ -97,9 +98,14 @@ def validate_policy(value: object) -> str:
     return str(value)
 
 
-def list_engines(collector_url: str, *, timeout: float = LIST_TIMEOUT_S) -> list[dict[str, Any]]:
-    """The engines the collector knows (``connected`` says which are live)."""
-    reply = exchange(collector_url, {"type": "list_engines"}, "engines", timeout=timeout)
+def list_engines(
+    collector_url: str, *, token: str | None = None, timeout: float = LIST_TIMEOUT_S
+) -> list[dict[str, Any]]:
+    """The engines the collector knows (``connected`` says which are live). ``token``: the
+    collector's control token, which opens ``/control``."""
+    reply = exchange(
+        collector_url, {"type": "list_engines"}, "engines", auth_token=token, timeout=timeout
+    )
     engines = reply.get("engines")
     if not isinstance(engines, list):
         raise CollectorUnavailable(f"collector sent no engine list: {reply!r}")
@@ -134,10 +140,11 @@ def set_scheduler(
         "engine_id": engine_id,
         "set": changes,
     }
-    token = token if token is not None else os.environ.get("CHUNKSCOPE_CONTROL_TOKEN")
-    if token:
-        message["token"] = token
-    reply = exchange(collector_url, message, "control_ack", msg_id, timeout=timeout)
+    token = token if token is not None else credentials.from_env(credentials.CONTROL_ENV)
+    # The control token opens /control; the collector MACs the control with it for the engine.
+    reply = exchange(
+        collector_url, message, "control_ack", msg_id, auth_token=token or None, timeout=timeout
+    )
     if reply.get("type") == "error":  # the collector rejected the message whole
         reply = {"ok": False, "error": reply.get("message") or reply.get("code")}
     step = reply.get("applied_at_step")

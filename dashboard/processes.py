@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,10 +133,13 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self, env: dict[str, str] | None = None) -> ManagedProcess:
+    def start(self, env: Mapping[str, str | None] | None = None) -> ManagedProcess:
+        """Start the child with this process's environment plus ``env`` (a None value removes
+        the variable: how a child is kept from credentials it does not need)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it after the fork
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        merged = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {k: v for k, v in merged.items() if v is not None}
 
         parent = os.getpid()
 

@@ -22,6 +22,7 @@ from dashboard.settings import Settings
 from loadgen.saturation import RATIO as OVERLOAD_RATIO
 from loadgen.shapes import CHOICES as SHAPE_CHOICES
 from loadgen.shapes import DEMO_MODELS, background_rate, shaped_profiles
+from wire import credentials
 from wire.ready import COLLECTOR_READY, ENGINE_READY
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class Stack:
                         str(self._db_url),
                     ),
                     logs / "collector.log",
-                ).start()
+                ).start(env=child_env(publish=s.publish_token, control=s.control_token))
                 self._collector_url = self.collector.wait_ready(
                     COLLECTOR_READY, COLLECTOR_START_TIMEOUT_S
                 )
@@ -155,7 +156,14 @@ class Stack:
                         str(self._collector_url),
                     ),
                     logs / "engine.log",
-                ).start(env={"OMP_NUM_THREADS": str(s.engine_threads)})
+                ).start(
+                    env={
+                        "OMP_NUM_THREADS": str(s.engine_threads),
+                        **child_env(
+                            publish=s.publish_token, control=s.control_token, api_key=s.api_key
+                        ),
+                    }
+                )
                 self._engine_url = self.engine.wait_ready(ENGINE_READY, ENGINE_START_TIMEOUT_S)
         except (OSError, RuntimeError) as exc:
             self.error = str(exc)
@@ -179,6 +187,27 @@ class Stack:
             {"process": c.name, "state": c.state, "pid": c.pid, "address": c.url or ""}
             for c in self.children()
         ]
+
+
+SECRET_ENVS = {
+    "publish": credentials.PUBLISH_ENV,
+    "control": credentials.CONTROL_ENV,
+    "api_key": credentials.API_KEY_ENV,
+    "openai_api_key": "OPENAI_API_KEY",
+}
+
+
+def child_env(**given: str | None) -> dict[str, str | None]:
+    """The credential variables of a child: those ``given`` (publish, control, api_key,
+    openai_api_key) set, every other one (and the older single token) removed, so no child
+    inherits a secret it does not need."""
+    unknown = set(given) - set(SECRET_ENVS)
+    if unknown:
+        raise TypeError(f"unknown credentials {sorted(unknown)}")
+    env: dict[str, str | None] = {credentials.LEGACY_ENV: None}
+    for name, var in SECRET_ENVS.items():
+        env[var] = given.get(name) or None
+    return env
 
 
 @dataclass(frozen=True)
@@ -310,7 +339,10 @@ class TrafficLauncher:
         seed: int = 0,
         background: float | None = None,
         shapes: str = "demo",
+        api_key: str | None = None,
     ) -> None:
+        """``api_key``: the engine's ``--api-key``, handed to loadgen as ``$OPENAI_API_KEY``
+        (never on its command line)."""
         with self._lock:
             if self.running:
                 raise RuntimeError("a load run is already going: stop it first")
@@ -330,7 +362,9 @@ class TrafficLauncher:
                 shapes=shapes,
             )
             out.parent.mkdir(parents=True, exist_ok=True)
-            self.run = ManagedProcess("loadgen", argv, out.with_suffix(".log")).start()
+            self.run = ManagedProcess("loadgen", argv, out.with_suffix(".log")).start(
+                env=child_env(openai_api_key=api_key)
+            )
             self.offered_rps = rate + background
             self.started_at = time.time()
             extra = f" + chat background {background:g} req/s" if background else ""

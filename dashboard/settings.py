@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from wire import credentials
 
 DEFAULT_DATA_DIR = "data"
 DEFAULT_MODEL = "demo"
@@ -29,8 +31,11 @@ class Settings:
     model: str
     token_budget: int
     max_token_budget: int
-    control_token: str | None
+    control_token: str | None = field(repr=False)
     engine_threads: int
+    publish_token: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
+    allow_unauthenticated: bool = False
 
     @property
     def embedded(self) -> bool:
@@ -90,7 +95,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="embedded mode: torch threads of the engine (default: all cores but one, which "
         "the dashboard and the browser need; env CHUNKSCOPE_ENGINE_THREADS)",
     )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve the dashboard on an address other than loopback (it has no login: anyone "
+        "who reaches it can steer the engines; docs/security.md)",
+    )
     return p
+
+
+def bind_refusal(address: str | None, settings: Settings) -> str:
+    """Why this dashboard may not serve on Streamlit's ``server.address`` ("" when it may).
+    None (Streamlit's default when no flag or config sets it) listens on every interface. The
+    dashboard has no login, so only loopback is safe without ``--allow-unauthenticated``."""
+    why = credentials.bind_refusal(
+        "the dashboard",
+        address or "",
+        {"--server.address 127.0.0.1": "the dashboard has no login of its own"},
+        allowed=settings.allow_unauthenticated,
+    )
+    if why:
+        why += (
+            "; e.g. `streamlit run dashboard --server.address 127.0.0.1` (the repository's "
+            ".streamlit/config.toml sets it when run from the repository root)"
+        )
+    return why
 
 
 def default_engine_threads() -> int:
@@ -135,6 +164,11 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         model=args.model,
         token_budget=args.token_budget,
         max_token_budget=args.max_token_budget,
-        control_token=os.environ.get("CHUNKSCOPE_CONTROL_TOKEN") or None,
+        # Credentials from the environment only (flags would show in ps), passed on to the
+        # children and clients that need each one (wire/credentials.py).
+        control_token=credentials.from_env(credentials.CONTROL_ENV, legacy=True),
         engine_threads=args.engine_threads,
+        publish_token=credentials.from_env(credentials.PUBLISH_ENV, legacy=True),
+        api_key=credentials.from_env(credentials.API_KEY_ENV),
+        allow_unauthenticated=args.allow_unauthenticated,
     )

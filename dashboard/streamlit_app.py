@@ -11,16 +11,23 @@ from pathlib import Path
 import streamlit as st
 
 from dashboard import ui
+from dashboard.settings import bind_refusal
 
 HERE = Path(__file__).resolve().parent
 
 st.set_page_config(page_title="chunkscope", layout="wide")
 
 try:
-    ui.settings()
+    settings = ui.settings()
 except ValueError as exc:
     st.error(f"Bad dashboard settings: {exc}")
     st.stop()
+
+if ui.served():  # a real `streamlit run` (AppTest has no address to check)
+    refusal = bind_refusal(st.get_option("server.address"), settings)
+    if refusal:
+        st.error(f"Not serving: {refusal}")
+        st.stop()
 
 ui.sidebar()
 

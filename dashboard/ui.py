@@ -35,9 +35,14 @@ ALL = "All engines"
 CONTEXT_KEY = "chunkscope_context"
 
 
+def served() -> bool:
+    """True under ``streamlit run dashboard`` (False under AppTest)."""
+    return Path(sys.argv[0]).name == "streamlit_app.py"
+
+
 def script_args() -> list[str]:
     """Flags after ``--`` of ``streamlit run dashboard -- ...`` (none under AppTest)."""
-    return sys.argv[1:] if Path(sys.argv[0]).name == "streamlit_app.py" else []
+    return sys.argv[1:] if served() else []
 
 
 @st.cache_resource(show_spinner=False)
@@ -68,7 +73,7 @@ def collector_engines(url: str | None) -> tuple[list[dict[str, Any]] | None, str
     if not url:
         return None, "no collector configured"
     try:
-        return control.list_engines(url), None
+        return control.list_engines(url, token=settings().control_token), None
     except CollectorUnavailable as exc:
         return None, str(exc)
 
@@ -292,6 +297,7 @@ def _traffic_panel() -> None:
                 seed=int(time.time()) % 10_000,
                 background=background,
                 shapes=shapes,
+                api_key=s.api_key or os.environ.get("OPENAI_API_KEY"),
             )
         except (ValueError, RuntimeError, OSError) as exc:
             st.error(str(exc))

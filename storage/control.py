@@ -45,11 +45,17 @@ def exchange(
     from websockets.exceptions import WebSocketException
     from websockets.sync.client import connect
 
-    url = control_url(collector_url, auth_token)
+    # The token goes in an Authorization header (kept out of URLs that proxies log); a token
+    # that is not ASCII cannot be a header value, so it goes as ?token= instead.
+    in_header = auth_token is not None and auth_token.isascii()
+    url = control_url(collector_url, None if in_header else auth_token)
+    headers = {"Authorization": f"Bearer {auth_token}"} if in_header else None
     shown = control_url(collector_url)  # never the auth token in a message
     deadline = time.monotonic() + timeout
     try:
-        with connect(url, open_timeout=timeout, proxy=None, close_timeout=1) as ws:
+        with connect(
+            url, open_timeout=timeout, proxy=None, close_timeout=1, additional_headers=headers
+        ) as ws:
             ws.send(json.dumps(message))
             while True:
                 reply = json.loads(ws.recv(timeout=max(0.0, deadline - time.monotonic())))

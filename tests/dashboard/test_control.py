@@ -21,6 +21,7 @@ class FakeCollector:
     def __init__(self, *, silent: bool = False) -> None:
         self.silent = silent
         self.received: list[dict[str, Any]] = []
+        self.authorization: list[str | None] = []
         self.budget = 2048
         self.port = 0
         self._loop = asyncio.new_event_loop()
@@ -29,7 +30,8 @@ class FakeCollector:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     async def _handler(self, ws: ServerConnection) -> None:
-        assert ws.request is not None and ws.request.path == "/control"
+        assert ws.request is not None and ws.request.path.partition("?")[0] == "/control"
+        self.authorization.append(ws.request.headers.get("Authorization"))
         async for raw in ws:
             msg = json.loads(raw)
             self.received.append(msg)
@@ -115,7 +117,9 @@ def test_set_budget_applied_and_refused(collector: FakeCollector) -> None:
 
 def test_control_token_is_sent_when_given(collector: FakeCollector) -> None:
     control.set_scheduler(collector.url, "e1", policy="unchunked", token="s3cret")
-    assert collector.received[-1]["token"] == "s3cret"
+    # presented when connecting (it opens /control), in a header: not in the message or URL
+    assert collector.authorization[-1] == "Bearer s3cret"
+    assert "token" not in collector.received[-1]
     assert collector.received[-1]["set"] == {"policy": "unchunked"}
 
 
