@@ -76,6 +76,20 @@ def _collector_parser() -> argparse.ArgumentParser:
         default=15.0,
         help="seconds to wait for an engine's answer to a relayed control (default 15)",
     )
+    p.add_argument(
+        "--db-connect-timeout",
+        type=float,
+        default=None,
+        help="PostgreSQL: seconds to wait for a connection (default "
+        "$CHUNKSCOPE_DB_CONNECT_TIMEOUT, else 10)",
+    )
+    p.add_argument(
+        "--db-statement-timeout",
+        type=float,
+        default=None,
+        help="PostgreSQL: longest statement in seconds, 0 for none (default "
+        "$CHUNKSCOPE_DB_STATEMENT_TIMEOUT, else 60)",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
@@ -98,6 +112,8 @@ def run_collector(argv: list[str]) -> int:
             control_token=args.control_token,
             max_frame_bytes=args.max_frame_bytes,
             control_timeout=args.control_timeout,
+            db_connect_timeout=args.db_connect_timeout,
+            db_statement_timeout=args.db_statement_timeout,
         )
     except ValueError as exc:
         print(f"python -m storage: {exc}", file=sys.stderr)

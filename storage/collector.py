@@ -73,6 +73,8 @@ class CollectorConfig:
     hello_timeout: float = 10.0
     max_pending_events: int = 200_000
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # /ingest and /control together
+    db_connect_timeout: float | None = None  # PostgreSQL; None: storage.db's default
+    db_statement_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -186,7 +188,11 @@ class Collector:
         store cannot be opened or the port cannot be bound."""
         self._loop = asyncio.get_running_loop()
         self._drained = asyncio.Event()
-        db = dbm.connect(self.config.db_url)
+        db = dbm.connect(
+            self.config.db_url,
+            connect_timeout=self.config.db_connect_timeout,
+            statement_timeout=self.config.db_statement_timeout,
+        )
         await asyncio.to_thread(dbm.migrate, db)
         self._writer = Writer(db, self._on_commit_threadsafe)
         await asyncio.to_thread(self._writer.start)
