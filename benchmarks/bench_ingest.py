@@ -222,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         help="another checkout whose collector runs beside this one's, alternated per level "
         "(64-chunk steps only); writes ingest_compare.json",
     )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=0,
+        help="with --compare-tree: run each --start-rate level this many times per arm "
+        "(alternated, order flipping) instead of doubling the rate until one is not sustained",
+    )
     add_common_args(ap)
     args = ap.parse_args(argv)
     out_dir = setup(args)
@@ -317,10 +324,17 @@ def _compare(args: argparse.Namespace, out_dir: Path) -> int:
             ),
         }
         try:
+            if args.repeats > 0:
+                for level in range(args.repeats):
+                    for rate in args.start_rate:
+                        order = ["this", "other"] if level % 2 == 0 else ["other", "this"]
+                        for arm in order:
+                            print(f"[{arm}]", end=" ", flush=True)
+                            rows.append({"arm": arm, **_level(procs[arm], 64, rate, args, level)})
             rate = args.start_rate[0] if args.start_rate else 500.0
             alive = {"this": True, "other": True}
             level = 0
-            while rate <= args.max_rate and any(alive.values()):
+            while args.repeats <= 0 and rate <= args.max_rate and any(alive.values()):
                 order = ["this", "other"] if level % 2 == 0 else ["other", "this"]
                 for arm in order:
                     if not alive[arm]:

@@ -26,6 +26,7 @@ from dashboard.services import (
     overload_message,
 )
 from dashboard.settings import Settings, parse_settings
+from dashboard.text import as_text
 from loadgen.saturation import MIN_ELAPSED_S
 from storage.control import CollectorUnavailable
 
@@ -214,7 +215,7 @@ def _status_panel() -> None:
                 f"**{row['process']}** · {row['state']} · pid {row['pid']}  \n`{row['address']}`"
             )
         if stk.error:
-            st.error(f"Embedded stack: {stk.error.splitlines()[0]}")
+            st.error("Embedded stack: " + as_text(stk.error.splitlines()[0]))
             with st.expander("log"):
                 st.code(stk.error[-3000:])
         if not stk.starting and any(not c.alive() for c in stk.children()):

@@ -333,3 +333,20 @@ def test_collector_down_then_back_keeps_stored_data_and_recovers(
         assert not any("unreachable" in w for w in _texts(at, "warning"))
     finally:
         collector.stop()
+
+
+def test_the_control_page_shows_an_engine_refusal_as_text(
+    seeded: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from markdown_it import MarkdownIt
+
+    at = _app(monkeypatch, *seeded).run()
+    at.switch_page("views/control.py")
+    refusal = "Engine e: refused: **budget** [click](http://evil.example)"
+    at.session_state["control_answer"] = ("refused", refusal)
+    at.run()
+    assert not at.exception
+    (shown,) = [e for e in _texts(at, "error") if "refused" in e]
+    html = MarkdownIt("commonmark").render(shown)
+    assert "<strong>" not in html and "<a " not in html
+    assert "**budget** [click](http://evil.example)" in html
