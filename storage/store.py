@@ -395,9 +395,10 @@ class Store:
         now = op.received
         r = schema.runs
         row = self.conn.execute(
-            select(r.c.id, r.c.secret_sha256).where(
-                r.c.engine_id == engine_id, r.c.run_id == run_id
-            )
+            select(r.c.id, r.c.secret_sha256)
+            .where(r.c.engine_id == engine_id, r.c.run_id == run_id)
+            # PostgreSQL: wait for a prune deleting this run, then see it gone (not half of it)
+            .with_for_update()
         ).first()
         verdict = ingest.claim(
             registered=row is not None,
