@@ -198,6 +198,20 @@ def _engine_changed() -> None:
 
 
 @st.fragment(run_every=SIDEBAR_REFRESH_S)
+def store_size_line(db_url: str | None) -> str:
+    """The sidebar's store line: its size as the retention limits count it, and on disk."""
+    from storage.retention import human_bytes
+
+    try:
+        used, on_disk = data.store_size(db_url)
+    except data.StoreUnavailable as exc:
+        return f"Store size: unknown ({exc})"
+    line = f"Store size: {human_bytes(used)} in use"
+    if on_disk != used:
+        line += f", {human_bytes(on_disk)} on disk"
+    return line + " (`chunkscope prune` deletes old runs)"
+
+
 def _status_panel() -> None:
     if st.session_state.pop("engine_choice_changed", False):
         st.rerun()  # the whole page follows the new selection
@@ -233,6 +247,8 @@ def _status_panel() -> None:
         st.warning(f"Collector unreachable ({err}). Showing stored data.")
     if ctx.store_error:
         st.warning(f"Store: {ctx.store_error}")
+    else:
+        st.caption(store_size_line(ctx.db_url))
     if not ctx.empty:
         labels = [run_label(r) for r in ctx.engines.to_dict("records")]
         options = [*labels, ALL]

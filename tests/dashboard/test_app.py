@@ -350,3 +350,16 @@ def test_the_control_page_shows_an_engine_refusal_as_text(
     html = MarkdownIt("commonmark").render(shown)
     assert "<strong>" not in html and "<a " not in html
     assert "**budget** [click](http://evil.example)" in html
+
+
+def test_the_sidebar_shows_the_store_size(
+    seeded: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from storage import db as dbm
+    from storage.retention import human_bytes, store_size
+
+    at = _app(monkeypatch, *seeded).run()
+    assert not at.exception
+    [line] = [c for c in _texts(at, "caption") if c.startswith("Store size:")]
+    used = store_size(dbm.connect(seeded[1], readonly=True)).used_bytes
+    assert human_bytes(used) in line and "chunkscope prune" in line
