@@ -239,6 +239,10 @@ class _Batch:
         self.dirty_requests.setdefault(run.run_key, {})[req.req_no] = req
 
 
+class RunGone(RuntimeError):
+    """A run's row was deleted (by a prune) while the writer held it in memory."""
+
+
 class Store:
     """The writer's state and its one write connection."""
 
@@ -735,4 +739,8 @@ class Store:
             conn.execute(insert(schema.gaps), batch.gaps)
         r = schema.runs
         for run in batch.dirty_runs.values():
-            conn.execute(update(r).where(r.c.id == run.run_key).values(**run.row()))
+            done = conn.execute(update(r).where(r.c.id == run.run_key).values(**run.row()))
+            if done.rowcount == 0:
+                # deleted by a prune since it was read (SQLite reads outside the transaction):
+                # roll the batch back; the retry reads the runs table again
+                raise RunGone(f"run {run.engine_id}/{run.run_id} was deleted meanwhile (pruned)")

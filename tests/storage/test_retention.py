@@ -237,3 +237,24 @@ def test_the_collector_keeps_its_store_within_limits_while_ingesting(
     assert sizes and float(sizes[0].split()[1]) > 0
     assert "collector_pruned_runs_total 1.0" in text
     db.dispose()
+
+
+def test_a_run_pruned_under_the_writer_is_never_written_in_half(db_url: str) -> None:
+    """The writer keeps a run in memory; a prune deletes it meanwhile (SQLite reads outside
+    the write transaction, so nothing serializes the two): the writer's next batch for that
+    run is rolled back, not stored as rows of a run that no longer exists."""
+    from storage.store import RunGone
+
+    db = dbm.connect(db_url)
+    dbm.migrate(db)
+    store = Store(db)
+    eng = _engine("old", 10, HOUR_NS // 1000)
+    key, _ = _run(store, eng, 20, end=True)  # disconnected, its state still in the writer
+    assert retention.prune(db, older_than_s=DAY_S).runs_deleted == 1
+    with pytest.raises(RunGone):
+        store.apply([Events(key, eng.steps(2))])
+    assert _count(db, schema.steps, key) == 0  # no orphan rows
+    [info] = store.apply([Hello(eng.hello())])  # the engine's hello: the run starts again
+    assert info.last_seq == 0 and not info.refused
+    store.close()
+    db.dispose()
