@@ -14,6 +14,12 @@ highest sustained rate is reported per chunk count, along with the collector's C
 
 Run from the repo root:  .venv/bin/python -m benchmarks.bench_ingest [--quick]
 Writes benchmarks/results/ingest.json (configuration and git state included).
+
+``--compare-tree DIR`` (another checkout, e.g. a ``git worktree`` of an older commit): two
+collectors, this tree's and DIR's (its ``storage`` package first on the path), each with its own
+store; every rate level of the 64-chunk steps runs on both, alternated (the order flips each
+level), so the machine's noise hits both arms. Writes ``ingest_compare.json`` with the ratios
+(this tree / DIR) of collector CPU per step and of the highest sustained rate.
 """
 
 from __future__ import annotations
@@ -160,6 +166,7 @@ def _level(proc: Any, n_chunks: int, rate: float, args: argparse.Namespace, atte
         "lag_p99_s": p99,
         "lag_max_s": lags[-1] if lags else None,
         "collector_cpu_cores": round(cpu / wall, 3),
+        "collector_cpu_ms_per_1000_steps": round(1000 * cpu / n_steps * 1000, 2),
         "generate_seconds": round(gen_s, 2),
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
@@ -209,11 +216,26 @@ def main(argv: list[str] | None = None) -> int:
         help="store: a SQLite file, or a private PostgreSQL server (initdb in a temporary "
         "folder; fsync off, like a benchmark box, not a production one)",
     )
+    ap.add_argument(
+        "--compare-tree",
+        default=None,
+        help="another checkout whose collector runs beside this one's, alternated per level "
+        "(64-chunk steps only); writes ingest_compare.json",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=0,
+        help="with --compare-tree: run each --start-rate level this many times per arm "
+        "(alternated, order flipping) instead of doubling the rate until one is not sustained",
+    )
     add_common_args(ap)
     args = ap.parse_args(argv)
     out_dir = setup(args)
     if args.quick:
         args.seconds, args.chunks = 1.0, [8, 64]
+    if args.compare_tree:
+        return _compare(args, out_dir)
     out_path = out_dir / (
         "ingest.json" if args.backend == "sqlite" else f"ingest_{args.backend}.json"
     )
@@ -278,6 +300,91 @@ def main(argv: list[str] | None = None) -> int:
         "levels": results,
     }
     write_json(out_path, payload, script=SCRIPT, config=config_of(args))
+    return 0
+
+
+def _compare(args: argparse.Namespace, out_dir: Path) -> int:
+    """This tree's collector against ``--compare-tree``'s, alternated at each 64-chunk level."""
+    other = Path(args.compare_tree).resolve()
+    if not (other / "storage" / "collector.py").is_file():
+        raise SystemExit(f"--compare-tree {other} is not a chunkscope checkout")
+    import subprocess
+
+    other_commit = subprocess.run(
+        ["git", "-C", str(other), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = {
+            "this": start_collector(f"sqlite:///{tmp}/this.db", args=["--log-level", "WARNING"]),
+            "other": start_collector(
+                f"sqlite:///{tmp}/other.db",
+                args=["--log-level", "WARNING"],
+                tree=other,
+            ),
+        }
+        try:
+            if args.repeats > 0:
+                for level in range(args.repeats):
+                    for rate in args.start_rate:
+                        order = ["this", "other"] if level % 2 == 0 else ["other", "this"]
+                        for arm in order:
+                            print(f"[{arm}]", end=" ", flush=True)
+                            rows.append({"arm": arm, **_level(procs[arm], 64, rate, args, level)})
+            rate = args.start_rate[0] if args.start_rate else 500.0
+            alive = {"this": True, "other": True}
+            level = 0
+            while args.repeats <= 0 and rate <= args.max_rate and any(alive.values()):
+                order = ["this", "other"] if level % 2 == 0 else ["other", "this"]
+                for arm in order:
+                    if not alive[arm]:
+                        continue
+                    ok = False
+                    for attempt in range(args.tries):
+                        print(f"[{arm}]", end=" ", flush=True)
+                        row = {"arm": arm, **_level(procs[arm], 64, rate, args, attempt)}
+                        rows.append(row)
+                        if row["sustained"]:
+                            ok = True
+                            break
+                    alive[arm] = ok
+                rate *= 2
+                level += 1
+        finally:
+            for p in procs.values():
+                p.stop()
+
+    def best(arm: str) -> float | None:
+        ok = [r["target_steps_per_s"] for r in rows if r["arm"] == arm and r["sustained"]]
+        return max(ok) if ok else None
+
+    def cpu(arm: str) -> float | None:
+        # median collector CPU per 1000 steps over the sustained levels both arms ran
+        both = {r["target_steps_per_s"] for r in rows if r["sustained"] and r["arm"] == "this"}
+        both &= {r["target_steps_per_s"] for r in rows if r["sustained"] and r["arm"] == "other"}
+        xs = [
+            r["collector_cpu_ms_per_1000_steps"]
+            for r in rows
+            if r["arm"] == arm and r["sustained"] and r["target_steps_per_s"] in both
+        ]
+        return statistics.median(xs) if xs else None
+
+    b_this, b_other, c_this, c_other = best("this"), best("other"), cpu("this"), cpu("other")
+    payload = {
+        "benchmark": "bench_ingest --compare-tree",
+        "loadavg_at_end": os.getloadavg(),
+        "other_tree": str(other),
+        "other_commit": other_commit,
+        "summary": {
+            "highest_sustained_steps_per_s": {"this": b_this, "other": b_other},
+            "ratio_highest_sustained": (b_this / b_other) if b_this and b_other else None,
+            "collector_cpu_ms_per_1000_steps_median": {"this": c_this, "other": c_other},
+            "ratio_cpu_per_step": (c_this / c_other) if c_this and c_other else None,
+        },
+        "levels": rows,
+    }
+    print(json.dumps(payload["summary"], indent=1), flush=True)
+    write_json(out_dir / "ingest_compare.json", payload, script=SCRIPT, config=config_of(args))
     return 0
 
 

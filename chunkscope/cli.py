@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-_USAGE = """usage: chunkscope {engine,loadgen,collector,export,vllm} [options]
+_USAGE = """usage: chunkscope {engine,loadgen,collector,export,prune,vllm} [options]
 
 subcommands:
   engine    run the OpenAI-compatible chunked-prefill engine server (python -m engine)
@@ -18,6 +18,7 @@ subcommands:
             (python -m storage)
   export    write stored telemetry as a Chrome trace (Perfetto) or CSV / Parquet tables
             (python -m storage export)
+  prune     delete old telemetry from a store, by age and/or size (python -m storage prune)
   vllm      start vLLM's OpenAI server with chunkscope's scheduler bridge reporting to a
             collector: chunkscope vllm [--collector-url URL] -- --model M [vLLM options]
 
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         from storage.export import main as export_main
 
         return export_main(rest)
+    if command == "prune":
+        from storage.cli import run_prune
+
+        return run_prune(rest, prog="chunkscope prune")
     if command == "vllm":
         from chunkscope.integrations.vllm_launch import main as vllm_main
 

@@ -65,6 +65,19 @@ def _short(exc: BaseException) -> str:
     return text[0][:300] if text else type(exc).__name__
 
 
+@st.cache_data(ttl=30.0, show_spinner=False)
+def store_size(db_url: str | None) -> tuple[int, int]:
+    """(bytes the retention limits count, bytes on disk): ``storage.retention.store_size``."""
+    db = connection(db_url)
+    try:
+        from storage.retention import store_size as measure
+
+        size = measure(db)
+    except Exception as exc:  # noqa: BLE001 - any driver error: not readable now
+        raise StoreUnavailable(f"cannot measure the store: {_short(exc)}") from exc
+    return size.used_bytes, size.file_bytes
+
+
 @st.cache_data(ttl=1.0, show_spinner=False)
 def engines(db_url: str | None) -> pd.DataFrame:
     return _call(db_url, "engines")

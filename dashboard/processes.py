@@ -11,8 +11,10 @@ No orphans, however the dashboard ends:
 - each child runs in its own session, so a terminal's Ctrl-C reaches only the dashboard, which
   then stops them in order.
 
-A child's stdout and stderr go to a log file in the data folder; its ready line is read back from
-it with ``wire.ready.ready_url`` (ports are picked by the children: ``--port 0``). This is not
+A child's stdout and stderr go to a log file in the data folder (appended: earlier starts stay
+above); its ready line is read back with ``wire.ready.ready_url`` from the bytes written since
+this start only (an older start's line names a port nobody listens on any more; ports are
+picked by the children: ``--port 0``). This is not
 ``wire.ready.ReadyWatch`` (a pipe read by a thread, the tests' and benchmarks' launcher): a
 dashboard child outlives the script run that started it and writes for hours, so its output goes
 to a file no thread has to keep draining, that the sidebar's log view reads and that is still
@@ -110,6 +112,7 @@ class ManagedProcess:
     error: str | None = None
     started_at: float = field(default_factory=time.time)
     stopped: bool = False
+    log_offset: int = 0  # size of the log when this start began: its output comes after
 
     @property
     def pid(self) -> int | None:
@@ -138,6 +141,10 @@ class ManagedProcess:
         the variable: how a child is kept from credentials it does not need)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it after the fork
+        self.log_offset = log.seek(0, os.SEEK_END)
+        self.url = None
+        self.error = None
+        self.stopped = False
         merged = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env = {k: v for k, v in merged.items() if v is not None}
 
@@ -169,7 +176,7 @@ class ManagedProcess:
         with the log's tail if the child exits or the time runs out."""
         deadline = time.monotonic() + timeout
         while True:
-            url = ready_url(self.log_tail(64_000), pattern)
+            url = ready_url(self.log_since_start(64_000), pattern)
             if url is not None:
                 self.url = url
                 return url
@@ -181,6 +188,15 @@ class ManagedProcess:
                 self.stop()
                 raise RuntimeError(f"{self.error}:\n{self.log_tail()}")
             time.sleep(0.05)
+
+    def log_since_start(self, nbytes: int) -> str:
+        """The first ``nbytes`` this start wrote to the log (where its ready line is)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read(nbytes).decode("utf-8", "replace")
+        except OSError:
+            return ""
 
     def log_tail(self, nbytes: int = 4000) -> str:
         try:

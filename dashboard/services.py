@@ -44,6 +44,7 @@ class Stack:
         self._collector_url = settings.collector_url
         self._db_url = settings.db_url
         self._engine_url = settings.engine_url
+        self._engine_collector: str | None = None  # the collector URL the engine was given
         self._lock_file: Any = None
         if settings.embedded:
             self._db_url = f"sqlite:///{settings.data_dir / 'chunkscope.db'}"
@@ -137,7 +138,21 @@ class Stack:
                 self._collector_url = self.collector.wait_ready(
                     COLLECTOR_READY, COLLECTOR_START_TIMEOUT_S
                 )
+            if (
+                self.engine is not None
+                and self.engine.alive()
+                and self._engine_collector != self._collector_url
+            ):
+                # the collector came back on another port: an engine left publishing to the
+                # old one would spill and drop its events; start it again pointed at the new one
+                logger.info(
+                    "collector moved %s -> %s: restarting the engine",
+                    self._engine_collector,
+                    self._collector_url,
+                )
+                self.engine.stop()
             if self.engine is None or not self.engine.alive():
+                self._engine_collector = self._collector_url
                 self.engine = ManagedProcess(
                     "engine",
                     python_argv(

@@ -26,6 +26,7 @@ from dashboard.services import (
     overload_message,
 )
 from dashboard.settings import Settings, parse_settings
+from dashboard.text import as_text
 from loadgen.saturation import MIN_ELAPSED_S
 from storage.control import CollectorUnavailable
 
@@ -202,6 +203,20 @@ def _engine_changed() -> None:
 
 
 @st.fragment(run_every=SIDEBAR_REFRESH_S)
+def store_size_line(db_url: str | None) -> str:
+    """The sidebar's store line: its size as the retention limits count it, and on disk."""
+    from storage.retention import human_bytes
+
+    try:
+        used, on_disk = data.store_size(db_url)
+    except data.StoreUnavailable as exc:
+        return f"Store size: unknown ({exc})"
+    line = f"Store size: {human_bytes(used)} in use"
+    if on_disk != used:
+        line += f", {human_bytes(on_disk)} on disk"
+    return line + " (`chunkscope prune` deletes old runs)"
+
+
 def _status_panel() -> None:
     if st.session_state.pop("engine_choice_changed", False):
         st.rerun()  # the whole page follows the new selection
@@ -219,7 +234,7 @@ def _status_panel() -> None:
                 f"**{row['process']}** · {row['state']} · pid {row['pid']}  \n`{row['address']}`"
             )
         if stk.error:
-            st.error(f"Embedded stack: {stk.error.splitlines()[0]}")
+            st.error("Embedded stack: " + as_text(stk.error.splitlines()[0]))
             with st.expander("log"):
                 st.code(stk.error[-3000:])
         if not stk.starting and any(not c.alive() for c in stk.children()):
@@ -237,6 +252,8 @@ def _status_panel() -> None:
         st.warning(f"Collector unreachable ({err}). Showing stored data.")
     if ctx.store_error:
         st.warning(f"Store: {ctx.store_error}")
+    else:
+        st.caption(store_size_line(ctx.db_url))
     if not ctx.empty:
         labels = [run_label(r) for r in ctx.engines.to_dict("records")]
         options = [*labels, ALL]

@@ -4,6 +4,7 @@ python -m storage [collector] [--host H] [--port P] [--db URL | --data-dir DIR] 
 python -m storage control --url ws://127.0.0.1:8765 --engine ID --token-budget 512
 python -m storage engines --url ws://127.0.0.1:8765
 python -m storage export --db URL --format chrome-trace|csv|parquet --out PATH
+python -m storage prune --db URL [--older-than 7d] [--max-bytes 10G] [--vacuum] [--dry-run]
 """
 
 from __future__ import annotations
@@ -89,8 +90,64 @@ def _collector_parser() -> argparse.ArgumentParser:
         default=15.0,
         help="seconds to wait for an engine's answer to a relayed control (default 15)",
     )
+    p.add_argument(
+        "--db-connect-timeout",
+        type=float,
+        default=None,
+        help="PostgreSQL: seconds to wait for a connection (default "
+        "$CHUNKSCOPE_DB_CONNECT_TIMEOUT, else 10)",
+    )
+    p.add_argument(
+        "--db-statement-timeout",
+        type=float,
+        default=None,
+        help="PostgreSQL: longest statement in seconds, 0 for none (default "
+        "$CHUNKSCOPE_DB_STATEMENT_TIMEOUT, else 60)",
+    )
+    p.add_argument(
+        "--prune-older-than",
+        type=_age,
+        default=None,
+        metavar="AGE",
+        help="keep the store to this age while running: runs that ended earlier are deleted, "
+        "older steps of live runs too (e.g. 7d, 12h; default: keep everything)",
+    )
+    p.add_argument(
+        "--prune-max-bytes",
+        "--prune-max-size",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="keep the store under this size while running: the oldest ended runs go first, "
+        "then the oldest steps of live runs (e.g. 10G, 500M; default: no limit)",
+    )
+    p.add_argument(
+        "--retention-interval",
+        type=float,
+        default=60.0,
+        help="seconds between retention passes (each measures the store for /metrics and "
+        "deletes at most 50,000 rows; default 60)",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p
+
+
+def _age(value: str) -> float:
+    from storage.retention import parse_age
+
+    try:
+        return parse_age(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size(value: str) -> int:
+    from storage.retention import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run_collector(argv: list[str]) -> int:
@@ -123,6 +180,11 @@ def run_collector(argv: list[str]) -> int:
             control_token=args.control_token,
             max_frame_bytes=args.max_frame_bytes,
             control_timeout=args.control_timeout,
+            db_connect_timeout=args.db_connect_timeout,
+            db_statement_timeout=args.db_statement_timeout,
+            prune_older_than=args.prune_older_than,
+            prune_max_bytes=args.prune_max_bytes,
+            retention_interval=args.retention_interval,
         )
     except ValueError as exc:
         print(f"python -m storage: {exc}", file=sys.stderr)
@@ -246,6 +308,68 @@ def run_engines(argv: list[str]) -> int:
     return 0
 
 
+def run_prune(argv: list[str], prog: str = "python -m storage prune") -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from storage import db as dbm
+    from storage import retention
+
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Delete old telemetry: by age (runs that ended before it, and older steps "
+        "of runs still going) and/or by size (the oldest ended runs, then the oldest steps of "
+        "live runs, until the store is at 90% of the limit). Safe beside a running collector: "
+        "a connected run keeps its row and its seq; bounded transactions. The freed space is "
+        "reused by later writes; --vacuum gives it back to the file system (collector stopped).",
+    )
+    p.add_argument("--db", default=None, help="database URL (default: the --data-dir store)")
+    p.add_argument("--data-dir", default="./data", help="folder of the default SQLite store")
+    p.add_argument("--older-than", type=_age, default=None, metavar="AGE", help="e.g. 7d, 12h")
+    p.add_argument(
+        "--max-bytes", "--max-size", type=_size, default=None, metavar="SIZE", help="e.g. 10G"
+    )
+    p.add_argument(
+        "--vacuum",
+        action="store_true",
+        help="afterwards give the freed space back (SQLite VACUUM, PostgreSQL VACUUM FULL: "
+        "exclusive; stop the collector first)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="only print the store's size and what is set"
+    )
+    args = p.parse_args(argv)
+    if args.older_than is None and args.max_bytes is None and not (args.vacuum or args.dry_run):
+        p.error("nothing to do: give --older-than and/or --max-bytes (or --vacuum)")
+    url = args.db or default_url(args.data_dir)
+    try:
+        db = dbm.connect(url, readonly=args.dry_run)
+        size = retention.store_size(db)
+        print(
+            f"store {db.url.render_as_string(hide_password=True)}: "
+            f"{retention.human_bytes(size.used_bytes)} in use, "
+            f"{retention.human_bytes(size.file_bytes)} on disk"
+        )
+        if args.dry_run:
+            return 0
+        if dbm.current_revision(db) is None:
+            print(f"{prog}: {url!r} holds no chunkscope store", file=sys.stderr)
+            return 2
+        if args.older_than is not None or args.max_bytes is not None:
+            result = retention.prune(db, older_than_s=args.older_than, max_bytes=args.max_bytes)
+            print(result.describe())
+        if args.vacuum:
+            retention.vacuum(db)
+            size = retention.store_size(db)
+            print(f"vacuumed: {retention.human_bytes(size.file_bytes)} on disk")
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except SQLAlchemyError as exc:
+        print(f"{prog}: cannot prune {url!r}: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "control":
@@ -256,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         from storage.export import main as export_main
 
         return export_main(args[1:], prog="python -m storage export")
+    if args and args[0] == "prune":
+        return run_prune(args[1:])
     if args and args[0] == "collector":
         args = args[1:]
     return run_collector(args)

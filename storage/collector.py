@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -31,7 +32,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from storage import db as dbm
-from storage import ingest
+from storage import ingest, retention
 from storage.ingest import CLOSE_BAD_INPUT
 from storage.store import CollectorControl, Disconnect, Events, EventsResult, Hello, RunInfo
 from storage.writer import Writer
@@ -86,6 +87,13 @@ class CollectorConfig:
     hello_timeout: float = 10.0
     max_pending_events: int = 200_000
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # /ingest and /control together
+    db_connect_timeout: float | None = None  # PostgreSQL; None: storage.db's default
+    db_statement_timeout: float | None = None
+    # retention (storage.retention): a pass every retention_interval seconds on its own thread
+    prune_older_than: float | None = None  # seconds
+    prune_max_bytes: int | None = None
+    retention_interval: float = 60.0
+    prune_max_rows: int = 50_000  # rows deleted per pass at most
 
     @property
     def ingest_token(self) -> str | None:
@@ -105,6 +113,14 @@ class CollectorConfig:
             raise ValueError(f"max_frame_bytes must be at least 1024, got {self.max_frame_bytes}")
         if self.control_timeout <= 0:
             raise ValueError(f"control_timeout must be positive, got {self.control_timeout}")
+        if self.prune_older_than is not None and not self.prune_older_than > 0:
+            raise ValueError(f"prune_older_than must be positive, got {self.prune_older_than}")
+        if self.prune_max_bytes is not None and not self.prune_max_bytes > 0:
+            raise ValueError(f"prune_max_bytes must be positive, got {self.prune_max_bytes}")
+        if not self.retention_interval > 0:
+            raise ValueError(f"retention_interval must be positive, got {self.retention_interval}")
+        if self.prune_max_rows < 1:
+            raise ValueError(f"prune_max_rows must be at least 1, got {self.prune_max_rows}")
 
 
 class Metrics:
@@ -159,6 +175,23 @@ class Metrics:
         self.controls = Counter(
             "collector_controls", "Controls relayed, by outcome", ["outcome"], registry=r
         )
+        self.store_size = Gauge(
+            "collector_store_size_bytes",
+            "Store size the retention limits count (SQLite: pages in use; PostgreSQL: the "
+            "tables' total relation size), measured every retention interval",
+            registry=r,
+        )
+        self.store_file_size = Gauge(
+            "collector_store_file_size_bytes",
+            "Store size on disk (SQLite: database file and WAL; PostgreSQL: as store_size)",
+            registry=r,
+        )
+        self.pruned_rows = Counter(
+            "collector_pruned_rows", "Rows deleted by the retention limits", registry=r
+        )
+        self.pruned_runs = Counter(
+            "collector_pruned_runs", "Whole runs deleted by the retention limits", registry=r
+        )
 
     def refuse(self, reason: str) -> None:
         self.refusals.labels(reason=reason).inc()
@@ -202,6 +235,8 @@ class Collector:
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._n_conns = 0  # open /ingest and /control connections
+        self._retention: threading.Thread | None = None
+        self._retention_stop = threading.Event()
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -210,8 +245,18 @@ class Collector:
         store cannot be opened or the port cannot be bound."""
         self._loop = asyncio.get_running_loop()
         self._drained = asyncio.Event()
-        db = dbm.connect(self.config.db_url)
+        db = dbm.connect(
+            self.config.db_url,
+            connect_timeout=self.config.db_connect_timeout,
+            statement_timeout=self.config.db_statement_timeout,
+        )
         await asyncio.to_thread(dbm.migrate, db)
+        self._keeper = retention.Keeper(
+            db,
+            older_than_s=self.config.prune_older_than,
+            max_bytes=self.config.prune_max_bytes,
+            max_rows=self.config.prune_max_rows,
+        )
         self._writer = Writer(db, self._on_commit_threadsafe)
         await asyncio.to_thread(self._writer.start)
         try:
@@ -232,6 +277,11 @@ class Collector:
             raise
         store = db.url.render_as_string(hide_password=True)
         logger.info("serving on %s, store %s", self.url, store)
+        self._retention_stop.clear()
+        self._retention = threading.Thread(
+            target=self._retention_loop, name="storage-retention", daemon=True
+        )
+        self._retention.start()
 
     @property
     def port(self) -> int:
@@ -257,9 +307,30 @@ class Collector:
             self._server = None
         for task in list(self._tasks):
             task.cancel()
+        self._retention_stop.set()
+        if self._retention is not None:
+            await asyncio.to_thread(self._retention.join, 30)
+            self._retention = None
         if self._writer is not None:
             await asyncio.to_thread(self._writer.stop)
             self._writer = None
+
+    def _retention_loop(self) -> None:
+        """Measure the store (and prune it, when limits are set) now and every interval: on
+        this thread, never on the event loop or the writer's; each pass bounded."""
+        while True:
+            try:
+                result = self._keeper.run_once()
+                if result is not None:
+                    self.metrics.pruned_rows.inc(result.rows_deleted)
+                    self.metrics.pruned_runs.inc(result.runs_deleted)
+                if self._keeper.size is not None:
+                    self.metrics.store_size.set(self._keeper.size.used_bytes)
+                    self.metrics.store_file_size.set(self._keeper.size.file_bytes)
+            except Exception:
+                logger.exception("retention pass failed (tried again next interval)")
+            if self._retention_stop.wait(self.config.retention_interval):
+                return
 
     # -- HTTP ---------------------------------------------------------------------------------
 

@@ -239,6 +239,10 @@ class _Batch:
         self.dirty_requests.setdefault(run.run_key, {})[req.req_no] = req
 
 
+class RunGone(RuntimeError):
+    """A run's row was deleted (by a prune) while the writer held it in memory."""
+
+
 class Store:
     """The writer's state and its one write connection."""
 
@@ -395,9 +399,10 @@ class Store:
         now = op.received
         r = schema.runs
         row = self.conn.execute(
-            select(r.c.id, r.c.secret_sha256).where(
-                r.c.engine_id == engine_id, r.c.run_id == run_id
-            )
+            select(r.c.id, r.c.secret_sha256)
+            .where(r.c.engine_id == engine_id, r.c.run_id == run_id)
+            # PostgreSQL: wait for a prune deleting this run, then see it gone (not half of it)
+            .with_for_update()
         ).first()
         verdict = ingest.claim(
             registered=row is not None,
@@ -737,4 +742,8 @@ class Store:
             conn.execute(insert(schema.gaps), batch.gaps)
         r = schema.runs
         for run in batch.dirty_runs.values():
-            conn.execute(update(r).where(r.c.id == run.run_key).values(**run.row()))
+            done = conn.execute(update(r).where(r.c.id == run.run_key).values(**run.row()))
+            if done.rowcount == 0:
+                # deleted by a prune since it was read (SQLite reads outside the transaction):
+                # roll the batch back; the retry reads the runs table again
+                raise RunGone(f"run {run.engine_id}/{run.run_id} was deleted meanwhile (pruned)")

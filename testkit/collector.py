@@ -64,10 +64,12 @@ def start_collector(
     timeout: float = 30.0,
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
+    tree: str | Path | None = None,
 ) -> CollectorProcess:
-    """``python -m storage --port 0 --db DB_URL [args]``; returns once it listens."""
+    """``python -m storage --port 0 --db DB_URL [args]``; returns once it listens. ``tree``:
+    another checkout whose packages come first on the path (default: this one)."""
     cmd = [sys.executable, "-m", "storage", "--port", "0", "--db", db_url, *(args or [])]
-    root = Path(__file__).resolve().parent.parent
+    root = Path(tree).resolve() if tree is not None else Path(__file__).resolve().parent.parent
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(root), full_env.get("PYTHONPATH", "")) if p

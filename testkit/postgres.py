@@ -25,6 +25,7 @@ class PostgresServer:
     port: int
     as_user: str | None
     _count: int = 0
+    _opts: str = ""
 
     @classmethod
     def start(cls, timeout: float = 60.0) -> PostgresServer:
@@ -78,22 +79,8 @@ class PostgresServer:
                 f"-p {port} -c listen_addresses=127.0.0.1 -k {root} -c fsync=off "
                 "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
             )
-            server._run(
-                [
-                    str(bindir / "pg_ctl"),
-                    "-D",
-                    str(datadir),
-                    "-o",
-                    opts,
-                    "-l",
-                    str(root / "server.log"),
-                    "-w",
-                    "-t",
-                    str(int(timeout)),
-                    "start",
-                ],
-                timeout + 10,
-            )
+            server._opts = opts
+            server.resume(timeout)
         except PostgresUnavailable:
             shutil.rmtree(root, ignore_errors=True)
             raise
@@ -112,6 +99,32 @@ class PostgresServer:
             raise PostgresUnavailable(
                 f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout}{proc.stderr}{tail}"
             )
+
+    def pause(self, timeout: float = 60.0) -> None:
+        """Stop the server the way a restart does (``pg_ctl stop -m fast``: clients are
+        disconnected, committed data kept); ``resume()`` starts it again on the same port."""
+        self._run(
+            [str(self.bindir / "pg_ctl"), "-D", str(self.datadir), "-m", "fast", "-w", "stop"],
+            timeout,
+        )
+
+    def resume(self, timeout: float = 60.0) -> None:
+        self._run(
+            [
+                str(self.bindir / "pg_ctl"),
+                "-D",
+                str(self.datadir),
+                "-o",
+                self._opts,
+                "-l",
+                str(self.datadir.parent / "server.log"),
+                "-w",
+                "-t",
+                str(int(timeout)),
+                "start",
+            ],
+            timeout + 10,
+        )
 
     @property
     def admin_url(self) -> str:

@@ -12,6 +12,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, control, data, ui
+from dashboard.text import as_text
 from storage.control import CollectorUnavailable
 from wire.control import POLICIES
 
@@ -182,7 +183,7 @@ with cap_form:
 answer = st.session_state.get("control_answer")
 if answer:
     kind, text = answer
-    (st.success if kind == "applied" else st.error)(text)
+    (st.success if kind == "applied" else st.error)(as_text(text))
 
 st.subheader("History")
 try:

@@ -13,6 +13,7 @@ import streamlit as st
 
 from advisor.recommend import Slo, recommend_from
 from dashboard import control, data, sweep_charts, ui
+from dashboard.text import as_text
 from storage.control import CollectorUnavailable
 
 DEFAULT_BUDGETS = "128,256,512,1024,2048,8192"
@@ -150,4 +151,4 @@ if rec.chosen is not None and engine_id is not None:
 answer = st.session_state.get("sweep_answer")
 if answer:
     kind, text = answer
-    (st.success if kind == "applied" else st.error)(text)
+    (st.success if kind == "applied" else st.error)(as_text(text))

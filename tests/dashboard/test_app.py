@@ -50,6 +50,12 @@ def _texts(at: AppTest, kind: str) -> list[str]:
     return [str(e.value) for e in getattr(at, kind)]
 
 
+def _shown(at: AppTest, kind: str) -> str:
+    """The texts of ``kind`` as a reader sees them: an engine's text is escaped for Markdown
+    (dashboard.text.as_text), so drop the escapes."""
+    return " ".join(re.sub(r"\\(.)", r"\1", t).replace("\u00a0", " ") for t in _texts(at, kind))
+
+
 def _charts(at: AppTest) -> list[dict]:
     return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
 
@@ -189,7 +195,7 @@ def test_bad_settings_are_explained(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CHUNKSCOPE_DB_URL", raising=False)
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     assert not at.exception
-    assert "needs the store too" in " ".join(_texts(at, "error"))
+    assert "needs the store too" in _shown(at, "error")
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +259,7 @@ def test_control_page_changes_a_real_engine_through_the_collector(
 
     budget.set_value(256)
     apply.click().run()
-    ok = " ".join(_texts(at, "success"))
+    ok = _shown(at, "success")
     assert re.search(r"applied at step \d+ \(token_budget 512 → 256\)", ok), ok
     assert _engine_budget(engine_url) == 256
     # the same page, drawn after the answer: the value in force and the change in History
@@ -266,13 +272,13 @@ def test_control_page_changes_a_real_engine_through_the_collector(
     for bad, reason in ((0, "from 1 to 4096, got 0"), (10**6, "from 1 to 4096, got 1000000")):
         at.number_input(key="budget_input").set_value(bad)
         next(b for b in at.button if b.label == "Apply budget").click().run()
-        assert f"Not sent: token budget must be {reason}" in " ".join(_texts(at, "error"))
+        assert f"Not sent: token budget must be {reason}" in _shown(at, "error")
         assert _engine_budget(engine_url) == 256
 
     # the policy through the same path, and the history shows the accepted change
     at.radio[0].set_value("unchunked")
     next(b for b in at.button if b.label == "Apply policy").click().run()
-    assert "policy chunked → unchunked" in " ".join(_texts(at, "success"))
+    assert "policy chunked → unchunked" in _shown(at, "success")
     # the history comes from the store: the engine's control events arrive a moment later
     deadline = time.monotonic() + 30
     while True:
@@ -333,3 +339,33 @@ def test_collector_down_then_back_keeps_stored_data_and_recovers(
         assert not any("unreachable" in w for w in _texts(at, "warning"))
     finally:
         collector.stop()
+
+
+def test_the_control_page_shows_an_engine_refusal_as_text(
+    seeded: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from markdown_it import MarkdownIt
+
+    at = _app(monkeypatch, *seeded).run()
+    at.switch_page("views/control.py")
+    refusal = "Engine e: refused: **budget** [click](http://evil.example)"
+    at.session_state["control_answer"] = ("refused", refusal)
+    at.run()
+    assert not at.exception
+    (shown,) = [e for e in _texts(at, "error") if "refused" in e]
+    html = MarkdownIt("commonmark").render(shown)
+    assert "<strong>" not in html and "<a " not in html
+    assert "**budget** [click](http://evil.example)" in html
+
+
+def test_the_sidebar_shows_the_store_size(
+    seeded: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from storage import db as dbm
+    from storage.retention import human_bytes, store_size
+
+    at = _app(monkeypatch, *seeded).run()
+    assert not at.exception
+    [line] = [c for c in _texts(at, "caption") if c.startswith("Store size:")]
+    used = store_size(dbm.connect(seeded[1], readonly=True)).used_bytes
+    assert human_bytes(used) in line and "chunkscope prune" in line

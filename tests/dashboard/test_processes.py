@@ -123,3 +123,27 @@ def test_ready_timeout_stops_the_child(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="not ready after"):
         p.wait_ready(ENGINE_READY, timeout=0.5)
     assert not p.alive()
+
+
+def test_the_ready_line_is_read_from_this_start_only(tmp_path: Path) -> None:
+    """An append-mode log keeps an earlier start's ready line above: a second start (or a
+    restart after a crash) must read its own, not the dead port of the first."""
+    from wire.ready import COLLECTOR_READY
+
+    log = tmp_path / "c.log"
+    log.write_text("collector listening on ws://127.0.0.1:1111\nold run crashed\n")
+    code = (
+        "import time; time.sleep(0.5); "
+        "print('collector listening on ws://127.0.0.1:2222', flush=True); time.sleep(60)"
+    )
+    p = ManagedProcess("collector", [sys.executable, "-c", code], log).start()
+    try:
+        assert p.wait_ready(COLLECTOR_READY, timeout=30) == "ws://127.0.0.1:2222"
+        # and once more on the same file: the third start reads the third line
+        p.stop()
+        code3 = code.replace("2222", "3333")
+        p = ManagedProcess("collector", [sys.executable, "-c", code3], log).start()
+        assert p.wait_ready(COLLECTOR_READY, timeout=30) == "ws://127.0.0.1:3333"
+    finally:
+        p.stop()
+    assert "1111" in log.read_text() and "2222" in log.read_text()  # the history is kept

@@ -163,3 +163,48 @@ def test_one_embedded_stack_per_data_folder(tmp_path: Path) -> None:
     finally:
         holder.kill()
         holder.wait(10)
+
+
+def test_an_engine_follows_the_collector_to_its_new_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The collector dies and "Restart stopped processes" brings it back on another port: the
+    engine, still alive, is started again with the new address (else it publishes to nobody)."""
+    import dashboard.services as services
+
+    counter = tmp_path / "n"
+    fake_collector = (
+        "import pathlib, sys, time; p = pathlib.Path(sys.argv[1]); "
+        "n = int(p.read_text()) + 1 if p.exists() else 1; p.write_text(str(n)); "
+        "print(f'collector listening on ws://127.0.0.1:{40000 + n}', flush=True); time.sleep(120)"
+    )
+    fake_engine = (
+        "import sys, time; url = sys.argv[sys.argv.index('--collector-url') + 1]; "
+        "print('engine for', url, flush=True); "
+        "print('chunkscope engine listening on http://127.0.0.1:1', flush=True); time.sleep(120)"
+    )
+
+    def argv(module: str, *args: str) -> list[str]:
+        if module == "storage":
+            return [sys.executable, "-c", fake_collector, str(counter)]
+        return [sys.executable, "-c", fake_engine, *args]
+
+    monkeypatch.setattr(services, "python_argv", argv)
+    stack = Stack(parse_settings(["--data-dir", str(tmp_path / "data")])).start()
+    try:
+        assert stack.wait_started(60) and stack.error is None, stack.error
+        assert stack.collector_url == "ws://127.0.0.1:40001"
+        assert stack.engine is not None and "--collector-url" in stack.engine.argv
+        first_engine = stack.engine
+        assert first_engine.argv[first_engine.argv.index("--collector-url") + 1].endswith("40001")
+        assert stack.collector is not None
+        stack.collector.stop()  # the collector "crashes"; the engine lives on
+        assert first_engine.alive()
+        stack.restart()
+        assert stack.wait_started(60) and stack.error is None, stack.error
+        assert stack.collector_url == "ws://127.0.0.1:40002"
+        assert stack.engine is not first_engine and not first_engine.alive()
+        assert stack.engine.argv[stack.engine.argv.index("--collector-url") + 1].endswith("40002")
+        assert "engine for ws://127.0.0.1:40002" in stack.engine.log_since_start(10_000)
+    finally:
+        stack.stop()
