@@ -390,9 +390,11 @@ def overload_check(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     proc, url = start_engine(a, collector.url, engine_id)
     out = work / "overload-sweep.json"
     window = a.overload_window_s
+    budgets = [min(a.budgets), max(a.budgets)]
     try:
         loadgen(
-            ["sweep", "--url", url, "--profile", "mixed", "--rate", "1", "--budgets", "512,4096",
+            ["sweep", "--url", url, "--profile", "mixed", "--rate", "1", "--budgets",
+             ",".join(map(str, budgets)),
              "--window-s", f"{window:g}", "--warmup-s", f"{window / 5:g}", "--seed", str(a.seed),
              "--request-timeout", f"{2 * window:g}", "--drain-s", "5", "--control-token",
              CONTROL_TOKEN, "--slo-itl-ms", f"{a.slo_itl_ms:g}", "--out", str(out)],
@@ -403,7 +405,7 @@ def overload_check(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         wait_for_store(db_url, engine_id, first["end"])
         pred = predict_from_store(
             db_url,
-            [512, 4096],
+            budgets,
             engine_id=engine_id,
             since=first["start"],
             until=first["end"],

@@ -136,7 +136,7 @@ def window_figures(
         if r.send_wall is not None and lo <= r.send_wall < hi:
             sent += 1
             errors += r.status == "error" and not r.chunk_wall
-            failed += r.status == "error"
+            failed += failed_by(r, hi)
         cw = r.chunk_wall
         if not cw:
             continue
@@ -174,6 +174,14 @@ def window_figures(
         "requests_errored": failed,
         **window_load(records, lo, hi, failed).to_dict(),
     }
+
+
+def failed_by(r: RequestRecord, hi: float) -> bool:
+    """Whether the request failed (an error, a timeout) before ``hi``: one cancelled by the
+    run's drain after the window is over is cut, not failed."""
+    if r.status != "error" or r.send_wall is None:
+        return False
+    return r.e2e_s is None or r.send_wall + r.e2e_s <= hi
 
 
 def window_load(records: Sequence[RequestRecord], lo: float, hi: float, failed: int) -> WindowLoad:

@@ -88,5 +88,9 @@ def test_sweep_windows_are_judged() -> None:
     assert g["overloaded"] and g["queued_end"] >= 20
     # one request that timed out in the window
     failed = [*steady[:-1], _record(39, 110.0, None, status="error")]
+    failed[-1].e2e_s = 5.0  # failed at 115 s, inside the window
     h = window_figures(failed, 100.0, 120.0)
     assert h["overloaded"] and "failed or timed out" in h["overload_reason"]
+    # cancelled by the run's drain after the window's end: cut, not failed
+    failed[-1].e2e_s = 30.0
+    assert not window_figures(failed, 100.0, 120.0)["overloaded"]
