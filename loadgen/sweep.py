@@ -177,9 +177,9 @@ def window_figures(
 
 
 def failed_by(r: RequestRecord, hi: float) -> bool:
-    """Whether the request failed (an error, a timeout) before ``hi``: one cancelled by the
-    run's drain after the window is over is cut, not failed."""
-    if r.status != "error" or r.send_wall is None:
+    """Whether the request failed (an error, a timeout) before ``hi``: one the load generator
+    cancelled itself (the run's drain, ``cancelled: ...``) was cut, not failed."""
+    if r.status != "error" or r.send_wall is None or (r.error or "").startswith("cancelled"):
         return False
     return r.e2e_s is None or r.send_wall + r.e2e_s <= hi
 

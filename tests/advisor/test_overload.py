@@ -91,6 +91,9 @@ def test_sweep_windows_are_judged() -> None:
     failed[-1].e2e_s = 5.0  # failed at 115 s, inside the window
     h = window_figures(failed, 100.0, 120.0)
     assert h["overloaded"] and "failed or timed out" in h["overload_reason"]
-    # cancelled by the run's drain after the window's end: cut, not failed
+    # failed after the window's end: not this window's failure
     failed[-1].e2e_s = 30.0
+    assert not window_figures(failed, 100.0, 120.0)["overloaded"]
+    # cancelled by the load generator's own drain inside the window: cut, not failed
+    failed[-1].e2e_s, failed[-1].error = 5.0, "cancelled: not finished within the 2 s drain"
     assert not window_figures(failed, 100.0, 120.0)["overloaded"]
