@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--slo-itl-ms", type=_positive, help="SLO on the p99 inter-token latency")
     pr.add_argument("--slo-ttft-ms", type=_positive, help="SLO on the p99 time to first token")
     pr.add_argument(
+        "--slo-itl-max-ms",
+        type=_positive,
+        help="SLO on the longest inter-token gap (a stall that a p99 SLO cannot see)",
+    )
+    pr.add_argument(
+        "--slo-itl-p999-ms", type=_positive, help="SLO on the p99.9 inter-token latency"
+    )
+    pr.add_argument(
         "--no-step-gap",
         dest="step_gap",
         action="store_false",
@@ -113,6 +121,9 @@ def table(doc: dict[str, Any]) -> str:
         f"over {doc['traffic']['duration_s']:.0f} s",
     ]
     lines += budget_table(doc["windows"], WINDOW_COLUMNS, doc["pareto_budgets"])
+    seen = doc.get("observed_window") or {}
+    if seen.get("overloaded"):
+        lines.append(f"observed window overloaded: {seen.get('overload_reason')}")
     lines.append(doc["reason"])
     return "\n".join(lines)
 
@@ -139,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             until=args.until,
             fit_since=args.fit_since,
             fit_until=args.fit_until,
-            slo=Slo(args.slo_itl_ms, args.slo_ttft_ms),
+            slo=Slo(args.slo_itl_ms, args.slo_ttft_ms, args.slo_itl_max_ms, args.slo_itl_p999_ms),
             step_gap=args.step_gap,
             noise=args.noise,
             seed=args.seed,

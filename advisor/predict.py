@@ -12,8 +12,9 @@ from typing import Any
 
 from advisor.client import ClientDelay, ClientDraw, load_client_delay
 from advisor.fit import FitReport, fit_from_store
+from advisor.overload import WindowLoad
 from advisor.pareto import front_budgets, front_pairs
-from advisor.recommend import Slo, recommend
+from advisor.recommend import Recommendation, Slo, recommend
 from advisor.simulate import (
     GapTime,
     StepTime,
@@ -22,7 +23,13 @@ from advisor.simulate import (
     noisy_step_ns,
     predict_budgets,
 )
-from advisor.traffic import engine_shape, observed_traffic, shape_dict, to_sim_requests
+from advisor.traffic import (
+    engine_shape,
+    observed_load,
+    observed_traffic,
+    shape_dict,
+    to_sim_requests,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +75,7 @@ def predict_from_store(
             db, engine_id=engine_id, run_id=run_id, since=fsince, until=funtil, method=fit_method
         )
         traffic = observed_traffic(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
+        load = observed_load(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
         shape = engine_shape(db, engine_id=engine_id, run_id=run_id)
     finally:
         db.dispose()
@@ -84,6 +92,7 @@ def predict_from_store(
         client=client,
         max_steps=max_steps,
         caps=caps,
+        observed=load,
         selection={
             "db": _redact(db_url),
             "engine_id": engine_id,
@@ -111,11 +120,14 @@ def predict_traffic(
     max_steps: int | None = 2_000_000,
     selection: dict[str, Any] | None = None,
     caps: Sequence[int] = (0,),
+    observed: WindowLoad | None = None,
 ) -> dict[str, Any]:
     """Simulate ``traffic`` at each budget with step times from ``report``: its prediction
     times the measured scatter (``noise``, seeded draws) and the measured pauses between steps
     (``step_gap``), or the bare prediction and the median pause. ``caps``: long-prefill caps
-    tried beside each budget (0 = off); the recommendation is then a (budget, cap) pair."""
+    tried beside each budget (0 = off); the recommendation is then a (budget, cap) pair.
+    ``observed``: the load of the window the traffic was read from; when it was overloaded
+    (``advisor.overload``) the traffic is not what was offered, and nothing is recommended."""
     if not traffic.requests:
         raise ValueError("no request arrived in the selected window: nothing to simulate")
     reqs, warm = to_sim_requests(traffic, shape.block_size)
@@ -133,6 +145,15 @@ def predict_traffic(
     )
     sim_s = time.perf_counter() - t0
     rec = recommend(windows, slo, "predicted")
+    if observed is not None and observed.overloaded:
+        rec = Recommendation(
+            None,
+            "predicted",
+            False,
+            None,
+            f"predicted: no recommendation, the observed window was overloaded "
+            f"({observed.reason()}): its traffic is not what was offered",
+        )
     return {
         "tool": TOOL,
         "created": time.time(),
@@ -140,7 +161,8 @@ def predict_traffic(
         "fit": report.to_dict(),
         "engine_shape": shape_dict(shape),
         "traffic": traffic.summary(),
-        "slo": {"itl_p99_ms": slo.itl_ms, "ttft_p99_ms": slo.ttft_ms},
+        "slo": slo.to_dict(),
+        "observed_window": None if observed is None else observed.to_dict(),
         "measured_from_s": warmup_s,
         "client": None if client is None else client.summary(),
         "figures_seen_by": "engine" if client is None else "client",

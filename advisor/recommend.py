@@ -4,12 +4,16 @@ latency SLOs.
 Plain Python (no numpy, no engine): the load generator's sweep uses it on its measurements and
 the advisor on its predictions.
 
-Rule: a budget meets the SLOs when its p99 ITL is at most ``slo_itl_ms`` and (when given) its p99
-TTFT at most ``slo_ttft_ms``; a figure that was not observed does not meet an SLO. Among those,
-the one with the highest throughput; throughputs within ``tie_tolerance`` (relative) of the best
-are a tie - below saturation every budget serves the offered load, so throughput differs only by
-noise - broken in favour of the largest budget (the most prefill per step: the most headroom for
-a burst), then in favour of the lower TTFT p99 (between caps at one budget). A window with a
+Rule: a budget meets the SLOs when its p99 ITL is at most ``slo_itl_ms``, (when given) its p99
+TTFT at most ``slo_ttft_ms`` and its stall tail (ITL max, ITL p99.9: ``Slo.itl_max_ms``,
+``Slo.itl_p999_ms``) within its own SLO; a figure that was not observed does not meet an SLO. A
+window judged overloaded (``advisor.overload``: its queue grew through it, or requests failed)
+is never recommended, nor named as the closest. Among the rest, the one with the highest
+throughput; throughputs within ``tie_tolerance`` (relative) of the best are a tie - below
+saturation every budget serves the offered load, so throughput differs only by noise - broken in
+favour of the lower stall tail (ITL max, then ITL p99.9, then ITL p99, each within
+``TAIL_TOLERANCE``: a p99 SLO cannot see a stall of one step in a thousand), then the lower TTFT
+p99, then the largest budget. A window with a
 ``cap`` (``long_prefill_token_threshold``, 0 = off) makes the recommendation a (budget, cap)
 pair. Without any SLO every budget qualifies. When none meets them, there is no
 recommendation; the closest budget is named (least total relative excess over the SLOs).
@@ -22,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from advisor import overload
+
 logger = logging.getLogger(__name__)
 
 SOURCES = ("measured", "predicted")
@@ -32,10 +38,35 @@ TIE_TOLERANCE = 0.02
 class Slo:
     itl_ms: float | None = None  # on the p99 inter-token latency
     ttft_ms: float | None = None  # on the p99 time to first token
+    itl_max_ms: float | None = None  # on the longest inter-token gap (a stall)
+    itl_p999_ms: float | None = None  # on the p99.9 inter-token latency
 
     @property
     def empty(self) -> bool:
-        return self.itl_ms is None and self.ttft_ms is None
+        return all(limit is None for _, limit, _ in self.limits())
+
+    def limits(self) -> list[tuple[str, float | None, str]]:
+        """(window key, limit, label) of every SLO, set or not."""
+        return [
+            ("itl_p99_ms", self.itl_ms, "ITL p99"),
+            ("ttft_p99_ms", self.ttft_ms, "TTFT p99"),
+            ("itl_max_ms", self.itl_max_ms, "ITL max"),
+            ("itl_p999_ms", self.itl_p999_ms, "ITL p99.9"),
+        ]
+
+    def to_dict(self) -> dict[str, float | None]:
+        """The SLO block of a sweep or prediction document (``itl_p99_ms``, ...)."""
+        return {key: limit for key, limit, _ in self.limits()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Slo:
+        d = d or {}
+
+        def f(key: str) -> float | None:
+            v = d.get(key)
+            return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+        return cls(f("itl_p99_ms"), f("ttft_p99_ms"), f("itl_max_ms"), f("itl_p999_ms"))
 
 
 @dataclass(frozen=True)
@@ -84,7 +115,7 @@ def excess(w: Mapping[str, Any], slo: Slo) -> float:
     """Sum over the SLOs of the relative amount by which the window misses it (0 = meets all;
     an unobserved figure counts as missing by 1, i.e. twice the SLO)."""
     total = 0.0
-    for key, limit in (("itl_p99_ms", slo.itl_ms), ("ttft_p99_ms", slo.ttft_ms)):
+    for key, limit, _ in slo.limits():
         if limit is None:
             continue
         v = _num(w, key)
@@ -93,7 +124,7 @@ def excess(w: Mapping[str, Any], slo: Slo) -> float:
 
 
 def meets(w: Mapping[str, Any], slo: Slo) -> bool:
-    for key, limit in (("itl_p99_ms", slo.itl_ms), ("ttft_p99_ms", slo.ttft_ms)):
+    for key, limit, _ in slo.limits():
         if limit is None:
             continue
         v = _num(w, key)
@@ -104,20 +135,20 @@ def meets(w: Mapping[str, Any], slo: Slo) -> bool:
 
 def _describe(w: Mapping[str, Any]) -> str:
     parts = []
-    for key, label in (("itl_p99_ms", "ITL p99"), ("ttft_p99_ms", "TTFT p99")):
+    for key, name in (
+        ("itl_p99_ms", "ITL p99"),
+        ("itl_max_ms", "ITL max"),
+        ("ttft_p99_ms", "TTFT p99"),
+    ):
         v = _num(w, key)
-        parts.append(f"{label} {'n/a' if v is None else f'{v:.0f} ms'}")
+        parts.append(f"{name} {'n/a' if v is None else f'{v:.0f} ms'}")
     tps = _num(w, "tokens_per_s")
     parts.append(f"{'n/a' if tps is None else f'{tps:.1f}'} tokens/s")
     return ", ".join(parts)
 
 
 def _slo_text(slo: Slo) -> str:
-    parts = []
-    if slo.itl_ms is not None:
-        parts.append(f"ITL p99 <= {slo.itl_ms:g} ms")
-    if slo.ttft_ms is not None:
-        parts.append(f"TTFT p99 <= {slo.ttft_ms:g} ms")
+    parts = [f"{name} <= {limit:g} ms" for _, limit, name in slo.limits() if limit is not None]
     return " and ".join(parts) if parts else "no SLO"
 
 
@@ -135,36 +166,60 @@ def recommend(
     rows = [w for w in windows if isinstance(w.get("budget"), int)]
     if not rows:
         return Recommendation(None, source, False, None, f"no {source} budgets to choose from")
-    ok = [w for w in rows if meets(w, slo)]
+    overload_note = overload.describe(rows)
+    usable = [w for w in rows if not overload.is_overloaded(w)]
+    if not usable:
+        return Recommendation(
+            None, source, False, None, f"{source}: no recommendation, every window {overload_note}"
+        )
+    after = f" ({overload_note})" if overload_note else ""
+    ok = [w for w in usable if meets(w, slo)]
     if ok:
         best = max(_num(w, "tokens_per_s") or 0.0 for w in ok)
         tied = [w for w in ok if (_num(w, "tokens_per_s") or 0.0) >= best * (1 - tie_tolerance)]
-        pick = max(
-            tied, key=lambda w: (int(w["budget"]), -(_num(w, "ttft_p99_ms") or float("inf")))
-        )
+        pick = break_tie(tied)
         budgets = sorted(
             {label(w).removeprefix("budget ") for w in ok}, key=lambda t: int(t.split()[0])
         )
         tie_note = (
-            f"; {len(tied)} budgets within {tie_tolerance:.0%} of the best throughput, the "
-            "largest taken"
+            f"; {len(tied)} budgets within {tie_tolerance:.0%} of the best throughput, the one "
+            "with the lowest stall tail (ITL max) taken"
             if len(tied) > 1
             else ""
         )
         reason = (
             f"{source}: {label(pick)} has the highest throughput among the budgets "
             f"meeting {_slo_text(slo)} ({', '.join(budgets)}){tie_note}: "
-            f"{_describe(pick)}"
+            f"{_describe(pick)}{after}"
         )
         return Recommendation(int(pick["budget"]), source, True, None, reason, cap=_cap(pick))
-    closest = min(rows, key=lambda w: (excess(w, slo), -(_num(w, "tokens_per_s") or 0.0)))
+    closest = min(usable, key=lambda w: (excess(w, slo), -(_num(w, "tokens_per_s") or 0.0)))
     reason = (
         f"{source}: no budget meets {_slo_text(slo)}; closest is {label(closest)} "
-        f"({_describe(closest)})"
+        f"({_describe(closest)}){after}"
     )
     return Recommendation(
         None, source, False, int(closest["budget"]), reason, closest_cap=_cap(closest)
     )
+
+
+TAIL_KEYS = ("itl_max_ms", "itl_p999_ms", "itl_p99_ms", "ttft_p99_ms")
+TAIL_TOLERANCE = 0.10  # tails within 10% of the lowest are equal (one sample decides a max)
+
+
+def break_tie(tied: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """Among windows tied on throughput: those with the lowest ITL max (within
+    ``TAIL_TOLERANCE``), among them the lowest ITL p99.9, then ITL p99, then TTFT p99 (an
+    unobserved figure decides nothing), then the largest budget."""
+    left = list(tied)
+    for key in TAIL_KEYS:
+        vals = [_num(w, key) for w in left]
+        seen = [v for v in vals if v is not None]
+        if not seen:
+            continue
+        top = min(seen) * (1 + TAIL_TOLERANCE)
+        left = [w for w, v in zip(left, vals, strict=True) if v is not None and v <= top]
+    return max(left, key=lambda w: int(w["budget"]))
 
 
 def recommend_from(

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from advisor.overload import WindowLoad, judge
 from engine.core.block_manager import BlockManager
 from engine.core.cost_model import StepWork
 from engine.core.request import Request
@@ -206,7 +207,10 @@ def simulate(
                 )
             )
             outcomes[r.request_id] = SimOutcome(
-                r.request_id, r.traffic_class, r.arrival_ns, len(r.prompt_token_ids)
+                r.request_id,
+                r.traffic_class,
+                r.arrival_ns,
+                len(r.prompt_token_ids),
             )
             i += 1
         while c < len(changes) and changes[c][0] <= now:
@@ -317,6 +321,7 @@ def latency_figures(
         "itl_class": itl_class if itl_s.get(itl_class) else "all",
         "itl_p50_ms": scaled(_pct(itl, 50)),
         "itl_p99_ms": scaled(_pct(itl, 99)),
+        "itl_p999_ms": scaled(_pct(itl, 99.9)),
         "itl_max_ms": scaled(max(itl)) if itl else None,
         "ttft_p50_ms": scaled(_pct(ttft_all, 50)),
         "ttft_p99_ms": scaled(_pct(ttft_all, 99)),
@@ -372,7 +377,15 @@ def figures(
     out = latency_figures(ttft, itl, tokens, (hi - lo) / 1e9, itl_class)
     out["unfinished"] = result.unfinished
     out["num_steps"] = result.num_steps
+    out.update(window_load(result, lo, hi).to_dict())
     return out
+
+
+def window_load(result: SimResult, lo: int, hi: int) -> WindowLoad:
+    """The simulated window's load for ``advisor.overload``: a request is queued from its
+    arrival to its first token (for ever when it never got one)."""
+    firsts = [o.token_times_ns[0] if o.token_times_ns else None for o in result.requests]
+    return judge([o.arrival_ns for o in result.requests], firsts, lo, hi)
 
 
 def predict_budgets(

@@ -14,10 +14,12 @@ WINDOW_COLUMNS = (
     "cap",
     "itl_p50_ms",
     "itl_p99_ms",
+    "itl_p999_ms",
     "itl_max_ms",
     "ttft_p50_ms",
     "ttft_p99_ms",
     "tokens_per_s",
+    "overloaded",
 )
 
 

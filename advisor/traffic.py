@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
+from advisor.overload import WindowLoad, judge
 from advisor.simulate import EngineShape, SimRequest
 from storage import queries
 
@@ -119,6 +120,35 @@ def observed_traffic(
     hi = until if until is not None else (reqs[-1].arrival if reqs else lo)
     logger.info("traffic: %d requests in [%.3f, %.3f]", len(reqs), lo, hi)
     return Traffic(reqs, float(lo), float(hi))
+
+
+FINISHED_OK = ("stop", "length")
+
+
+def observed_load(
+    db: Engine,
+    *,
+    engine_id: str | None = None,
+    run_id: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+) -> WindowLoad | None:
+    """The stored window's load for ``advisor.overload`` (None without a window or requests): a
+    request is queued from its arrival to its first token; one that finished any other way than
+    stop or length (aborted: the client gave up or timed out) counts as failed."""
+    df = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
+    if df.empty:
+        return None
+    df = df[df["arrival"].notna()]
+    lo = since if since is not None else float(df["arrival"].min())
+    hi = until if until is not None else float(df["arrival"].max())
+    if hi <= lo:
+        return None
+    firsts = [None if pd.isna(f) else float(f) for f in df["first_token"]]
+    reason = df["finish_reason"]
+    arrived = (df["arrival"] >= lo) & (df["arrival"] < hi)
+    failed = int((arrived & reason.notna() & ~reason.isin(FINISHED_OK)).sum())
+    return judge([float(a) for a in df["arrival"]], firsts, lo, hi, failed=failed)
 
 
 def to_sim_requests(

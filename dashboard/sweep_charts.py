@@ -24,7 +24,16 @@ MEASURED_COLOR = "#1f77b4"
 PREDICTED_COLOR = "#ff7f0e"
 SLO_COLOR = "#d62728"
 RECOMMENDED_COLOR = "#2ca02c"
-FIGURES = ("itl_p50_ms", "itl_p99_ms", "itl_max_ms", "ttft_p50_ms", "ttft_p99_ms", "tokens_per_s")
+FIGURES = (
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "itl_p999_ms",
+    "itl_max_ms",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tokens_per_s",
+)
+OVERLOAD = "overloaded"  # advisor.overload.KEY: the window's verdict, shown beside its figures
 
 
 def _num(v: object) -> float | None:
@@ -49,6 +58,8 @@ def split_windows(
             "budget": w["budget"],
             **({"cap": w["cap"]} if "cap" in w else {}),
             **{k: w.get(f"predicted_{k}") for k in FIGURES},
+            OVERLOAD: bool(w.get(f"predicted_{OVERLOAD}")),
+            "overload_reason": w.get("predicted_overload_reason"),
         }
         for w in windows
         if any(f"predicted_{k}" in w for k in FIGURES)
@@ -221,5 +232,9 @@ def sweep_table(
                 row[key] = _num(m.get(b, {}).get(key))
             if predicted:
                 row[f"predicted {key}"] = _num(p.get(b, {}).get(key))
+        if measured:
+            row[OVERLOAD] = bool(m.get(b, {}).get(OVERLOAD))
+        if predicted:
+            row[f"predicted {OVERLOAD}"] = bool(p.get(b, {}).get(OVERLOAD))
         rows.append(row)
     return pd.DataFrame(rows)

@@ -12,11 +12,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from advisor.overload import RATIO  # the windows' overload rule draws the same line
+
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 60.0
 MIN_ELAPSED_S = 20.0  # the first requests have not had time to finish before this
-RATIO = 1.25  # offered above served by more than this is overload, not noise
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 
+from advisor.overload import KEY as OVERLOAD_KEY
+from advisor.overload import REASON_KEY as OVERLOAD_REASON_KEY
+from advisor.overload import WindowLoad, judge
 from advisor.pareto import front_budgets, front_pairs
 from advisor.recommend import Slo as BudgetSlo
 from advisor.recommend import recommend
@@ -72,6 +76,7 @@ ITL_CLASS = "chat"
 PREDICTED_KEYS = (
     "itl_p50_ms",
     "itl_p99_ms",
+    "itl_p999_ms",
     "itl_max_ms",
     "ttft_p50_ms",
     "ttft_p99_ms",
@@ -126,11 +131,12 @@ def window_figures(
     ttft: dict[str, list[float]] = {}
     itl: dict[str, list[float]] = {}
     tokens = 0
-    sent = errors = 0
+    sent = errors = failed = 0
     for r in records:
         if r.send_wall is not None and lo <= r.send_wall < hi:
             sent += 1
             errors += r.status == "error" and not r.chunk_wall
+            failed += failed_by(r, hi)
         cw = r.chunk_wall
         if not cw:
             continue
@@ -150,6 +156,7 @@ def window_figures(
         "itl_class": itl_class if itl.get(itl_class) else "all",
         "itl_p50_ms": itl_stats["p50"],
         "itl_p99_ms": itl_stats["p99"],
+        "itl_p999_ms": float(np.percentile(np.asarray(pooled) * 1000.0, 99.9)) if pooled else None,
         "itl_max_ms": itl_stats["max"],
         "ttft_p50_ms": ttft_stats["p50"],
         "ttft_p99_ms": ttft_stats["p99"],
@@ -164,7 +171,25 @@ def window_figures(
         "tokens_per_s": tokens / length if length > 0 else None,
         "requests_sent": sent,
         "requests_failed": errors,
+        "requests_errored": failed,
+        **window_load(records, lo, hi, failed).to_dict(),
     }
+
+
+def failed_by(r: RequestRecord, hi: float) -> bool:
+    """Whether the request failed (an error, a timeout) before ``hi``: one the load generator
+    cancelled itself (the run's drain, ``cancelled: ...``) was cut, not failed."""
+    if r.status != "error" or r.send_wall is None or (r.error or "").startswith("cancelled"):
+        return False
+    return r.e2e_s is None or r.send_wall + r.e2e_s <= hi
+
+
+def window_load(records: Sequence[RequestRecord], lo: float, hi: float, failed: int) -> WindowLoad:
+    """The window's load for ``advisor.overload``: a request is queued from its send to its
+    first chunk (for ever when none came)."""
+    sent = [r for r in records if r.send_wall is not None]
+    firsts = [r.chunk_wall[0] if r.chunk_wall else None for r in sent]
+    return judge([r.send_wall for r in sent], firsts, lo, hi, failed=failed)
 
 
 def measured_windows(
@@ -206,6 +231,8 @@ def attach_predictions(
                 (q - m) / m if isinstance(m, int | float) and m and q is not None else None
             )
         w["predicted_ttft_by_class"] = p.get("ttft_by_class")
+        w[f"predicted_{OVERLOAD_KEY}"] = bool(p.get(OVERLOAD_KEY))
+        w[f"predicted_{OVERLOAD_REASON_KEY}"] = p.get(OVERLOAD_REASON_KEY)
     return windows
 
 
@@ -216,6 +243,8 @@ def predicted_windows(windows: Sequence[Mapping[str, Any]]) -> list[dict[str, An
             "budget": w["budget"],
             **({"cap": w["cap"]} if "cap" in w else {}),
             **{k: w.get(f"predicted_{k}") for k in PREDICTED_KEYS},
+            OVERLOAD_KEY: bool(w.get(f"predicted_{OVERLOAD_KEY}")),
+            OVERLOAD_REASON_KEY: w.get(f"predicted_{OVERLOAD_REASON_KEY}"),
         }
         for w in windows
         if f"predicted_{PREDICTED_KEYS[0]}" in w
@@ -453,7 +482,7 @@ async def run_sweep(
     measured = measured_windows(outcome.records, windows, args.warmup_s)
     if predicted:
         attach_predictions(measured, predicted)
-    slo = BudgetSlo(args.slo_itl_ms, args.slo_ttft_ms)
+    slo = slo_of(args)
     rec = recommend(measured, slo, "measured")
     doc: dict[str, Any] = {
         "tool": "chunkscope-loadgen-sweep",
@@ -470,8 +499,13 @@ async def run_sweep(
         "server": {"url": base, "models": info.models, "scheduler_before": before},
         "trace": trace_info or None,
         "run": {"wall_start": t_start, "wall_end": windows[-1].end, "requests": len(specs)},
-        "slo": {"itl_p99_ms": slo.itl_ms, "ttft_p99_ms": slo.ttft_ms},
+        "slo": slo.to_dict(),
         "windows": measured,
+        "overloaded_windows": [
+            {"budget": w["budget"], "cap": w.get("cap"), "reason": w.get(OVERLOAD_REASON_KEY)}
+            for w in measured
+            if w.get(OVERLOAD_KEY)
+        ],
         "pareto_budgets": front_budgets(measured),
         **({"pareto_pairs": front_pairs(measured)} if caps is not None else {}),
         "recommended_budget": rec.budget,
@@ -529,9 +563,19 @@ def predict_now(args: argparse.Namespace) -> list[dict[str, Any]]:
         engine_id=args.predict_engine,
         since=since,
         until=until,
-        slo=BudgetSlo(args.slo_itl_ms, args.slo_ttft_ms),
+        slo=slo_of(args),
     )
     return list(doc["windows"])
+
+
+def slo_of(args: argparse.Namespace) -> BudgetSlo:
+    """The SLOs of the command line (p99 ITL and TTFT, the stall tail)."""
+    return BudgetSlo(
+        args.slo_itl_ms,
+        args.slo_ttft_ms,
+        getattr(args, "slo_itl_max_ms", None),
+        getattr(args, "slo_itl_p999_ms", None),
+    )
 
 
 # ---- command line -----------------------------------------------------------------------------
@@ -583,6 +627,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", metavar="ENGINE_ID", help="the engine id with --collector")
     p.add_argument("--slo-itl-ms", type=positive(float), help="SLO on the p99 ITL")
     p.add_argument("--slo-ttft-ms", type=positive(float), help="SLO on the p99 TTFT")
+    p.add_argument(
+        "--slo-itl-max-ms",
+        type=positive(float),
+        help="SLO on the longest inter-token gap (a stall that a p99 SLO cannot see)",
+    )
+    p.add_argument("--slo-itl-p999-ms", type=positive(float), help="SLO on the p99.9 ITL")
     p.add_argument("--out", metavar="FILE.json", help="write the sweep document here")
     p.add_argument("--control-token", default=os.environ.get("CHUNKSCOPE_CONTROL_TOKEN"))
     p.add_argument(

@@ -11,6 +11,7 @@ from typing import Any
 
 import streamlit as st
 
+from advisor import overload
 from advisor.recommend import Slo, recommend_from
 from dashboard import control, data, sweep_charts, ui
 from dashboard.text import as_text
@@ -50,7 +51,7 @@ choice = st.selectbox(
 )
 doc = _load(sweep_dir / choice) if choice != "(none)" else None
 
-c1, c2, c3, c4 = st.columns(4)
+c1, c2, c5, c3, c4 = st.columns(5)
 slo_itl = c1.number_input(
     "ITL p99 SLO (ms, 0 = none)",
     min_value=0.0,
@@ -63,6 +64,13 @@ slo_ttft = c2.number_input(
     value=float((doc or {}).get("slo", {}).get("ttft_p99_ms") or 0.0),
     key="sweep_slo_ttft",
 )
+slo_itl_max = c5.number_input(
+    "ITL max SLO (ms, 0 = none)",
+    min_value=0.0,
+    value=float((doc or {}).get("slo", {}).get("itl_max_ms") or 0.0),
+    key="sweep_slo_itl_max",
+    help="the longest gap between two tokens: a stall that the p99 cannot see",
+)
 budgets_text = c3.text_input("Budgets to predict", DEFAULT_BUDGETS, key="sweep_budgets")
 minutes = c4.number_input(
     "Predict from the last (min)",
@@ -72,7 +80,7 @@ minutes = c4.number_input(
     key="sweep_minutes",
     help="the traffic and steps of the selected run's last minutes",
 )
-slo = Slo(slo_itl or None, slo_ttft or None)
+slo = Slo(slo_itl or None, slo_ttft or None, slo_itl_max or None)
 
 measured, predicted = sweep_charts.split_windows(doc)
 if st.button("Predict from the store", disabled=ctx.empty or ctx.db_url is None):
@@ -105,6 +113,16 @@ if live_prediction:
     )
 
 rec = recommend_from(measured or None, predicted or None, slo)
+seen = (live_prediction or doc or {}).get("observed_window") or {}
+if seen.get("overloaded"):
+    st.error(
+        f"The observed window was overloaded ({seen.get('overload_reason')}): its traffic is not "
+        "what was offered, so nothing is recommended from it."
+    )
+for what, rows in (("Measured", measured), ("Predicted", predicted)):
+    note = overload.describe(rows)
+    if note:
+        st.error(f"{what}: {note}. Their figures grow with the window's length, not the setting.")
 if rec.budget is not None:
     what = f"**{rec.budget}**" + (
         f" with cap **{rec.cap or 'off'}**" if rec.cap is not None else ""

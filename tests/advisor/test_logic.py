@@ -41,16 +41,44 @@ def test_ttft_slo_narrows_the_choice() -> None:
     assert rec.budget == 256 and rec.source == "predicted"
 
 
-def test_throughput_ties_go_to_the_largest_budget() -> None:
+def test_throughput_ties_go_to_the_lower_stall_tail() -> None:
     rec = recommend(SWEEP, Slo(itl_ms=1000.0), "measured")
-    # 512, 1024 and 2048 are within 2% of the best (121): the largest wins
-    assert rec.budget == 2048 and "3 budgets within 2%" in rec.reason
-    rec = recommend(SWEEP, Slo(itl_ms=1000.0), "measured", tie_tolerance=0.0)
+    # 512, 1024 and 2048 are within 2% of the best (121); no ITL max: the lowest ITL p99 wins
+    assert rec.budget == 512 and "3 budgets within 2%" in rec.reason
+    # the stall tail decides before the p99 (the case: 4096 stalled 1.5 s, 512 did not)
+    tails = [{**x, "itl_max_ms": m} for x, m in zip(SWEEP, (90, 100, 400, 1500, 240), strict=True)]
+    rec = recommend(tails, Slo(itl_ms=1000.0), "measured")
+    assert rec.budget == 2048 and "lowest stall tail" in rec.reason
+    rec = recommend(tails, Slo(itl_ms=1000.0), "measured", tie_tolerance=0.0)
     assert rec.budget == 1024
+    # equal tails and TTFT: the largest budget
+    same = [{**x, "itl_p99_ms": 50.0, "ttft_p99_ms": 500.0, "tokens_per_s": 100.0} for x in SWEEP]
+    assert recommend(same, Slo(), "measured").budget == 2048
 
 
-def test_no_slo_means_every_budget_qualifies() -> None:
-    assert recommend(SWEEP, Slo(), "measured").budget == 2048
+def test_stall_tail_slos() -> None:
+    rows = [
+        {**w(512, 30.0, 900.0, 100.0), "itl_max_ms": 240.0, "itl_p999_ms": 120.0},
+        {**w(4096, 16.0, 500.0, 100.5), "itl_max_ms": 1572.0, "itl_p999_ms": 900.0},
+    ]
+    assert recommend(rows, Slo(itl_ms=50.0, itl_max_ms=500.0), "measured").budget == 512
+    assert recommend(rows, Slo(itl_ms=50.0, itl_p999_ms=500.0), "measured").budget == 512
+    rec = recommend(rows, Slo(itl_max_ms=100.0), "measured")
+    assert rec.budget is None and rec.closest_budget == 512 and "ITL max <= 100 ms" in rec.reason
+    assert excess(rows[1], Slo(itl_max_ms=786.0)) == pytest.approx(1.0)
+    assert Slo.from_dict(Slo(1.0, None, 3.0).to_dict()) == Slo(1.0, None, 3.0)
+    assert not Slo(itl_max_ms=1.0).empty and Slo().empty
+
+
+def test_overloaded_windows_are_never_recommended() -> None:
+    bad = {"overloaded": True, "overload_reason": "its queue grew from 1 to 30"}
+    rows = [{**SWEEP[0], **bad}, *SWEEP[1:3]]
+    rec = recommend(rows, Slo(itl_ms=50.0), "measured")  # only 128 met it: overloaded
+    assert rec.budget is None and rec.closest_budget == 256
+    assert "overloaded (not recommended): budget 128: its queue grew" in rec.reason
+    rec = recommend([{**x, **bad} for x in SWEEP], Slo(), "measured")
+    assert rec.budget is None and rec.closest_budget is None and rec.chosen is None
+    assert "every window overloaded" in rec.reason
 
 
 def test_none_meets_the_slo_names_the_closest() -> None:

@@ -201,10 +201,14 @@ def test_cli_predict_writes_the_document(recorded: dict, tmp_path: Path, capsys)
     assert rc == 0
     doc = json.loads(out.read_text())
     assert [w["budget"] for w in doc["windows"]] == [32, 96, 1024]
-    assert doc["recommended_budget"] in (32, 96, 1024)
-    assert doc["recommendation_source"] == "predicted" and doc["reason"]
+    # the recorded traffic is a 1 s burst of 60 requests: a third still wait for a first token
+    # at its end, so the window is overloaded and nothing is recommended from it
+    assert doc["observed_window"]["overloaded"] and doc["recommended_budget"] is None
+    assert doc["recommendation_source"] == "predicted" and "observed window was" in doc["reason"]
+    assert doc["slo"]["itl_p99_ms"] == 1000 and doc["slo"]["itl_max_ms"] is None
     text = capsys.readouterr().out
     assert "cost model" in text and "Pareto front" in text
+    assert "observed window overloaded: its queue grew" in text
 
 
 def test_cli_predict_on_an_empty_store_exits_1(tmp_path: Path, capsys) -> None:

@@ -96,7 +96,14 @@ def test_pairs_one_line_per_cap_labels_and_recommendation() -> None:
     }
     measured, predicted = split_windows(doc)
     assert predicted == [
-        {"budget": 512, "cap": 256, **{k: None for k in FIGS}, "itl_p99_ms": 100.0}
+        {
+            "budget": 512,
+            "cap": 256,
+            **{k: None for k in FIGS},
+            "itl_p99_ms": 100.0,
+            "overloaded": False,
+            "overload_reason": None,
+        }
     ]
     fig = pareto_figure(measured, [], recommended_budget=512, recommended_cap=256)
     names = [t.name for t in fig.data]

@@ -110,3 +110,37 @@ def test_sweep_page_draws_recommends_and_applies(
     ok = re.sub(r"\\(.)", r"\1", " ".join(str(s.value) for s in at.success))  # as_text escapes
     assert re.search(r"applied at step \d+ \(token_budget 512 → 256\)", ok), ok
     assert _budget(engine_url) == 256
+
+
+def test_sweep_page_stall_slo_and_overloaded_windows(
+    live_engine: tuple[str, str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    collector_url, db_url, _ = live_engine
+    windows = [
+        # 128 meets every SLO but its queue grew through the window: never recommended
+        {**w(128, 20.0, 900.0, 100.0), "overloaded": True,
+         "overload_reason": "its queue grew from 0 to 30 requests waiting for a first token"},
+        {**w(512, 30.0, 700.0, 100.0), "itl_max_ms": 240.0},
+        {**w(4096, 16.0, 500.0, 100.5), "itl_max_ms": 1572.0},
+    ]  # fmt: skip
+    doc = {"tool": "chunkscope-loadgen-sweep", "slo": {"itl_p99_ms": 50.0}, "windows": windows}
+    (tmp_path / "sweeps").mkdir()
+    (tmp_path / "sweeps" / "stall.json").write_text(json.dumps(doc))
+    monkeypatch.setenv("CHUNKSCOPE_COLLECTOR_URL", collector_url)
+    monkeypatch.setenv("CHUNKSCOPE_DB_URL", db_url)
+    monkeypatch.setenv("CHUNKSCOPE_DATA_DIR", str(tmp_path))
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    at.switch_page("views/sweep.py").run()
+    assert not at.exception
+    errors = " ".join(str(e.value) for e in at.error)
+    assert "Measured: overloaded (not recommended): budget 128: its queue grew" in errors
+    # a throughput tie between 512 and 4096: the lower stall tail wins
+    success = " ".join(str(s.value) for s in at.success)
+    assert "Recommended token budget: **512**" in success, success
+    table = at.dataframe[0].value
+    assert list(table["overloaded"]) == [True, False, False]
+    # an SLO on the stall: 4096 (1.5 s stall) fails it, 512 still meets it
+    at.number_input(key="sweep_slo_itl_max").set_value(200.0).run()
+    warning = " ".join(str(x.value) for x in at.warning)
+    assert "no budget meets ITL p99 <= 50 ms and ITL max <= 200 ms" in warning
+    assert "closest is budget 512" in warning
