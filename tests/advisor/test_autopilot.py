@@ -50,7 +50,7 @@ def traffic(seed: int = 0, *, rag: bool = True, seconds: float = 20.0) -> Traffi
     return Traffic(reqs, 0.0, seconds)
 
 
-def pilot(start: Setting = Setting(16384), **kw: object) -> Autopilot:
+def pilot(start: Setting = GRID[2], **kw: object) -> Autopilot:
     return Autopilot(AutopilotConfig(candidates=GRID, start=start, **kw), SLO)  # type: ignore[arg-type]
 
 
