@@ -73,7 +73,7 @@ from testkit.collector import start_collector
 
 SCRIPT = "autopilot.py"
 CAP_KEY = "long_prefill_token_threshold"
-TRACES = REPO_ROOT.parent / "shared" / "traces"
+DEFAULT_TRACES = REPO_ROOT.parent / "shared" / "traces"
 PHASES = ("quiet", "rag", "image", "quiet2")
 ENGINE_ID = "autopilot-bench"
 logger = logging.getLogger("autopilot-bench")
@@ -139,6 +139,7 @@ def _dist(text: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec], dict[str, Any]]:
+    TRACES = Path(args.traces_dir)
     rng = np.random.default_rng(seed)
     P = args.phase_s
     specs: list[RequestSpec] = []
@@ -397,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(ap)
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES), help="../shared/traces")
     ap.add_argument("--phase-s", type=float, default=10.0)
     ap.add_argument("--drain-s", type=float, default=20.0, help="then in-flight requests fail")
     ap.add_argument("--budgets", default="256,1024,16384")
