@@ -242,7 +242,7 @@ class AutopilotConfig:
     start: Setting  # the operator's setting: the fallback
     min_requests: int = 5
     min_steps: int = 40
-    max_fit_err: float = 0.5  # relative error p50 of the fit on its steps
+    max_fit_err: float = 0.6  # relative error p50 of the fit on its steps
     min_fit_r2: float = 0.5
     margin_frac: float = 0.05
     confirm: int = 2

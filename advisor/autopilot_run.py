@@ -156,6 +156,9 @@ class Options:
     log_path: str | None = None
     max_ticks: int | None = None
     min_dwell_s: float = 4.0
+    max_fit_err: float = 0.6
+    min_fit_r2: float = 0.5
+    min_requests: int = 5
 
 
 class Runner:
@@ -387,6 +390,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookback", type=float, default=20.0, help="seconds of traffic replayed")
     p.add_argument("--fit-window", type=float, default=120.0, help="seconds of steps fitted")
     p.add_argument("--min-dwell", type=float, default=4.0, help="seconds between changes")
+    p.add_argument(
+        "--max-fit-err",
+        type=float,
+        default=0.6,
+        help="no decision while the step-cost fit's relative error p50 is above this (0.6)",
+    )
+    p.add_argument(
+        "--min-fit-r2", type=float, default=0.5, help="no decision while the fit's R^2 is below"
+    )
+    p.add_argument(
+        "--min-requests", type=int, default=5, help="no decision on fewer arrivals in the look-back"
+    )
     p.add_argument("--budgets", type=_ints, default=DEFAULT_BUDGETS, help="candidate budgets")
     p.add_argument("--caps", type=_ints, default=DEFAULT_CAPS, help="candidate caps (0 = off)")
     p.add_argument("--status-every", type=float, default=10.0, help="seconds between statuses")
@@ -424,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
             log_path=args.log,
             max_ticks=args.max_ticks,
             min_dwell_s=args.min_dwell,
+            max_fit_err=args.max_fit_err,
+            min_fit_r2=args.min_fit_r2,
+            min_requests=args.min_requests,
         )
         runner = Runner(opts)
     except (ValueError, RuntimeError, CollectorUnavailable) as exc:

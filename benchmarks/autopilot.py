@@ -203,7 +203,9 @@ def _autopilot_proc(args: argparse.Namespace, collector: Any, log: Path) -> subp
         "--slo-itl-ms", str(args.slo_itl_ms), "--slo-ttft-ms", str(args.slo_ttft_ms),
         "--interval", str(args.ap_interval), "--lookback", str(args.ap_lookback),
         "--fit-window", str(args.ap_fit_window), "--min-dwell", str(args.ap_min_dwell),
-        "--budgets", args.ap_budgets, "--caps", args.ap_caps, "--status-every", "5",
+        "--max-fit-err", str(args.ap_max_fit_err), "--min-fit-r2", str(args.ap_min_fit_r2),
+        "--min-requests", "3", "--budgets", args.ap_budgets, "--caps", args.ap_caps,
+        "--status-every", "5",
         "--log", str(log), "--log-level", "warning",
     ]  # fmt: skip
     for cls, ms in _class_slos(args).items():
@@ -399,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES), help="../shared/traces")
-    ap.add_argument("--phase-s", type=float, default=10.0)
-    ap.add_argument("--drain-s", type=float, default=20.0, help="then in-flight requests fail")
+    ap.add_argument("--phase-s", type=float, default=8.0)
+    ap.add_argument("--drain-s", type=float, default=15.0, help="then in-flight requests fail")
     ap.add_argument("--budgets", default="256,1024,16384")
     ap.add_argument("--caps", default="256", help="caps tried at each budget besides off")
     ap.add_argument("--reference-budget", type=int, default=2048)
@@ -408,26 +410,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-ttft-rag-ms", type=float, default=8000.0)
     ap.add_argument("--slo-ttft-vlm-ms", type=float, default=6000.0)
-    ap.add_argument("--chat-rate", type=float, default=1.0)
+    ap.add_argument("--chat-rate", type=float, default=0.5)
     ap.add_argument("--chat-prompt-scale", type=float, default=0.2)
     ap.add_argument("--chat-min", type=int, default=32)
     ap.add_argument("--chat-max", type=int, default=400)
     ap.add_argument("--chat-output-scale", type=float, default=0.2)
     ap.add_argument("--chat-output-max", type=int, default=40)
-    ap.add_argument("--rag-rate", type=float, default=0.3)
-    ap.add_argument("--rag-prompt-scale", type=float, default=1.5)
+    ap.add_argument("--rag-rate", type=float, default=0.2)
+    ap.add_argument("--rag-prompt-scale", type=float, default=1.2)
     ap.add_argument("--rag-min", type=int, default=1500)
-    ap.add_argument("--rag-max", type=int, default=5000)
+    ap.add_argument("--rag-max", type=int, default=4000)
     ap.add_argument("--rag-output-max", type=int, default=16)
-    ap.add_argument("--image-rate", type=float, default=0.4)
+    ap.add_argument("--image-rate", type=float, default=0.3)
     ap.add_argument("--max-images", type=int, default=1)
     ap.add_argument("--image-text-scale", type=float, default=0.2)
     ap.add_argument("--image-output-scale", type=float, default=0.3)
     ap.add_argument("--image-out-max", type=int, default=40)
     ap.add_argument("--ap-interval", type=float, default=1.0)
-    ap.add_argument("--ap-lookback", type=float, default=8.0)
+    ap.add_argument("--ap-lookback", type=float, default=10.0)
     ap.add_argument("--ap-fit-window", type=float, default=180.0)
     ap.add_argument("--ap-min-dwell", type=float, default=2.0)
+    ap.add_argument("--ap-max-fit-err", type=float, default=0.75)
+    ap.add_argument("--ap-min-fit-r2", type=float, default=0.4)
     ap.add_argument("--ap-budgets", default="256,512,1024,2048,4096,16384")
     ap.add_argument("--ap-caps", default="0,256")
     ap.add_argument("--max-model-len", type=int, default=8448)
