@@ -50,8 +50,11 @@ def traffic(seed: int = 0, *, rag: bool = True, seconds: float = 20.0) -> Traffi
     return Traffic(reqs, 0.0, seconds)
 
 
-def pilot(start: Setting = GRID[2], **kw: object) -> Autopilot:
-    return Autopilot(AutopilotConfig(candidates=GRID, start=start, **kw), SLO)  # type: ignore[arg-type]
+def pilot(start: Setting = GRID[2], slo: AutopilotSlo = SLO, **kw: object) -> Autopilot:
+    return Autopilot(AutopilotConfig(candidates=GRID, start=start, **kw), slo)  # type: ignore[arg-type]
+
+
+GENEROUS = AutopilotSlo(itl_ms=10_000.0, ttft_ms=60_000.0)  # every setting meets it
 
 
 def test_picks_the_known_best_after_confirming() -> None:
@@ -84,12 +87,20 @@ def test_does_not_flap_on_noise() -> None:
         ap.moved(d.setting, 2.0 * tick)
     assert kinds == ["hold"] * 12
     assert ap.current == Setting(1024)
+    # RAG bursts under SLOs every setting meets: the settings differ (the tail), the count of
+    # requests meeting the SLOs does not, and the scatter reorders their tails from tick to tick
+    ap = pilot(start=Setting(1024), slo=GENEROUS)
+    for tick in range(8):
+        d = ap.decide(2.0 * tick, fit(noise), traffic(tick), SHAPE)
+        assert d.kind == "hold", d.reason
+        ap.moved(d.setting, 2.0 * tick)
 
 
 def test_hysteresis_needs_a_margin() -> None:
-    ap = pilot(start=Setting(1024), margin_frac=0.0, confirm=1)
-    d = ap.decide(0.0, fit(), traffic(rag=False), SHAPE)
-    assert d.kind == "hold"  # a gain of 0 requests is no reason to move, whatever the tail
+    ap = pilot(start=Setting(16384), slo=GENEROUS, margin_frac=0.0, confirm=1)
+    d = ap.decide(0.0, fit(), traffic(), SHAPE)
+    assert d.kind == "hold", d.reason  # a gain of 0 requests is no reason to move
+    assert d.predictions and len({p.itl_max_ms for p in d.predictions}) > 1  # tails differ
 
 
 def test_falls_back_when_predictions_and_observations_part() -> None:
