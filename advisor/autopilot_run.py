@@ -170,6 +170,7 @@ class Runner:
         self.opts = opts
         self.db = dbm.connect(opts.db_url, readonly=True)
         self.stopping = False
+        self.paused_by: dict[str, Any] | None = None
         self._ids = 0
         self._last_status: tuple[str, float] | None = None
         self._log = Path(opts.log_path).open("a") if opts.log_path else None
@@ -224,6 +225,8 @@ class Runner:
         if not force and last is not None:
             if last[0] == kind and now - last[1] < self.opts.status_every_s:
                 return
+        if self._operator_won():
+            return
         self._last_status = (kind, now)
         self._send({"token_budget": self.pilot.current.budget}, reason)
 
@@ -233,6 +236,8 @@ class Runner:
             changes["token_budget"] = d.setting.budget
         if self.cap_supported and d.setting.cap != d.previous.cap:
             changes[CAP_KEY] = d.setting.cap
+        if self._operator_won():
+            return False
         ack = self._send(changes, d.reason)
         if ack.get("ok"):
             self.pilot.moved(d.setting, time.time())
@@ -242,10 +247,34 @@ class Runner:
 
     # -- one tick ---------------------------------------------------------------------------
 
+    def moved_by_someone(self) -> dict[str, Any] | None:
+        """The engine's setting as the collector knows it (updated on every accepted control's
+        answer, before the store has the event), when it is not the one the autopilot left it
+        at: someone else moved it."""
+        row = self._engine_row()
+        cur = self.pilot.current
+        budget, cap = row.get("token_budget"), row.get(CAP_KEY)
+        if budget != cur.budget:
+            return {"key": "token_budget", "old_value": cur.budget, "new_value": budget,
+                    "source": "another client"}  # fmt: skip
+        if self.cap_supported and cap is not None and cap != cur.cap:
+            return {"key": CAP_KEY, "old_value": cur.cap, "new_value": cap,
+                    "source": "another client"}  # fmt: skip
+        return None
+
+    def _operator_won(self) -> bool:
+        """Checked right before anything is sent: a manual change made while the autopilot was
+        deciding must not be overwritten."""
+        foreign = self.moved_by_someone()
+        if foreign is not None:
+            self.paused(foreign)
+        return foreign is not None
+
     def tick(self) -> Decision | None:
         o, now = self.opts, time.time()
-        foreign = foreign_control(
-            self.db, engine_id=o.engine_id, run_id=self.run_id, since=self.started
+        foreign = (
+            foreign_control(self.db, engine_id=o.engine_id, run_id=self.run_id, since=self.started)
+            or self.moved_by_someone()
         )
         if foreign is not None:
             self.paused(foreign)
@@ -308,7 +337,6 @@ class Runner:
             force=True,
         )
         ticks = 0
-        self.paused_by: dict[str, Any] | None = None
         while not self.stopping:
             t0 = time.monotonic()
             try:
