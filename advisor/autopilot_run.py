@@ -184,7 +184,14 @@ class Runner:
             max_token_budget=row.get("max_token_budget"),
             cap_supported=self.cap_supported,
         )
-        config = AutopilotConfig(candidates=tuple(grid), start=start, min_dwell_s=opts.min_dwell_s)
+        config = AutopilotConfig(
+            candidates=tuple(grid),
+            start=start,
+            min_dwell_s=opts.min_dwell_s,
+            max_fit_err=opts.max_fit_err,
+            min_fit_r2=opts.min_fit_r2,
+            min_requests=opts.min_requests,
+        )
         self.pilot = Autopilot(config, opts.slo)
         self.started = time.time()
 
