@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-_USAGE = """usage: chunkscope {engine,loadgen,collector,export,prune,vllm} [options]
+_USAGE = """usage: chunkscope {engine,loadgen,collector,export,prune,vllm,autopilot} [options]
 
 subcommands:
   engine    run the OpenAI-compatible chunked-prefill engine server (python -m engine)
@@ -21,6 +21,9 @@ subcommands:
   prune     delete old telemetry from a store, by age and/or size (python -m storage prune)
   vllm      start vLLM's OpenAI server with chunkscope's scheduler bridge reporting to a
             collector: chunkscope vllm [--collector-url URL] -- --model M [vLLM options]
+  autopilot set an engine's token budget and cap live to SLOs, through a collector:
+            chunkscope autopilot --collector ws://HOST:PORT --engine ID --slo-itl-ms N
+            --slo-ttft-ms M [--db URL]
 
 Run `chunkscope SUBCOMMAND --help` for the options of each.
 """
@@ -56,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         from chunkscope.integrations.vllm_launch import main as vllm_main
 
         return vllm_main(rest)
+    if command == "autopilot":
+        from advisor.autopilot_run import main as autopilot_main
+
+        return autopilot_main(rest)
     print(f"chunkscope: unknown subcommand {command!r}\n\n{_USAGE}", file=sys.stderr)
     return 2
 

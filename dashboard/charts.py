@@ -16,6 +16,8 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
+from wire.control import CAP_KEY
+
 # One colour per class, none of them the stall rings' red: chat blue, RAG orange, VLM green.
 CLASS_COLORS = {
     "chat": "#1f77b4",
@@ -85,6 +87,8 @@ def control_marker_times(
     out = []
     for r in rows.itertuples(index=False):
         accepted = bool(r.accepted)
+        if accepted and _fmt(r.old_value) == _fmt(r.new_value):
+            continue  # a status (the autopilot's "holds ..."): nothing changed
         applied_at = getattr(r, "applied_at", None)
         x = applied_at if accepted and _is_number(applied_at) else r.time
         if not _is_number(x):
@@ -588,4 +592,99 @@ def compare_figure(table: pd.DataFrame, *, names: tuple[str, str] = ("A", "B")) 
     for col, name, color in (("A", names[0], "#7f7f7f"), ("B", names[1], "#1f77b4")):
         fig.add_trace(go.Bar(name=name, x=lat["metric"], y=lat[col], marker={"color": color}))
     fig.update_yaxes(title_text="ms", type="log")
+    return fig
+
+
+AUTOPILOT_COLOR = "#9467bd"
+PREDICTED_COLOR = "#e377c2"
+
+
+def _binned_p99(times: pd.Series, values: pd.Series, bin_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """p99 of ``values`` per ``bin_s``-second bin of ``times`` (bin centres, wall seconds)."""
+    if len(times) == 0:
+        return np.empty(0), np.empty(0)
+    t = np.asarray(times, dtype="float64")
+    v = np.asarray(values, dtype="float64")
+    bins = np.floor(t / bin_s)
+    df = pd.DataFrame({"b": bins, "v": v})
+    g = df.groupby("b")["v"].quantile(0.99)
+    return (g.index.to_numpy() + 0.5) * bin_s, g.to_numpy()
+
+
+def autopilot_figure(
+    events: pd.DataFrame,
+    itl: pd.DataFrame | None,
+    requests: pd.DataFrame | None,
+    *,
+    bin_s: float = 2.0,
+) -> go.Figure:
+    """The autopilot over time: the budget and cap it set (top), the chat ITL p99 observed per
+    ``bin_s`` bin beside what it predicted (middle), each request's TTFT beside the TTFT p99 it
+    predicted (bottom). ``events`` is ``dashboard.autopilot.autopilot_events``."""
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.06,
+        subplot_titles=(
+            "Setting chosen by the autopilot",
+            "Chat ITL p99: observed vs predicted",
+            "TTFT: observed vs predicted p99",
+        ),
+    )
+    fig.update_layout(**LAYOUT)
+    fig.update_layout(height=620, legend={"orientation": "h", "y": -0.08})
+    if events.empty:
+        return _empty(fig, "The autopilot has not stored a decision in this window")
+    for key, name, dash in (("token_budget", "budget", "solid"), (CAP_KEY, "cap", "dot")):
+        ev = events[events["key"] == key]
+        if ev.empty:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=to_axis(ev["time"]),
+                y=pd.to_numeric(ev["new_value"], errors="coerce"),
+                mode="lines+markers",
+                line={"shape": "hv", "color": AUTOPILOT_COLOR, "dash": dash},
+                name=f"{name} (autopilot)",
+                text=ev["reason"],
+                hovertemplate="%{y}<br>%{text}<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
+    if itl is not None and not itl.empty:
+        chat = itl[itl["traffic_class"] == STALLED_CLASS]
+        chat = chat if not chat.empty else itl
+        x, y = _binned_p99(chat["time"], chat["itl_ms"], bin_s)
+        fig.add_trace(
+            go.Scatter(x=to_axis(x), y=y, mode="lines", name=f"observed ITL p99 ({bin_s:g} s)",
+                       line={"color": DECODE_COLOR}),
+            row=2, col=1,
+        )  # fmt: skip
+    pred = events.dropna(subset=["pred_itl_p99_ms"])
+    fig.add_trace(
+        go.Scatter(x=to_axis(pred["time"]), y=pred["pred_itl_p99_ms"], mode="markers",
+                   name="predicted ITL p99", marker={"color": PREDICTED_COLOR, "size": 9,
+                   "symbol": "diamond"}),
+        row=2, col=1,
+    )  # fmt: skip
+    if requests is not None and not requests.empty:
+        r = requests.dropna(subset=["first_token", "ttft_ms"])
+        fig.add_trace(
+            go.Scatter(x=to_axis(r["arrival"]), y=r["ttft_ms"], mode="markers",
+                       name="observed TTFT", marker={"color": "#7f7f7f", "size": 5}),
+            row=3, col=1,
+        )  # fmt: skip
+    pred = events.dropna(subset=["pred_ttft_p99_ms"])
+    fig.add_trace(
+        go.Scatter(x=to_axis(pred["time"]), y=pred["pred_ttft_p99_ms"], mode="markers",
+                   name="predicted TTFT p99", marker={"color": PREDICTED_COLOR, "size": 9,
+                   "symbol": "diamond"}),
+        row=3, col=1,
+    )  # fmt: skip
+    fig.update_yaxes(title_text="tokens", row=1, col=1)
+    fig.update_yaxes(title_text="ms", row=2, col=1)
+    fig.update_yaxes(title_text="ms", row=3, col=1)
+    fig.update_xaxes(type="date")
     return fig

@@ -16,6 +16,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import control, data
+from dashboard.autopilot import AutopilotSwitch
 from dashboard.services import (
     DEFAULT_DURATION_S,
     PROFILES,
@@ -66,6 +67,12 @@ def stack(_settings: Settings, key: str) -> Stack:
 @st.cache_resource(show_spinner=False)
 def launcher(data_dir: str) -> TrafficLauncher:
     return TrafficLauncher(Path(data_dir))
+
+
+@st.cache_resource(show_spinner=False)
+def autopilot_switch(data_dir: str) -> AutopilotSwitch:
+    """The autopilot children (one per engine id), shared by every browser session."""
+    return AutopilotSwitch(Path(data_dir))
 
 
 @st.cache_data(ttl=2.0, show_spinner=False)

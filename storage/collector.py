@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -43,6 +44,7 @@ from wire.control import (
     ControlRefused,
     check_changes,
     control_mac,
+    relay_declaration,
     same_secret,
 )
 
@@ -217,6 +219,28 @@ class IngestConn:
     last_seen_ns: int | None = None
     current: bool = True  # False once replaced by a newer connection of the same run
     pending: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
+    # control id -> (source, reason) its /control client declared, stamped on the engine's
+    # control events with that id as they are stored (the newest MAX_DECLARED kept)
+    declared: OrderedDict[str, tuple[str, str | None]] = field(default_factory=OrderedDict)
+
+
+MAX_DECLARED = 64  # per engine connection: relayed controls whose events are still to come
+
+
+def _stamp_declared(
+    declared: OrderedDict[str, tuple[str, str | None]], events: list[dict[str, Any]]
+) -> None:
+    """Give the engine's control events for a relayed control the source (and, on an accepted
+    change, the reason) its /control client declared."""
+    for ev in events:
+        if ev.get("type") != "control":
+            continue
+        got = declared.get(str(ev.get("request_id")))
+        if got is None:
+            continue
+        ev["source"] = got[0]
+        if got[1] is not None and ev.get("accepted"):
+            ev["reason"] = got[1]
 
 
 class Collector:
@@ -687,6 +711,8 @@ class Collector:
             if not conn.current:
                 return False
             conn.expected = verdict.expected
+            if conn.declared:
+                _stamp_declared(conn.declared, verdict.accepted)
             self._note_progress(conn, verdict.accepted)
             self._submit(Events(conn.run_key, verdict.accepted, tag=conn))
         if verdict.error is not None:
@@ -865,11 +891,21 @@ class Collector:
                 code = "bad_key"
             return refuse(exc.reason[:500], code)
         assert isinstance(new, dict)
+        try:
+            source, why = relay_declaration(msg)
+        except ControlRefused as exc:
+            param = exc.param
+            return refuse(exc.reason, "bad_request")
         if cid in conn.pending:
             return refuse(f"a control with id {cid!r} is already pending", "bad_request")
         assert self._loop is not None
         fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
         conn.pending[cid] = fut
+        if source != "collector" or why is not None:
+            conn.declared[cid] = (source, why)
+            conn.declared.move_to_end(cid)
+            while len(conn.declared) > MAX_DECLARED:
+                conn.declared.popitem(last=False)
         out: dict[str, Any] = {"type": "control", "id": cid, "set": new}
         if isinstance(token, str):
             # Never the token itself: a MAC under it, bound to this engine, run and control id.

@@ -95,14 +95,22 @@ def send_control(
     auth_token: str | None = None,
     control_id: str | None = None,
     timeout: float = 20.0,
+    source: str | None = None,
+    reason: str | None = None,
 ) -> dict[str, Any]:
     """Send ``{"type": "control", ...}`` and return the collector's ``control_ack`` (``ok``,
     ``applied_at_step``, ``old``, ``new`` or ``error``). Refusals are answers, not exceptions;
-    a message the collector rejects whole (an ``error`` reply) raises RuntimeError."""
+    a message the collector rejects whole (an ``error`` reply) raises RuntimeError.
+    ``source`` / ``reason``: who asks and why (``wire.control.relay_declaration``), stored on
+    the engine's control events."""
     cid = control_id or f"cli-{os.getpid()}-{next(_ids)}"
     msg: dict[str, Any] = {"type": "control", "id": cid, "engine_id": engine_id, "set": changes}
     if token is not None:
         msg["token"] = token
+    if source is not None:
+        msg["source"] = source
+    if reason is not None:
+        msg["reason"] = reason
     reply = exchange(url, msg, "control_ack", cid, auth_token=auth_token, timeout=timeout)
     if reply.get("type") == "error":
         raise RuntimeError(f"collector refused the message: {reply!r}")

@@ -86,6 +86,32 @@ def check_changes(
     return {k: changes[k] for k in CONTROL_KEYS if k in changes}
 
 
+# ---- who asked: the source a relayed control is stored with ----------------------------------
+# A /control client may say who it is (``"source"``) and why (``"reason"``); the collector stamps
+# both on the engine's control events for that control id as it stores them (the engine itself
+# reports every relayed control as ``collector``). One vocabulary, checked here.
+
+RELAY_SOURCES = ("collector", "autopilot")
+MAX_REASON_CHARS = 500
+
+
+def relay_declaration(msg: Mapping[str, object]) -> tuple[str, str | None]:
+    """The ``(source, reason)`` a /control message declares (``collector`` and None when it
+    declares nothing), or ``ControlRefused`` for an unknown source or a reason that is not a
+    string of at most ``MAX_REASON_CHARS`` characters."""
+    source = msg.get("source", "collector")
+    if source not in RELAY_SOURCES:
+        raise ControlRefused(
+            f"source must be one of {', '.join(RELAY_SOURCES)}, got {source!r}", param="source"
+        )
+    reason = msg.get("reason")
+    if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS):
+        raise ControlRefused(
+            f"reason must be a string of at most {MAX_REASON_CHARS} characters", param="reason"
+        )
+    return str(source), reason
+
+
 # ---- steering credential on the relay -----------------------------------------------------------
 # The collector never forwards an operator's control token to an engine connection: it sends a
 # MAC of the control under that token instead, bound to the engine, run and control id, which the

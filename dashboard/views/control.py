@@ -12,6 +12,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, control, data, ui
+from dashboard.autopilot import SwitchSlo, latest_status
 from dashboard.text import as_text
 from storage.control import CollectorUnavailable
 from wire.control import POLICIES
@@ -179,6 +180,73 @@ with cap_form:
         on_click=apply_int,
         args=("long_prefill_token_threshold", engine_id, max_budget, ctx),
     )
+
+
+def switch_autopilot(eng: str, where: ui.Context) -> None:
+    """The autopilot switch's callback: start the child with the SLOs typed, or stop it (it
+    stores "autopilot off" and leaves the engine where it is)."""
+    switch = ui.autopilot_switch(str(where.settings.data_dir))
+    if not st.session_state.get(f"ap_on_{eng}"):
+        switch.stop(eng)
+        st.session_state["control_answer"] = ("applied", f"Autopilot off for {eng}")
+        return
+    tail = float(st.session_state.get("ap_tail") or 0.0)
+    slo = SwitchSlo(
+        float(st.session_state.get("ap_itl") or 0.0),
+        float(st.session_state.get("ap_ttft") or 0.0),
+        tail if tail > 0 else None,
+    )
+    if not where.collector_url or not where.db_url:
+        st.session_state["control_answer"] = ("refused", "Not started: no collector to steer")
+        st.session_state[f"ap_on_{eng}"] = False
+        return
+    try:
+        switch.start(
+            where.collector_url, eng, where.db_url, slo, token=where.settings.control_token
+        )
+    except (ValueError, RuntimeError, OSError) as exc:
+        st.session_state["control_answer"] = ("refused", f"Autopilot not started: {exc}")
+        st.session_state[f"ap_on_{eng}"] = False
+        return
+    st.session_state["control_answer"] = ("applied", f"Autopilot on for {eng}: {slo}")
+
+
+st.subheader("Autopilot")
+switch = ui.autopilot_switch(str(ctx.settings.data_dir))
+ap_state = switch.state(engine_id)
+ap_slo = switch.slo(engine_id) or SwitchSlo(100.0, 2000.0)
+s1, s2, s3 = st.columns(3)
+s1.number_input("Chat ITL p99 SLO (ms)", min_value=1.0, value=ap_slo.itl_ms, key="ap_itl")
+s2.number_input("TTFT p99 SLO (ms)", min_value=1.0, value=ap_slo.ttft_ms, key="ap_ttft")
+s3.number_input(
+    "ITL max SLO (ms, 0 = none)",
+    min_value=0.0,
+    value=ap_slo.tail_itl_ms or 0.0,
+    key="ap_tail",
+    help="an SLO on each request's longest gap: the stall tail that a p99 cannot see",
+)
+toggle_key = f"ap_on_{engine_id}"
+st.session_state[toggle_key] = ap_state == "on"  # the switch shows the child's real state
+st.toggle(
+    "Autopilot: set the budget and cap to these SLOs",
+    key=toggle_key,
+    on_change=switch_autopilot,
+    args=(engine_id, ctx),
+    help="every 2 s it replays the last 20 s of traffic through the engine's own scheduler at "
+    "each supported budget and cap, with the step-cost model fitted on the last 2 minutes, and "
+    "moves to the setting with the most requests predicted to meet the SLOs. A manual change "
+    "above pauses it; off leaves the engine where it is.",
+)
+try:
+    ap_hist = data.controls(ctx.db_url, engine_id, None)
+except data.StoreUnavailable:
+    ap_hist = None
+status = latest_status(ap_hist)
+st.caption(
+    f"Autopilot {ap_state}"
+    + (" (a manual control won; switch it on again to resume)" if ap_state == "paused" else "")
+    + (f" · last word: {status}" if status else "")
+)
 
 answer = st.session_state.get("control_answer")
 if answer:

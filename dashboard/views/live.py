@@ -7,6 +7,7 @@ import time
 import streamlit as st
 
 from dashboard import charts, data, ui
+from dashboard.autopilot import autopilot_events, latest_status
 from dashboard.live import SUMMARY_GRID_S, LiveWindow
 
 REFRESH_S = 1.0
@@ -54,6 +55,16 @@ def live_view() -> None:
     fig = charts.itl_figure(lw.itl, ctrl, factor=float(factor), floor_ms=float(floor))
     fig.update_layout(uirevision="live-itl", height=360)
     st.plotly_chart(fig, key="live_itl")
+    ap = autopilot_events(ctrl)
+    if not ap.empty:
+        st.caption(f"Autopilot · {latest_status(ctrl)}")
+        try:
+            reqs = data.requests(ctx.db_url, ctx.engine_id, ctx.run_id, since, None)
+        except data.StoreUnavailable:
+            reqs = None
+        fig = charts.autopilot_figure(ap, lw.itl, reqs)
+        fig.update_layout(uirevision="live-autopilot")
+        st.plotly_chart(fig, key="live_autopilot")
     fig = charts.kv_queue_figure(steps, ctrl)
     fig.update_layout(uirevision="live-kv", height=380)
     st.plotly_chart(fig, key="live_kv")

@@ -87,3 +87,15 @@ def test_a_control_mac_binds_engine_run_id_and_changes() -> None:
         "tok",
         **{**base, "changes": dict(reversed(list(reordered.items())))},  # type: ignore[arg-type]
     )
+
+
+def test_relay_declaration_names_who_asks_and_why() -> None:
+    from wire.control import MAX_REASON_CHARS, relay_declaration
+
+    assert relay_declaration({"type": "control"}) == ("collector", None)
+    assert relay_declaration({"source": "autopilot", "reason": "why"}) == ("autopilot", "why")
+    for bad in ({"source": "api"}, {"source": 3}, {"reason": 5}, {"reason": "x" * 501}):
+        with pytest.raises(ControlRefused) as exc:
+            relay_declaration(bad)
+        assert exc.value.param in ("source", "reason")
+    assert MAX_REASON_CHARS == 500

@@ -1,0 +1,469 @@
+"""The autopilot's decision: which (token budget, long-prefill cap) to run for the next window.
+
+Pure and torch-free: it is given the fitted step-cost model (``advisor.fit.FitReport``, or why
+none could be fitted), the traffic of the recent past (``advisor.traffic.Traffic``: the requests
+that arrived in the look-back window, the queued ones included), the engine's shape and what was
+observed over that window, and returns a :class:`Decision`. ``advisor.autopilot_run`` reads the
+store and steers; this module never does I/O.
+
+How it decides, every tick:
+
+1. **Enough to go on?** Fewer than ``min_requests`` arrivals in the look-back, or a fit on fewer
+   than ``min_steps`` steps: no decision (``refuse``, "too little data"). A fit whose relative
+   error p50 is above ``max_fit_err`` or whose R^2 is below ``min_fit_r2``: no decision
+   ("poor fit").
+2. **Predict each candidate**: the look-back's requests are replayed through the engine's own
+   scheduler (``advisor.simulate.simulate``) at each supported (budget, cap), step times drawn
+   from the fit with its measured scatter (the same seeded draws for every candidate). The recent
+   past stands for the next window. A request *meets the SLOs* (:func:`request_meets`) when its
+   TTFT is within its class's TTFT SLO, the p99 of its own token gaps within the ITL SLO and
+   (when set) its longest gap within the tail SLO.
+3. **Do predictions still hold?** When the engine ran one setting through the whole look-back,
+   the prediction for that setting is compared with what was observed (chat ITL p99 and TTFT
+   p99); ``part_ticks`` ticks in a row off by more than ``part_tolerance`` (relative, above a
+   floor) and the autopilot falls back to the operator's starting setting and stays there for
+   ``fallback_hold_s`` (``fallback``, saying so).
+4. **Pick**: most requests predicted to meet the SLOs; ties to the lower predicted tail (longest
+   gap), then the smaller change from the current setting. **Hysteresis**: it moves only when the
+   pick beats the current setting by at least ``margin`` requests (``max(1, margin_frac * n)``),
+   the same pick won ``confirm`` ticks in a row, and ``min_dwell_s`` passed since the last change;
+   otherwise it holds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from advisor.fit import FitReport
+from advisor.predict import step_timing
+from advisor.simulate import ITL_CLASS, EngineShape, SimResult, simulate
+from advisor.traffic import Traffic, to_sim_requests
+
+KINDS = ("change", "hold", "refuse", "fallback")
+
+
+@dataclass(frozen=True)
+class AutopilotSlo:
+    """The operator's SLOs: chat ITL p99 and TTFT p99 (per class when ``ttft_by_class`` names
+    it), and optionally the stall tail (each request's longest token gap)."""
+
+    itl_ms: float
+    ttft_ms: float
+    tail_itl_ms: float | None = None
+    ttft_by_class: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, v in (("itl_ms", self.itl_ms), ("ttft_ms", self.ttft_ms)):
+            if not (isinstance(v, int | float) and v > 0):
+                raise ValueError(f"{name} must be a positive number of milliseconds, got {v!r}")
+        if self.tail_itl_ms is not None and not self.tail_itl_ms > 0:
+            raise ValueError(f"tail_itl_ms must be positive, got {self.tail_itl_ms!r}")
+        for cls, v in self.ttft_by_class.items():
+            if not (isinstance(v, int | float) and v > 0):
+                raise ValueError(f"TTFT SLO of class {cls!r} must be positive, got {v!r}")
+
+    def ttft_for(self, traffic_class: str | None) -> float:
+        return float(self.ttft_by_class.get(str(traffic_class), self.ttft_ms))
+
+    def text(self) -> str:
+        parts = [f"ITL p99 <= {self.itl_ms:g} ms", f"TTFT p99 <= {self.ttft_ms:g} ms"]
+        if self.tail_itl_ms is not None:
+            parts.append(f"ITL max <= {self.tail_itl_ms:g} ms")
+        parts += [f"{c} TTFT <= {v:g} ms" for c, v in sorted(self.ttft_by_class.items())]
+        return ", ".join(parts)
+
+
+def request_meets(
+    ttft_s: float | None, gaps_s: Sequence[float], slo: AutopilotSlo, traffic_class: str | None
+) -> bool:
+    """Whether one request met the SLOs: it produced a first token within its class's TTFT
+    SLO, the p99 of its token gaps is within the ITL SLO and its longest gap within the tail
+    SLO (when set). The goodput of a run counts these; the benchmark applies the same rule to
+    what the client measured."""
+    if ttft_s is None or ttft_s * 1e3 > slo.ttft_for(traffic_class):
+        return False
+    if len(gaps_s):
+        g = np.asarray(gaps_s, dtype=float) * 1e3
+        if float(np.percentile(g, 99)) > slo.itl_ms:
+            return False
+        if slo.tail_itl_ms is not None and float(g.max()) > slo.tail_itl_ms:
+            return False
+    return True
+
+
+@dataclass(frozen=True, order=True)
+class Setting:
+    budget: int
+    cap: int = 0  # long_prefill_token_threshold, 0 = off
+
+    def label(self) -> str:
+        return f"budget {self.budget} cap {self.cap or 'off'}"
+
+    def distance(self, other: Setting) -> float:
+        """How big a change from ``other`` is (log2 steps of budget and of cap)."""
+        return abs(math.log2(self.budget / other.budget)) + abs(
+            math.log2((self.cap or other.budget) / (other.cap or other.budget))
+        )
+
+
+def candidates(
+    budgets: Sequence[int],
+    caps: Sequence[int],
+    *,
+    max_token_budget: int | None,
+    cap_supported: bool,
+) -> list[Setting]:
+    """The grid the engine supports: budgets up to its maximum, caps (0 = off) only where it
+    has the control and below the budget (a cap at or above the budget cuts nothing)."""
+    out = set()
+    for b in budgets:
+        if b < 1 or (max_token_budget is not None and b > max_token_budget):
+            continue
+        for c in caps if cap_supported else (0,):
+            if c == 0 or 0 < c < b:
+                out.add(Setting(int(b), int(c)))
+    if not out:
+        raise ValueError(
+            f"no candidate setting is supported: budgets {list(budgets)} against the engine's "
+            f"maximum {max_token_budget}"
+        )
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    setting: Setting
+    num_requests: int
+    num_meet: int
+    itl_p99_ms: float | None  # chat (all classes when there is no chat) token gaps, pooled
+    itl_max_ms: float | None
+    ttft_p99_ms: float | None
+    unfinished: int
+
+    def brief(self) -> str:
+        def ms(v: float | None) -> str:
+            return "n/a" if v is None else f"{v:.0f}"
+
+        return (
+            f"chat ITL p99 {ms(self.itl_p99_ms)} ms, TTFT p99 {ms(self.ttft_p99_ms)} ms, "
+            f"{self.num_meet}/{self.num_requests} meet"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget": self.setting.budget,
+            "cap": self.setting.cap,
+            "num_requests": self.num_requests,
+            "num_meet": self.num_meet,
+            "itl_p99_ms": self.itl_p99_ms,
+            "itl_max_ms": self.itl_max_ms,
+            "ttft_p99_ms": self.ttft_p99_ms,
+            "unfinished": self.unfinished,
+        }
+
+
+def _score(result: SimResult, setting: Setting, slo: AutopilotSlo) -> Prediction:
+    chat: list[float] = []
+    everyone: list[float] = []
+    ttfts: list[float] = []
+    meet = 0
+    for o in result.requests:
+        t = o.token_times_ns
+        ttft = (t[0] - o.arrival_ns) / 1e9 if t else None
+        gaps = list(np.diff(np.asarray(t, dtype=np.int64)) / 1e9) if len(t) > 1 else []
+        if ttft is not None:
+            ttfts.append(ttft * 1e3)
+        everyone += gaps
+        if o.traffic_class == ITL_CLASS:
+            chat += gaps
+        meet += request_meets(ttft, gaps, slo, o.traffic_class)
+    itl = np.asarray(chat or everyone, dtype=float) * 1e3
+    return Prediction(
+        setting=setting,
+        num_requests=len(result.requests),
+        num_meet=meet,
+        itl_p99_ms=float(np.percentile(itl, 99)) if itl.size else None,
+        itl_max_ms=float(itl.max()) if itl.size else None,
+        ttft_p99_ms=float(np.percentile(ttfts, 99)) if ttfts else None,
+        unfinished=result.unfinished,
+    )
+
+
+def predict_settings(
+    report: FitReport,
+    traffic: Traffic,
+    shape: EngineShape,
+    settings: Sequence[Setting],
+    slo: AutopilotSlo,
+    *,
+    seed: int = 0,
+    max_steps: int = 200_000,
+) -> list[Prediction]:
+    """Replay ``traffic`` at each setting through the engine's scheduler (the advisor's
+    simulator), step times from ``report`` with its scatter, the same draws for each."""
+    reqs, warm = to_sim_requests(traffic, shape.block_size)
+    out = []
+    for s in settings:
+        step_ns, gap_ns = step_timing(report, seed=seed)
+        res = simulate(
+            reqs,
+            shape,
+            token_budget=s.budget,
+            step_ns=step_ns,
+            gap_ns=gap_ns,
+            warm_prefixes=warm,
+            max_steps=max_steps,
+            long_prefill_token_threshold=s.cap,
+        )
+        out.append(_score(res, s, slo))
+    return out
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the store saw over the look-back window."""
+
+    itl_p99_ms: float | None
+    ttft_p99_ms: float | None
+    num_requests: int = 0
+    num_meet: int = 0
+    steady: bool = True  # the engine ran one setting through the whole window
+
+
+@dataclass(frozen=True)
+class AutopilotConfig:
+    candidates: tuple[Setting, ...]
+    start: Setting  # the operator's setting: the fallback
+    min_requests: int = 5
+    min_steps: int = 40
+    max_fit_err: float = 0.6  # relative error p50 of the fit on its steps
+    min_fit_r2: float = 0.5
+    margin_frac: float = 0.05
+    confirm: int = 2
+    min_dwell_s: float = 4.0
+    part_tolerance: float = 0.5
+    part_ticks: int = 3
+    part_floor_itl_ms: float = 10.0
+    part_floor_ttft_ms: float = 200.0
+    fallback_hold_s: float = 60.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str  # one of KINDS
+    setting: Setting  # where the engine should be after this tick
+    previous: Setting
+    reason: str
+    chosen: Prediction | None = None
+    left: Prediction | None = None
+    predictions: tuple[Prediction, ...] = ()
+
+    @property
+    def changes(self) -> bool:
+        return self.setting != self.previous
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "budget": self.setting.budget,
+            "cap": self.setting.cap,
+            "previous_budget": self.previous.budget,
+            "previous_cap": self.previous.cap,
+            "reason": self.reason,
+            "chosen": None if self.chosen is None else self.chosen.to_dict(),
+            "left": None if self.left is None else self.left.to_dict(),
+            "predictions": [p.to_dict() for p in self.predictions],
+        }
+
+
+def change_reason(chosen: Prediction, left: Prediction, why: str = "") -> str:
+    """The reason of a change: what it predicts for the chosen setting and for the one left
+    (:func:`parse_reason` reads the predicted numbers back for the Live page)."""
+    return (
+        f"autopilot: {left.setting.label()} -> {chosen.setting.label()}{why}: predicted "
+        f"{chosen.brief()}; left {left.setting.label()}: predicted {left.brief()}"
+    )
+
+
+_PRED = re.compile(r"predicted chat ITL p99 (\S+) ms, TTFT p99 (\S+) ms")
+
+
+def parse_reason(reason: str | None) -> tuple[float | None, float | None]:
+    """The predicted chat ITL p99 and TTFT p99 (ms) of the setting an autopilot control event
+    chose or held (the first prediction in its reason); None where it names none."""
+    m = _PRED.search(reason or "")
+    if m is None:
+        return None, None
+
+    def num(v: str) -> float | None:
+        try:
+            return float(v)
+        except ValueError:
+            return None
+
+    return num(m.group(1)), num(m.group(2))
+
+
+def _parted(pred: Prediction, obs: Observed, cfg: AutopilotConfig) -> str | None:
+    """Why the prediction for the running setting and the observation part, or None."""
+    for name, p, o, floor in (
+        ("chat ITL p99", pred.itl_p99_ms, obs.itl_p99_ms, cfg.part_floor_itl_ms),
+        ("TTFT p99", pred.ttft_p99_ms, obs.ttft_p99_ms, cfg.part_floor_ttft_ms),
+    ):
+        if p is None or o is None:
+            continue
+        if abs(o - p) > cfg.part_tolerance * max(p, floor):
+            return f"{name} predicted {p:.0f} ms, observed {o:.0f} ms"
+    return None
+
+
+class Autopilot:
+    """The stateful part of the decision (hysteresis, fallback); see the module docstring."""
+
+    def __init__(self, config: AutopilotConfig, slo: AutopilotSlo) -> None:
+        if config.start not in config.candidates:
+            config = AutopilotConfig(
+                **{**config.__dict__, "candidates": (*config.candidates, config.start)}
+            )
+        self.config = config
+        self.slo = slo
+        self.current = config.start
+        self._pick: Setting | None = None
+        self._pick_ticks = 0
+        self._last_change: float | None = None
+        self._parted_ticks = 0
+        self._fallback_until: float | None = None
+        self._ticks = 0  # predicting ticks: each draws its own step-time scatter
+
+    def moved(self, setting: Setting, now: float) -> None:
+        """The engine is now at ``setting`` (the runner applied a decision)."""
+        if setting != self.current:
+            self._last_change = now
+        self.current = setting
+
+    def decide(
+        self,
+        now: float,
+        fit: FitReport | str,
+        traffic: Traffic,
+        shape: EngineShape,
+        observed: Observed | None = None,
+    ) -> Decision:
+        cfg, cur = self.config, self.current
+
+        def keep(kind: str, reason: str, **kw: Any) -> Decision:
+            return Decision(kind, cur, cur, reason, **kw)
+
+        if self._fallback_until is not None and now < self._fallback_until:
+            return keep(
+                "fallback",
+                f"autopilot holds {cur.label()} (the operator's setting) after predictions and "
+                f"observations parted; resumes in {self._fallback_until - now:.0f} s",
+            )
+        self._fallback_until = None
+        n = len(traffic.requests)
+        if n < cfg.min_requests:
+            self._pick, self._pick_ticks = None, 0
+            return keep(
+                "refuse",
+                f"autopilot holds {cur.label()}: too little data ({n} requests in the last "
+                f"{traffic.duration_s:.0f} s, needs {cfg.min_requests})",
+            )
+        if isinstance(fit, str):
+            return keep("refuse", f"autopilot holds {cur.label()}: too little data ({fit})")
+        if fit.num_steps < cfg.min_steps:
+            return keep(
+                "refuse",
+                f"autopilot holds {cur.label()}: too little data (fit on {fit.num_steps} steps, "
+                f"needs {cfg.min_steps})",
+            )
+        err, r2 = fit.model.rel_err_p50, fit.model.r2
+        if err > cfg.max_fit_err or r2 < cfg.min_fit_r2:
+            return keep(
+                "refuse",
+                f"autopilot holds {cur.label()}: poor fit of the step-cost model (relative "
+                f"error p50 {err:.0%}, R^2 {r2:.2f}; needs <= {cfg.max_fit_err:.0%} and >= "
+                f"{cfg.min_fit_r2:.2f})",
+            )
+        self._ticks += 1
+        preds = predict_settings(
+            fit, traffic, shape, cfg.candidates, self.slo, seed=cfg.seed + self._ticks
+        )
+        by = {p.setting: p for p in preds}
+        here = by[cur]
+        parted = _parted(here, observed, cfg) if observed is not None and observed.steady else None
+        self._parted_ticks = self._parted_ticks + 1 if parted else 0
+        if parted and self._parted_ticks >= cfg.part_ticks:
+            self._parted_ticks = 0
+            self._pick, self._pick_ticks = None, 0
+            if cur != cfg.start:
+                self._fallback_until = now + cfg.fallback_hold_s
+                back = by[cfg.start]
+                return Decision(
+                    "fallback",
+                    cfg.start,
+                    cur,
+                    f"autopilot falls back to the operator's {cfg.start.label()}: predictions "
+                    f"and observations parted ({parted}) for {cfg.part_ticks} ticks; "
+                    f"predicted {back.brief()}; left {cur.label()}: predicted {here.brief()}",
+                    chosen=back,
+                    left=here,
+                    predictions=tuple(preds),
+                )
+            return keep(
+                "refuse",
+                f"autopilot holds {cur.label()} (the operator's setting): predictions and "
+                f"observations part ({parted})",
+                left=here,
+                predictions=tuple(preds),
+            )
+        best = max(
+            preds,
+            key=lambda p: (
+                p.num_meet,
+                -(p.itl_max_ms if p.itl_max_ms is not None else math.inf),
+                -p.setting.distance(cur),
+            ),
+        )
+        if best.setting == self._pick:
+            self._pick_ticks += 1
+        else:
+            self._pick, self._pick_ticks = best.setting, 1
+        margin = max(1, math.ceil(cfg.margin_frac * n))
+        gain = best.num_meet - here.num_meet
+        dwell = self._last_change is None or now - self._last_change >= cfg.min_dwell_s
+        if best.setting != cur and gain >= margin and self._pick_ticks >= cfg.confirm and dwell:
+            self._pick_ticks = 0
+            return Decision(
+                "change",
+                best.setting,
+                cur,
+                change_reason(best, here, f" ({gain} more of {n} requests meet {self.slo.text()})"),
+                chosen=best,
+                left=here,
+                predictions=tuple(preds),
+            )
+        if best.setting == cur or gain < margin:
+            why = (
+                "it is the best predicted"
+                if best.setting == cur
+                else (f"{best.setting.label()} gains {gain} (< {margin}) requests")
+            )
+        elif not dwell:
+            why = f"{best.setting.label()} waits out the {cfg.min_dwell_s:g} s dwell"
+        else:
+            why = f"{best.setting.label()} needs {cfg.confirm} ticks in a row"
+        return keep(
+            "hold",
+            f"autopilot holds {cur.label()}: predicted {here.brief()}; {why}",
+            chosen=here,
+            left=here,
+            predictions=tuple(preds),
+        )

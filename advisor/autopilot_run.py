@@ -1,0 +1,500 @@
+"""``chunkscope autopilot``: steer one engine's token budget and long-prefill cap to the SLOs,
+live, through the collector's relay.
+
+Every ``--interval`` seconds it reads the store as the dashboard does (``storage.queries``): the
+requests that arrived in the last ``--lookback`` seconds (queued ones included), the steps of the
+last ``--fit-window`` seconds (to refit the step-cost model), what was observed; it asks
+``advisor.autopilot.Autopilot`` for a decision and, on a change, sends one control through
+``storage.control`` (the one control client) with ``source: "autopilot"`` and the decision's
+reason, which the collector stores on the engine's control events.
+
+What it stores besides changes: a *status* (a control that sets the budget it already has: a
+control event with no change, source ``autopilot``, its reason saying why it holds, refuses or
+fell back, with the predictions it holds on) when the kind of decision changes, and at most every
+``--status-every`` seconds otherwise; ``autopilot on`` at the start and ``autopilot off: engine
+left at ...`` when it is switched off (SIGTERM/SIGINT). Killed outright, it leaves the engine
+at its last setting, which is the last control event stored.
+
+The operator wins: an accepted control from anyone else (``source`` not ``autopilot``) after it
+started pauses it: it stores ``autopilot paused`` and exits (exit status 3); starting it again
+re-enables it, from the engine's setting then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from sqlalchemy import Engine
+
+from advisor.autopilot import (
+    Autopilot,
+    AutopilotConfig,
+    AutopilotSlo,
+    Decision,
+    Observed,
+    Setting,
+    candidates,
+)
+from advisor.fit import FitError, FitReport, fit_from_store
+from advisor.simulate import ITL_CLASS
+from advisor.traffic import ObservedRequest, Traffic, engine_shape
+from storage import queries
+from storage.control import CollectorUnavailable, list_engines, send_control
+from wire.control import CAP_KEY, MAX_REASON_CHARS
+
+logger = logging.getLogger("chunkscope.autopilot")
+
+SOURCE = "autopilot"
+EXIT_PAUSED = 3
+DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096, 16384)
+DEFAULT_CAPS = (0, 128, 512)
+DEFAULT_OUTPUT_TOKENS = 64  # assumed output of a queued request when no finished one says more
+
+
+def recent_traffic(
+    db: Engine, *, engine_id: str, run_id: str | None, since: float, until: float
+) -> Traffic:
+    """Requests that arrived in [since, until], the queued and running ones included: a queued
+    request's output length is the median of the finished ones of its class (a running one's
+    at least that), since the store cannot know it yet."""
+    df = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
+    if not df.empty:
+        df = df[df["arrival"].notna() & (df["arrival"] >= since) & (df["arrival"] <= until)]
+    if df.empty:
+        return Traffic([], since, until)
+    done = df[df["finished"].notna()]
+    medians = done.groupby(done["traffic_class"].fillna(""))["num_output_tokens"].median()
+    overall = float(done["num_output_tokens"].median()) if not done.empty else math.nan
+    fallback = DEFAULT_OUTPUT_TOKENS if math.isnan(overall) else int(overall)
+    reqs = []
+    for r in df.sort_values("arrival", kind="stable").itertuples(index=False):
+        cls = None if pd.isna(r.traffic_class) else str(r.traffic_class)
+        out = int(r.num_output_tokens or 0)
+        if pd.isna(r.finished):
+            med = medians.get(cls or "")
+            out = max(out, fallback if med is None or pd.isna(med) else int(med))
+        reqs.append(
+            ObservedRequest(
+                request_id=str(r.request_id),
+                traffic_class=cls,
+                arrival=float(r.arrival),
+                num_prompt_tokens=int(r.num_prompt_tokens),
+                num_image_tokens=int(r.num_image_tokens or 0),
+                num_cached_tokens=int(r.num_cached_tokens or 0),
+                num_output_tokens=max(1, out),
+            )
+        )
+    return Traffic(reqs, since, until)
+
+
+def observed(
+    db: Engine, *, engine_id: str, run_id: str | None, since: float, until: float, steady: bool
+) -> Observed:
+    """Chat ITL p99 and TTFT p99 of the requests that arrived in [since, until]."""
+    req = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
+    if not req.empty:
+        req = req[req["arrival"].notna() & (req["arrival"] >= since)]
+    ttft = req["ttft_ms"].dropna().to_numpy(dtype=float) if not req.empty else np.empty(0)
+    itl = queries.token_itl(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
+    ids = set(req["request_id"]) if not req.empty else set()
+    itl = itl[itl["request_id"].isin(ids)] if not itl.empty else itl
+    chat = itl[itl["traffic_class"] == ITL_CLASS] if not itl.empty else itl
+    gaps = (chat if not chat.empty else itl)["itl_ms"].to_numpy(dtype=float)
+    return Observed(
+        itl_p99_ms=float(np.percentile(gaps, 99)) if gaps.size else None,
+        ttft_p99_ms=float(np.percentile(ttft, 99)) if ttft.size else None,
+        num_requests=len(req),
+        steady=steady,
+    )
+
+
+def foreign_control(
+    db: Engine, *, engine_id: str, run_id: str | None, since: float
+) -> dict[str, Any] | None:
+    """The first accepted control since ``since`` that the autopilot did not send."""
+    c = queries.controls(db, engine_id=engine_id, run_id=run_id, since=since)
+    if c.empty:
+        return None
+    c = c[c["accepted"].astype(bool) & (c["source"] != SOURCE) & (c["time"] >= since)]
+    return None if c.empty else dict(c.iloc[0])
+
+
+def changed_since(db: Engine, *, engine_id: str, run_id: str | None, since: float) -> bool:
+    """Whether the budget or cap changed in [since, now] (by anyone)."""
+    c = queries.controls(db, engine_id=engine_id, run_id=run_id, since=since)
+    if c.empty:
+        return False
+    c = c[c["accepted"].astype(bool) & c["key"].isin(["token_budget", CAP_KEY])]
+    return bool((c["old_value"].astype(str) != c["new_value"].astype(str)).any())
+
+
+@dataclass
+class Options:
+    collector: str
+    engine_id: str
+    db_url: str
+    slo: AutopilotSlo
+    interval_s: float = 2.0
+    lookback_s: float = 20.0
+    fit_window_s: float = 120.0
+    budgets: tuple[int, ...] = DEFAULT_BUDGETS
+    caps: tuple[int, ...] = DEFAULT_CAPS
+    status_every_s: float = 10.0
+    token: str | None = None
+    auth_token: str | None = None
+    log_path: str | None = None
+    max_ticks: int | None = None
+    min_dwell_s: float = 4.0
+    max_fit_err: float = 0.6
+    min_fit_r2: float = 0.5
+    min_requests: int = 5
+
+
+class Runner:
+    """One autopilot attached to one engine through one collector."""
+
+    def __init__(self, opts: Options) -> None:
+        from storage import db as dbm
+
+        self.opts = opts
+        self.db = dbm.connect(opts.db_url, readonly=True)
+        self.stopping = False
+        self.paused_by: dict[str, Any] | None = None
+        self._ids = 0
+        self._last_status: tuple[str, float] | None = None
+        self._log = Path(opts.log_path).open("a") if opts.log_path else None
+        row = self._engine_row()
+        self.run_id = str(row.get("run_id")) if row.get("run_id") else None
+        self.cap_supported = row.get(CAP_KEY) is not None
+        start = Setting(int(row["token_budget"]), int(row.get(CAP_KEY) or 0))
+        grid = candidates(
+            opts.budgets,
+            opts.caps,
+            max_token_budget=row.get("max_token_budget"),
+            cap_supported=self.cap_supported,
+        )
+        config = AutopilotConfig(
+            candidates=tuple(grid),
+            start=start,
+            min_dwell_s=opts.min_dwell_s,
+            max_fit_err=opts.max_fit_err,
+            min_fit_r2=opts.min_fit_r2,
+            min_requests=opts.min_requests,
+        )
+        self.pilot = Autopilot(config, opts.slo)
+        self.started = time.time()
+
+    def _engine_row(self) -> dict[str, Any]:
+        for e in list_engines(self.opts.collector, auth_token=self.opts.auth_token):
+            if e.get("engine_id") == self.opts.engine_id:
+                if not e.get("connected"):
+                    raise RuntimeError(f"engine {self.opts.engine_id!r} is not connected")
+                if not isinstance(e.get("token_budget"), int):
+                    raise RuntimeError(f"engine {self.opts.engine_id!r} reports no token budget")
+                return e
+        raise RuntimeError(
+            f"the collector at {self.opts.collector} has not seen engine {self.opts.engine_id!r}"
+        )
+
+    # -- steering ---------------------------------------------------------------------------
+
+    def _send(self, changes: dict[str, Any], reason: str) -> dict[str, Any]:
+        self._ids += 1
+        ack = send_control(
+            self.opts.collector,
+            self.opts.engine_id,
+            changes,
+            token=self.opts.token,
+            auth_token=self.opts.auth_token,
+            control_id=f"autopilot-{self.started:.0f}-{self._ids}",
+            source=SOURCE,
+            reason=reason[:MAX_REASON_CHARS],
+        )
+        if not ack.get("ok"):
+            logger.warning("control %s refused: %s", changes, ack.get("error"))
+        return ack
+
+    def status(self, kind: str, reason: str, *, force: bool = False) -> None:
+        """Store a status (a control event with no change), bounded in rate."""
+        now = time.time()
+        last = self._last_status
+        if not force and last is not None:
+            if last[0] == kind and now - last[1] < self.opts.status_every_s:
+                return
+        if self._operator_won():
+            return
+        self._last_status = (kind, now)
+        self._send({"token_budget": self.pilot.current.budget}, reason)
+
+    def apply(self, d: Decision) -> bool:
+        changes: dict[str, Any] = {}
+        if d.setting.budget != d.previous.budget:
+            changes["token_budget"] = d.setting.budget
+        if self.cap_supported and d.setting.cap != d.previous.cap:
+            changes[CAP_KEY] = d.setting.cap
+        if self._operator_won():
+            return False
+        ack = self._send(changes, d.reason)
+        if ack.get("ok"):
+            self.pilot.moved(d.setting, time.time())
+            self._last_status = (d.kind, time.time())
+            return True
+        return False
+
+    # -- one tick ---------------------------------------------------------------------------
+
+    def moved_by_someone(self) -> dict[str, Any] | None:
+        """The engine's setting as the collector knows it (updated on every accepted control's
+        answer, before the store has the event), when it is not the one the autopilot left it
+        at: someone else moved it."""
+        row = self._engine_row()
+        cur = self.pilot.current
+        budget, cap = row.get("token_budget"), row.get(CAP_KEY)
+        if budget != cur.budget:
+            return {"key": "token_budget", "old_value": cur.budget, "new_value": budget,
+                    "source": "another client"}  # fmt: skip
+        if self.cap_supported and cap is not None and cap != cur.cap:
+            return {"key": CAP_KEY, "old_value": cur.cap, "new_value": cap,
+                    "source": "another client"}  # fmt: skip
+        return None
+
+    def _operator_won(self) -> bool:
+        """Checked right before anything is sent: a manual change made while the autopilot was
+        deciding must not be overwritten."""
+        foreign = self.moved_by_someone()
+        if foreign is not None:
+            self.paused(foreign)
+        return foreign is not None
+
+    def tick(self) -> Decision | None:
+        o, now = self.opts, time.time()
+        foreign = (
+            foreign_control(self.db, engine_id=o.engine_id, run_id=self.run_id, since=self.started)
+            or self.moved_by_someone()
+        )
+        if foreign is not None:
+            self.paused(foreign)
+            return None
+        since = now - o.lookback_s
+        try:
+            fit: FitReport | str = fit_from_store(
+                self.db, engine_id=o.engine_id, run_id=self.run_id, since=now - o.fit_window_s
+            )
+        except FitError as exc:
+            fit = str(exc)
+        traffic = recent_traffic(
+            self.db, engine_id=o.engine_id, run_id=self.run_id, since=since, until=now
+        )
+        shape = engine_shape(self.db, engine_id=o.engine_id, run_id=self.run_id)
+        steady = not changed_since(self.db, engine_id=o.engine_id, run_id=self.run_id, since=since)
+        obs = observed(
+            self.db, engine_id=o.engine_id, run_id=self.run_id, since=since, until=now,
+            steady=steady,
+        )  # fmt: skip
+        d = self.pilot.decide(now, fit, traffic, shape, obs)
+        logger.info("%s", d.reason)
+        if d.changes:
+            self.apply(d)
+        else:
+            self.status(d.kind, d.reason)
+        if self._log is not None:
+            entry = {
+                "time": now,
+                **d.to_dict(),
+                "observed": obs.__dict__,
+                "fit_error": fit if isinstance(fit, str) else None,
+            }
+            self._log.write(json.dumps(entry) + "\n")
+            self._log.flush()
+        return d
+
+    def paused(self, foreign: dict[str, Any]) -> None:
+        who = foreign.get("source")
+        what = f"{foreign.get('key')} {foreign.get('old_value')} -> {foreign.get('new_value')}"
+        reason = (
+            f"autopilot paused: a manual control ({what}, source {who}) wins; the engine stays "
+            "where the operator put it until the autopilot is switched on again"
+        )
+        logger.warning("%s", reason)
+        self.stopping = True
+        self.paused_by = foreign
+        try:  # the status must not undo the operator's change: it sets what is in force now
+            row = self._engine_row()
+            self._send({"token_budget": int(row["token_budget"])}, reason)
+        except (CollectorUnavailable, RuntimeError) as exc:
+            logger.warning("could not store the pause: %s", exc)
+
+    def run(self) -> int:
+        o = self.opts
+        self.status(
+            "on",
+            f"autopilot on: {len(self.pilot.config.candidates)} candidate settings, SLOs "
+            f"{o.slo.text()}, starting from the operator's {self.pilot.current.label()}",
+            force=True,
+        )
+        ticks = 0
+        while not self.stopping:
+            t0 = time.monotonic()
+            try:
+                self.tick()
+            except CollectorUnavailable as exc:
+                logger.warning("collector unavailable: %s (the engine keeps its setting)", exc)
+            ticks += 1
+            if o.max_ticks is not None and ticks >= o.max_ticks:
+                break
+            while not self.stopping and time.monotonic() - t0 < o.interval_s:
+                time.sleep(min(0.2, o.interval_s))
+        if self.paused_by is not None:
+            return EXIT_PAUSED
+        self.off()
+        return 0
+
+    def off(self) -> None:
+        reason = f"autopilot off: engine left at {self.pilot.current.label()}"
+        logger.info("%s", reason)
+        try:
+            self._send({"token_budget": self.pilot.current.budget}, reason)
+        except (CollectorUnavailable, RuntimeError) as exc:
+            logger.warning("could not store the switch-off: %s", exc)
+        self.db.dispose()
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected integers like 256,1024, got {text!r}") from exc
+    if not vals or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return vals
+
+
+def _class_slo(text: str) -> tuple[str, float]:
+    name, sep, ms = text.partition("=")
+    try:
+        value = float(ms)
+    except ValueError:
+        value = -1.0
+    if not sep or not name or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected CLASS=MS such as rag=8000, got {text!r}")
+    return name, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="chunkscope autopilot",
+        description="Set the SLOs; the autopilot sets the engine's token budget and long-prefill "
+        "cap live through the collector, and stores why.",
+    )
+    p.add_argument("--collector", required=True, help="collector URL, ws://HOST:PORT")
+    p.add_argument("--engine", required=True, help="engine id to steer")
+    p.add_argument(
+        "--db",
+        default="sqlite:///data/chunkscope.db",
+        help="the collector's store, read as the dashboard reads it "
+        "(default sqlite:///data/chunkscope.db, the collector's default)",
+    )
+    p.add_argument("--slo-itl-ms", type=float, required=True, help="chat ITL p99 SLO (ms)")
+    p.add_argument("--slo-ttft-ms", type=float, required=True, help="TTFT p99 SLO (ms)")
+    p.add_argument(
+        "--slo-itl-max-ms", type=float, default=None, help="SLO on each request's longest gap"
+    )
+    p.add_argument(
+        "--slo-ttft-class",
+        type=_class_slo,
+        action="append",
+        default=[],
+        metavar="CLASS=MS",
+        help="TTFT SLO of one traffic class (repeatable), e.g. rag=8000",
+    )
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between decisions")
+    p.add_argument("--lookback", type=float, default=20.0, help="seconds of traffic replayed")
+    p.add_argument("--fit-window", type=float, default=120.0, help="seconds of steps fitted")
+    p.add_argument("--min-dwell", type=float, default=4.0, help="seconds between changes")
+    p.add_argument(
+        "--max-fit-err",
+        type=float,
+        default=0.6,
+        help="no decision while the step-cost fit's relative error p50 is above this (0.6)",
+    )
+    p.add_argument(
+        "--min-fit-r2", type=float, default=0.5, help="no decision while the fit's R^2 is below"
+    )
+    p.add_argument(
+        "--min-requests", type=int, default=5, help="no decision on fewer arrivals in the look-back"
+    )
+    p.add_argument("--budgets", type=_ints, default=DEFAULT_BUDGETS, help="candidate budgets")
+    p.add_argument("--caps", type=_ints, default=DEFAULT_CAPS, help="candidate caps (0 = off)")
+    p.add_argument("--status-every", type=float, default=10.0, help="seconds between statuses")
+    p.add_argument("--token", default=None, help="the collector's control token")
+    p.add_argument("--auth-token", default=None, help="the collector's --auth-token")
+    p.add_argument("--log", default=None, help="append every decision as JSON lines here")
+    p.add_argument("--max-ticks", type=int, default=None, help="stop after N decisions")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
+    try:
+        slo = AutopilotSlo(
+            args.slo_itl_ms, args.slo_ttft_ms, args.slo_itl_max_ms, dict(args.slo_ttft_class)
+        )
+        for name, v in (("--interval", args.interval), ("--lookback", args.lookback)):
+            if v <= 0:
+                raise ValueError(f"{name} must be positive, got {v}")
+        opts = Options(
+            collector=args.collector,
+            engine_id=args.engine,
+            db_url=args.db,
+            slo=slo,
+            interval_s=args.interval,
+            lookback_s=args.lookback,
+            fit_window_s=args.fit_window,
+            budgets=args.budgets,
+            caps=args.caps,
+            status_every_s=args.status_every,
+            token=args.token,
+            auth_token=args.auth_token,
+            log_path=args.log,
+            max_ticks=args.max_ticks,
+            min_dwell_s=args.min_dwell,
+            max_fit_err=args.max_fit_err,
+            min_fit_r2=args.min_fit_r2,
+            min_requests=args.min_requests,
+        )
+        runner = Runner(opts)
+    except (ValueError, RuntimeError, CollectorUnavailable) as exc:
+        print(f"chunkscope autopilot: {exc}", file=sys.stderr)
+        return 2
+
+    def stop(signum: int, _frame: Any) -> None:
+        runner.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(
+        f"chunkscope autopilot steering {args.engine} via {args.collector}: "
+        f"{runner.pilot.current.label()}, SLOs {slo.text()}",
+        flush=True,
+    )
+    return runner.run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

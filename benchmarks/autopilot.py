@@ -1,0 +1,513 @@
+"""Does the autopilot beat every static setting on bursty traffic? Served path, one run.
+
+One engine (``python -m engine``, the CPU ``demo`` preset) reports to one collector (a temporary
+SQLite store). Per seed, the same bursty replay is served once per arm: four phases of
+``--phase-s`` seconds, built from the real traces in ``../shared/traces/`` (SOURCES.md there):
+
+- ``quiet``: chat only: arrivals and lengths from the Azure LLM inference trace 2023,
+  conversation (a seeded stretch; inter-arrival times rescaled to ``--chat-rate``, prompt and
+  output lengths scaled by ``--chat-prompt-scale`` / ``--chat-output-scale`` and clipped, so the
+  one-thread demo engine can serve them);
+- ``rag``: chat goes on, plus a burst of long prompts from the Azure *code* trace (its bursty
+  arrivals rescaled to ``--rag-rate``, prompts scaled by ``--rag-prompt-scale`` and clipped to
+  [``--rag-min``, ``--rag-max``]);
+- ``image``: chat goes on, plus image requests from ServeGen's mm-image statistics (a seeded
+  client and window: images per request, text and output tokens; arrivals Gamma with the
+  window's coefficient of variation at ``--image-rate``; 720p images, 1,196 image tokens);
+- ``quiet2``: chat only again.
+
+Arms (the order rotated per seed, the autopilot never first so its fit has steps to go on):
+static (budget, cap) settings set with ``PUT /v1/scheduler``: budgets 256, 1024 and 16384 with
+the cap off and at each of ``--caps``, and 2048 without a cap (vLLM's default on small GPUs);
+and the autopilot (``python -m advisor.autopilot_run``, started from 2048 without a cap, stopped
+with SIGTERM after the arm), steering through the collector.
+
+Measured by the client (``loadgen.runner.execute``; one SSE chunk is one token): goodput =
+requests that met the SLOs (``advisor.autopilot.request_meets``: TTFT within the class's SLO,
+the p99 of the request's token gaps within the ITL SLO) per second of the arm's phases. Per
+phase of the autopilot arm: what it predicted (median over its ticks in the phase of the
+predicted chat ITL p99 and TTFT p99 of the setting it chose or held) against what the client
+observed (chat ITL p99 of gaps, TTFT p99 of requests sent in the phase), and its changes.
+
+    flock /work/notes/bench.lock .venv/bin/python -m benchmarks.autopilot [--quick]
+
+Writes benchmarks/results/autopilot.json (--quick: tiny preset, 3-second phases, to the quick
+folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import csv
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from advisor.autopilot import AutopilotSlo, request_meets
+from benchmarks._common import (
+    REPO_ROOT,
+    add_common_args,
+    config_of,
+    setup,
+    start_engine_server,
+    write_json,
+)
+from loadgen.client import ClientConfig
+from loadgen.runner import execute, prefetch_images
+from loadgen.spec import ImageRef, RequestSpec, reindex
+from loadgen.tokens import Segment, TokenSource, words
+from testkit.collector import start_collector
+
+SCRIPT = "autopilot.py"
+CAP_KEY = "long_prefill_token_threshold"
+DEFAULT_TRACES = REPO_ROOT.parent / "shared" / "traces"
+PHASES = ("quiet", "rag", "image", "quiet2")
+ENGINE_ID = "autopilot-bench"
+logger = logging.getLogger("autopilot-bench")
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    budget: int
+    cap: int
+    autopilot: bool = False
+
+
+def static_arms(budgets: list[int], caps: list[int], reference: int) -> list[Arm]:
+    out = []
+    for b in budgets:
+        for c in [0, *[c for c in caps if 0 < c < b]]:
+            out.append(Arm(f"{b}/{c}", b, c))
+    out.append(Arm(f"{reference}/0", reference, 0))
+    return out
+
+
+# ---- the replay ---------------------------------------------------------------------------------
+
+
+def _azure(path: Path) -> list[tuple[float, int, int]]:
+    from datetime import datetime
+
+    rows = []
+    with path.open(newline="") as f:
+        for r in csv.DictReader(f):
+            t = datetime.strptime(r["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+            rows.append((t, int(r["ContextTokens"]), int(r["GeneratedTokens"])))
+    rows.sort()
+    return rows
+
+
+def _stretch(
+    rows: list[tuple[float, int, int]], rng: np.random.Generator, rate: float, span: float
+) -> list[tuple[float, int, int]]:
+    """Consecutive trace rows from a seeded start, their gaps rescaled to ``rate``: (offset,
+    input, output) within ``span`` seconds."""
+    n = max(2, int(rate * span * 3) + 2)
+    i = int(rng.integers(0, len(rows) - n))
+    part = rows[i : i + n]
+    gaps = np.diff([r[0] for r in part])
+    scale = (1.0 / rate) / max(float(gaps.mean()), 1e-9)
+    out, t = [], float(rng.uniform(0, 1.0 / rate))
+    for k, r in enumerate(part):
+        if t >= span:
+            break
+        out.append((t, r[1], r[2]))
+        if k < len(gaps):
+            t += float(gaps[k]) * scale
+    return out
+
+
+def _dist(text: str) -> tuple[np.ndarray, np.ndarray]:
+    d = ast.literal_eval(text)
+    vals = np.array([float(k) for k in d])
+    p = np.array([float(v) for v in d.values()])
+    return vals, p / p.sum()
+
+
+def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec], dict[str, Any]]:
+    TRACES = Path(args.traces_dir)
+    rng = np.random.default_rng(seed)
+    P = args.phase_s
+    specs: list[RequestSpec] = []
+    conv = _azure(TRACES / "AzureLLMInferenceTrace_conv.csv")
+    for t, inp, out in _stretch(conv, rng, args.chat_rate, 4 * P):
+        n = int(np.clip(inp * args.chat_prompt_scale, args.chat_min, args.chat_max))
+        o = int(np.clip(out * args.chat_output_scale, 4, args.chat_output_max))
+        specs.append(RequestSpec(0, "chat", t, o, (Segment(f"chat/{seed}/{len(specs)}", n),)))
+    code = _azure(TRACES / "AzureLLMInferenceTrace_code.csv")
+    for t, inp, out in _stretch(code, rng, args.rag_rate, P):
+        n = int(np.clip(inp * args.rag_prompt_scale, args.rag_min, args.rag_max))
+        o = int(np.clip(out, 2, args.rag_output_max))
+        specs.append(RequestSpec(0, "rag", P + t, o, (Segment(f"rag/{seed}/{len(specs)}", n),)))
+    client = int(rng.integers(0, 35))
+    data = json.loads((TRACES / "servegen-mm-image" / f"chunk-{client}-dataset.json").read_text())
+    window = sorted(data)[int(rng.integers(0, len(data)))]
+    dist = data[window]
+    cv = 1.0
+    with (TRACES / "servegen-mm-image" / f"chunk-{client}-trace.csv").open() as f:
+        for row in csv.reader(f):
+            if row and row[0] == window:
+                cv = float(row[2])
+    counts, pc = _dist(dist["image_count"])
+    texts, pt = _dist(dist["text_tokens"])
+    outs, po = _dist(dist["output_tokens"])
+    shape = 1.0 / max(cv, 0.1) ** 2  # Gamma inter-arrivals with the window's cv, mean 1/rate
+    t = float(rng.gamma(shape, 1.0 / (args.image_rate * shape)))
+    while t < P:
+        k = int(min(args.max_images, max(1, rng.choice(counts, p=pc))))
+        imgs = tuple(ImageRef(1280, 720, "jpeg", int(rng.integers(0, 8))) for _ in range(k))
+        n_words = max(3, int(rng.choice(texts, p=pt) * args.image_text_scale))
+        o = int(np.clip(rng.choice(outs, p=po) * args.image_output_scale, 4, args.image_out_max))
+        specs.append(RequestSpec(0, "vlm", 2 * P + t, o, images=imgs, text=words(rng, n_words)))
+        t += float(rng.gamma(shape, 1.0 / (args.image_rate * shape)))
+    reindex(specs)
+    info = {
+        "seed": seed,
+        "servegen_client": client,
+        "servegen_window_s": window,
+        "servegen_cv": cv,
+        "num_requests": {
+            c: sum(s.traffic_class == c for s in specs) for c in ("chat", "rag", "vlm")
+        },
+    }
+    return specs, info
+
+
+# ---- serving one arm ----------------------------------------------------------------------------
+
+
+async def _put(url: str, changes: dict[str, Any]) -> None:
+    async with aiohttp.ClientSession() as s, s.put(f"{url}/v1/scheduler", json=changes) as r:
+        if r.status != 200:
+            raise RuntimeError(f"PUT /v1/scheduler {changes}: {r.status} {await r.text()}")
+
+
+def _autopilot_proc(args: argparse.Namespace, collector: Any, log: Path) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "advisor.autopilot_run", "--collector", collector.url,
+        "--engine", ENGINE_ID, "--db", collector.db_url,
+        "--slo-itl-ms", str(args.slo_itl_ms), "--slo-ttft-ms", str(args.slo_ttft_ms),
+        "--interval", str(args.ap_interval), "--lookback", str(args.ap_lookback),
+        "--fit-window", str(args.ap_fit_window), "--min-dwell", str(args.ap_min_dwell),
+        "--max-fit-err", str(args.ap_max_fit_err), "--min-fit-r2", str(args.ap_min_fit_r2),
+        "--min-requests", "3", "--budgets", args.ap_budgets, "--caps", args.ap_caps,
+        "--status-every", "5",
+        "--log", str(log), "--log-level", "warning",
+    ]  # fmt: skip
+    for cls, ms in _class_slos(args).items():
+        cmd += ["--slo-ttft-class", f"{cls}={ms:g}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _class_slos(args: argparse.Namespace) -> dict[str, float]:
+    return {"rag": args.slo_ttft_rag_ms, "vlm": args.slo_ttft_vlm_ms}
+
+
+def serve_arm(
+    args: argparse.Namespace,
+    arm: Arm,
+    specs: list[RequestSpec],
+    url: str,
+    collector: Any,
+    tmp: Path,
+    seed: int,
+) -> dict[str, Any]:
+    asyncio.run(_put(url, {"token_budget": arm.budget, CAP_KEY: arm.cap}))
+    time.sleep(0.5)
+    proc = None
+    log = tmp / f"decisions-{seed}-{arm.name.replace('/', '_')}.jsonl"
+    if arm.autopilot:
+        proc = _autopilot_proc(args, collector, log)
+        time.sleep(1.0)
+    cfg = ClientConfig(base_url=url, model=args.preset, request_timeout_s=300)
+    tokens = TokenSource(seed * 1_000_003 + 17, 32, 126)
+    prefetch_images(specs)
+    load0 = os.getloadavg()[0]
+    outcome = asyncio.run(execute(specs, cfg, tokens, drain_timeout_s=args.drain_s))
+    ap_out = ""
+    if proc is not None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            ap_out = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            ap_out = proc.communicate()[0]
+    decisions = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    return {
+        "arm": arm.name,
+        "autopilot": arm.autopilot,
+        "budget": arm.budget,
+        "cap": arm.cap,
+        "start_wall": outcome.wall_start,
+        "loadavg_1m": [load0, os.getloadavg()[0]],
+        "records": outcome.records,
+        "decisions": decisions,
+        "autopilot_exit": None if proc is None else proc.returncode,
+        "autopilot_tail": ap_out[-1500:],
+    }
+
+
+# ---- figures ------------------------------------------------------------------------------------
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(xs), q)) if xs else None
+
+
+def arm_figures(args: argparse.Namespace, served: dict[str, Any], slo: AutopilotSlo) -> dict:
+    P = args.phase_s
+    recs = served["records"]
+    meet = [
+        r.status == "ok" and request_meets(r.ttft_s, r.itl_s, slo, r.traffic_class) for r in recs
+    ]
+    phases = {}
+    for k, name in enumerate(PHASES):
+        mine = [r for r in recs if k * P <= r.scheduled_s < (k + 1) * P]
+        ok = [r for r in mine if r.status == "ok"]
+        chat_gaps = [g * 1e3 for r in ok if r.traffic_class == "chat" for g in r.itl_s]
+        ttft = [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]
+        phases[name] = {
+            "num_requests": len(mine),
+            "num_failed": len(mine) - len(ok),
+            "num_meet": sum(
+                m for r, m in zip(recs, meet, strict=True) if k * P <= r.scheduled_s < (k + 1) * P
+            ),
+            "chat_itl_p99_ms": _pct(chat_gaps, 99),
+            "chat_itl_max_ms": max(chat_gaps) if chat_gaps else None,
+            "ttft_p99_ms": _pct(ttft, 99),
+        }
+    out = {
+        "arm": served["arm"],
+        "autopilot": served["autopilot"],
+        "budget": served["budget"],
+        "cap": served["cap"],
+        "num_requests": len(recs),
+        "num_meet": int(sum(meet)),
+        "goodput_rps": sum(meet) / (4 * P),
+        "num_failed": sum(r.status != "ok" for r in recs),
+        "loadavg_1m": served["loadavg_1m"],
+        "phases": phases,
+    }
+    if served["autopilot"]:
+        out["autopilot"] = autopilot_figures(args, served, phases)
+    return out
+
+
+def autopilot_figures(
+    args: argparse.Namespace, served: dict[str, Any], phases: dict[str, Any]
+) -> dict[str, Any]:
+    P, t0 = args.phase_s, served["start_wall"]
+    ds = served["decisions"]
+    kinds: dict[str, int] = {}
+    for d in ds:
+        kinds[d["kind"]] = kinds.get(d["kind"], 0) + 1
+    per_phase = {}
+    for k, name in enumerate(PHASES):
+        ticks = [d for d in ds if k * P <= d["time"] - t0 < (k + 1) * P and d.get("chosen")]
+        pred_itl = [d["chosen"]["itl_p99_ms"] for d in ticks if d["chosen"]["itl_p99_ms"]]
+        pred_ttft = [d["chosen"]["ttft_p99_ms"] for d in ticks if d["chosen"]["ttft_p99_ms"]]
+        eng_itl = [d["observed"]["itl_p99_ms"] for d in ticks if d["observed"]["itl_p99_ms"]]
+        eng_ttft = [d["observed"]["ttft_p99_ms"] for d in ticks if d["observed"]["ttft_p99_ms"]]
+        here_itl = [d["left"]["itl_p99_ms"] for d in ticks if d["left"]["itl_p99_ms"]]
+        here_ttft = [d["left"]["ttft_p99_ms"] for d in ticks if d["left"]["ttft_p99_ms"]]
+        p_itl, p_ttft = _pct(pred_itl, 50), _pct(pred_ttft, 50)
+        o_itl, o_ttft = phases[name]["chat_itl_p99_ms"], phases[name]["ttft_p99_ms"]
+        per_phase[name] = {
+            "ticks_with_prediction": len(ticks),
+            "settings": sorted({f"{d['budget']}/{d['cap']}" for d in ticks}),
+            "predicted_chat_itl_p99_ms": p_itl,
+            "observed_chat_itl_p99_ms": o_itl,
+            "itl_error": _err(p_itl, o_itl),
+            "predicted_ttft_p99_ms": p_ttft,
+            "observed_ttft_p99_ms": o_ttft,
+            "ttft_error": _err(p_ttft, o_ttft),
+            # the model on the window just past at the setting in force, against the store
+            "nowcast_itl_p99_ms": _pct(here_itl, 50),
+            "store_itl_p99_ms": _pct(eng_itl, 50),
+            "nowcast_ttft_p99_ms": _pct(here_ttft, 50),
+            "store_ttft_p99_ms": _pct(eng_ttft, 50),
+        }
+    changes = [
+        {"t_s": d["time"] - t0, "to": f"{d['budget']}/{d['cap']}", "reason": d["reason"]}
+        for d in ds
+        if d["kind"] in ("change", "fallback")
+        and (d["budget"], d["cap"]) != (d["previous_budget"], d["previous_cap"])
+    ]
+    return {
+        "ticks": len(ds),
+        "kinds": kinds,
+        "num_changes": len(changes),
+        "changes": changes,
+        "phases": per_phase,
+        "exit_status": served["autopilot_exit"],
+        "tail": served["autopilot_tail"],
+    }
+
+
+def _err(pred: float | None, obs: float | None) -> float | None:
+    return None if pred is None or not obs else abs(pred - obs) / obs
+
+
+def summary(seeds: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = []
+    for s in seeds:
+        arms = {a["arm"]: a for a in s["arms"]}
+        ap = next(a for a in s["arms"] if a["autopilot"] is not False)
+        statics = [a for a in s["arms"] if a["autopilot"] is False]
+        best = max(statics, key=lambda a: a["goodput_rps"])
+        ref = arms.get("2048/0")
+        rows.append(
+            {
+                "seed": s["seed"],
+                "autopilot_goodput_rps": ap["goodput_rps"],
+                "best_static": best["arm"],
+                "best_static_goodput_rps": best["goodput_rps"],
+                "vs_best_static": ap["goodput_rps"] / best["goodput_rps"]
+                if best["goodput_rps"]
+                else None,
+                "vs_2048_no_cap": ap["goodput_rps"] / ref["goodput_rps"]
+                if ref and ref["goodput_rps"]
+                else None,
+                "num_changes": ap["autopilot"]["num_changes"],
+                "meets_targets": bool(
+                    ap["goodput_rps"] >= best["goodput_rps"]
+                    and ref is not None
+                    and ap["goodput_rps"] >= 1.2 * ref["goodput_rps"]
+                ),
+            }
+        )
+    return {"per_seed": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(ap)
+    ap.add_argument("--preset", default="demo")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES), help="../shared/traces")
+    ap.add_argument("--phase-s", type=float, default=8.0)
+    ap.add_argument("--drain-s", type=float, default=15.0, help="then in-flight requests fail")
+    ap.add_argument("--budgets", default="256,1024,16384")
+    ap.add_argument("--caps", default="256", help="caps tried at each budget besides off")
+    ap.add_argument("--reference-budget", type=int, default=2048)
+    ap.add_argument("--slo-itl-ms", type=float, default=250.0)
+    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    ap.add_argument("--slo-ttft-rag-ms", type=float, default=8000.0)
+    ap.add_argument("--slo-ttft-vlm-ms", type=float, default=6000.0)
+    ap.add_argument("--chat-rate", type=float, default=0.5)
+    ap.add_argument("--chat-prompt-scale", type=float, default=0.2)
+    ap.add_argument("--chat-min", type=int, default=32)
+    ap.add_argument("--chat-max", type=int, default=400)
+    ap.add_argument("--chat-output-scale", type=float, default=0.2)
+    ap.add_argument("--chat-output-max", type=int, default=40)
+    ap.add_argument("--rag-rate", type=float, default=0.2)
+    ap.add_argument("--rag-prompt-scale", type=float, default=1.2)
+    ap.add_argument("--rag-min", type=int, default=1500)
+    ap.add_argument("--rag-max", type=int, default=4000)
+    ap.add_argument("--rag-output-max", type=int, default=16)
+    ap.add_argument("--image-rate", type=float, default=0.3)
+    ap.add_argument("--max-images", type=int, default=1)
+    ap.add_argument("--image-text-scale", type=float, default=0.2)
+    ap.add_argument("--image-output-scale", type=float, default=0.3)
+    ap.add_argument("--image-out-max", type=int, default=40)
+    ap.add_argument("--ap-interval", type=float, default=1.0)
+    ap.add_argument("--ap-lookback", type=float, default=10.0)
+    ap.add_argument("--ap-fit-window", type=float, default=180.0)
+    ap.add_argument("--ap-min-dwell", type=float, default=2.0)
+    ap.add_argument("--ap-max-fit-err", type=float, default=0.75)
+    ap.add_argument("--ap-min-fit-r2", type=float, default=0.4)
+    ap.add_argument("--ap-budgets", default="256,512,1024,2048,4096,16384")
+    ap.add_argument("--ap-caps", default="0,256")
+    ap.add_argument("--max-model-len", type=int, default=8448)
+    ap.add_argument("--kv-blocks", type=int, default=4096)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.preset, args.phase_s, args.drain_s, args.seeds = "tiny", 3.0, 10.0, "0"
+        args.budgets, args.caps, args.reference_budget = "64,256", "32", 128
+        args.rag_min, args.rag_max, args.chat_max, args.max_model_len = 100, 300, 64, 512
+        args.kv_blocks, args.ap_budgets, args.ap_caps = 1024, "64,128,256", "0,32"
+    out_dir = setup(args)
+    slo = AutopilotSlo(args.slo_itl_ms, args.slo_ttft_ms, None, _class_slos(args))
+    budgets = [int(x) for x in args.budgets.split(",")]
+    caps = [int(x) for x in args.caps.split(",") if x]
+    statics = static_arms(budgets, caps, args.reference_budget)
+    top = max([a.budget for a in statics] + [int(x) for x in args.ap_budgets.split(",")])
+    tmp = Path(tempfile.mkdtemp(prefix="autopilot-bench-"))
+    collector = start_collector(f"sqlite:///{tmp / 'store.db'}")
+    cmd = [
+        sys.executable, "-m", "engine", "--model", args.preset, "--port", "0",
+        "--device", "cpu", "--dtype", "float32", "--engine-id", ENGINE_ID,
+        "--collector-url", collector.url,
+        "--token-budget", str(args.reference_budget), "--max-token-budget", str(top),
+        "--max-model-len", str(args.max_model_len), "--kv-blocks", str(args.kv_blocks),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO_ROOT)}
+    t0, load_before = time.time(), os.getloadavg()
+    proc, url = start_engine_server(cmd, env=env, timeout=300, stdout=subprocess.DEVNULL)
+    seeds_out = []
+    try:
+        for i, seed in enumerate(int(x) for x in args.seeds.split(",")):
+            specs, info = build_replay(args, seed)
+            order = statics[i % len(statics) :] + statics[: i % len(statics)]
+            order.insert(1 + i % (len(order) - 1), Arm("autopilot", args.reference_budget, 0, True))
+            arms = []
+            for arm in order:
+                served = serve_arm(args, arm, specs, url, collector, tmp, seed)
+                fig = arm_figures(args, served, slo)
+                logger.warning(
+                    "seed %d arm %s: goodput %.3f req/s (%d/%d met), load %.2f",
+                    seed, arm.name, fig["goodput_rps"], fig["num_meet"], fig["num_requests"],
+                    served["loadavg_1m"][1],
+                )  # fmt: skip
+                arms.append(fig)
+            seeds_out.append({**info, "seed": seed, "arms": arms})
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        collector.stop()
+    result = summary(seeds_out)
+    for r in result["per_seed"]:
+        print(json.dumps(r))
+    write_json(
+        out_dir / "autopilot.json",
+        {
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "wall_s": time.time() - t0,
+            "slo": {
+                "itl_p99_ms": slo.itl_ms,
+                "ttft_p99_ms": slo.ttft_ms,
+                "ttft_by_class": dict(slo.ttft_by_class),
+            },  # fmt: skip
+            **result,
+            "seeds": seeds_out,
+        },
+        script=SCRIPT,
+        config=config_of(args),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

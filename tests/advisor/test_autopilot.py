@@ -1,0 +1,162 @@
+"""The autopilot's decision on synthetic traffic and step costs (no store, no engine)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from advisor.autopilot import (
+    Autopilot,
+    AutopilotConfig,
+    AutopilotSlo,
+    Observed,
+    Setting,
+    candidates,
+    parse_reason,
+    request_meets,
+)
+from advisor.fit import FitReport, NoiseModel
+from advisor.simulate import EngineShape
+from advisor.traffic import ObservedRequest, Traffic
+from engine.core.cost_model import CostModel
+
+SHAPE = EngineShape(num_kv_blocks=4096, block_size=16, max_token_budget=16384)
+SLO = AutopilotSlo(itl_ms=100.0, ttft_ms=3000.0)
+GRID = (Setting(256), Setting(1024), Setting(16384))
+
+
+def fit(noise: NoiseModel | None = None, r2: float = 0.99, steps: int = 500) -> FitReport:
+    # 5 ms a step, 0.1 ms a prefill token, 0.5 ms a decode token: a 16k-token step is ~1.6 s
+    model = CostModel(0.005, 1e-4, 5e-4, 0.0, num_steps=steps, rel_err_p50=0.05, r2=r2)
+    return FitReport(model, steps, 0.0, 0.0, noise=noise)
+
+
+def traffic(seed: int = 0, *, rag: bool = True, seconds: float = 20.0) -> Traffic:
+    """Chat at 2/s (64-token prompts, 40 tokens out) and, with ``rag``, a 4000-token RAG prompt
+    every 2 s."""
+    rng = random.Random(seed)
+    reqs = []
+    t = 0.0
+    i = 0
+    while t < seconds:
+        t += rng.expovariate(2.0)
+        reqs.append(ObservedRequest(f"c{i}", "chat", t, 64, 0, 0, 40))
+        i += 1
+    if rag:
+        for k in range(int(seconds // 2)):
+            reqs.append(ObservedRequest(f"r{k}", "rag", 2.0 * k + 0.5, 4000, 0, 0, 20))
+    reqs.sort(key=lambda r: r.arrival)
+    return Traffic(reqs, 0.0, seconds)
+
+
+def pilot(start: Setting = GRID[2], slo: AutopilotSlo = SLO, **kw: object) -> Autopilot:
+    return Autopilot(AutopilotConfig(candidates=GRID, start=start, **kw), slo)  # type: ignore[arg-type]
+
+
+GENEROUS = AutopilotSlo(itl_ms=10_000.0, ttft_ms=60_000.0)  # every setting meets it
+
+
+def test_picks_the_known_best_after_confirming() -> None:
+    # At 16384 a RAG prompt is one ~0.4 s step that every chat gap waits for (ITL SLO 100 ms);
+    # at 1024 a step is ~0.1 s plus decode; at 256 every request meets both SLOs.
+    ap = pilot()
+    first = ap.decide(0.0, fit(), traffic(), SHAPE)
+    assert first.kind == "hold" and first.setting == Setting(16384)
+    assert "needs 2 ticks" in first.reason
+    second = ap.decide(2.0, fit(), traffic(), SHAPE)
+    assert second.kind == "change" and second.setting == Setting(256), second.reason
+    assert second.chosen is not None and second.left is not None
+    assert second.chosen.num_meet > second.left.num_meet
+    itl, ttft = parse_reason(second.reason)
+    assert itl == pytest.approx(round(second.chosen.itl_p99_ms or 0), abs=0.5)
+    assert ttft == pytest.approx(round(second.chosen.ttft_p99_ms or 0), abs=0.5)
+    assert "left budget 16384 cap off: predicted chat ITL p99" in second.reason
+
+
+def test_does_not_flap_on_noise() -> None:
+    # Quiet chat: every candidate meets the SLOs, and the step times scatter +-40% (a fresh
+    # draw each tick, fresh arrivals each tick): the autopilot must stay where it is.
+    ratios = [[0.6 + 0.8 * q / 199 for q in range(200)]]
+    noise = NoiseModel([1.0], ratios, [0.0])
+    ap = pilot(start=Setting(1024))
+    kinds = []
+    for tick in range(12):
+        d = ap.decide(2.0 * tick, fit(noise), traffic(tick, rag=False), SHAPE)
+        kinds.append(d.kind)
+        ap.moved(d.setting, 2.0 * tick)
+    assert kinds == ["hold"] * 12
+    assert ap.current == Setting(1024)
+    # RAG bursts under SLOs every setting meets: the settings differ (the tail), the count of
+    # requests meeting the SLOs does not, and the scatter reorders their tails from tick to tick
+    ap = pilot(start=Setting(1024), slo=GENEROUS)
+    for tick in range(8):
+        d = ap.decide(2.0 * tick, fit(noise), traffic(tick), SHAPE)
+        assert d.kind == "hold", d.reason
+        ap.moved(d.setting, 2.0 * tick)
+
+
+def test_hysteresis_needs_a_margin() -> None:
+    ap = pilot(start=Setting(16384), slo=GENEROUS, margin_frac=0.0, confirm=1)
+    d = ap.decide(0.0, fit(), traffic(), SHAPE)
+    assert d.kind == "hold", d.reason  # a gain of 0 requests is no reason to move
+    assert d.predictions and len({p.itl_max_ms for p in d.predictions}) > 1  # tails differ
+
+
+def test_falls_back_when_predictions_and_observations_part() -> None:
+    bad = Observed(itl_p99_ms=900.0, ttft_p99_ms=9000.0, steady=True)
+    # the third parted tick falls back to the operator's setting and says so
+    ap2 = pilot(start=Setting(16384), part_ticks=3)
+    ap2.moved(Setting(256), 0.0)
+    out = [ap2.decide(10.0 + t, fit(), traffic(), SHAPE, bad) for t in range(3)]
+    assert [o.kind for o in out[:2]] == ["hold", "hold"]
+    assert out[2].kind == "fallback" and out[2].setting == Setting(16384)
+    assert "parted" in out[2].reason and "operator's" in out[2].reason
+    ap2.moved(out[2].setting, 12.0)
+    held = ap2.decide(20.0, fit(), traffic(), SHAPE)
+    assert held.kind == "fallback" and held.setting == Setting(16384)
+
+
+def test_no_fallback_when_predictions_hold() -> None:
+    ap = pilot(start=Setting(16384), part_ticks=1)
+    ap.moved(Setting(256), 0.0)
+    d0 = ap.decide(10.0, fit(), traffic(), SHAPE)
+    assert d0.left is not None
+    good = Observed(d0.left.itl_p99_ms, d0.left.ttft_p99_ms, steady=True)
+    assert ap.decide(12.0, fit(), traffic(), SHAPE, good).kind == "hold"
+
+
+def test_refuses_on_a_poor_fit() -> None:
+    d = pilot().decide(0.0, fit(r2=0.1), traffic(), SHAPE)
+    assert d.kind == "refuse" and not d.changes and "poor fit" in d.reason
+
+
+def test_refuses_with_too_little_data() -> None:
+    few = Traffic(traffic().requests[:3], 0.0, 20.0)
+    d = pilot().decide(0.0, fit(), few, SHAPE)
+    assert d.kind == "refuse" and "too little data" in d.reason
+    d = pilot().decide(0.0, fit(steps=10), traffic(), SHAPE)
+    assert d.kind == "refuse" and "10 steps" in d.reason
+    d = pilot().decide(0.0, "need at least 4 steps", traffic(), SHAPE)
+    assert d.kind == "refuse" and "too little data" in d.reason
+
+
+def test_candidates_follow_what_the_engine_supports() -> None:
+    got = candidates([256, 2048, 32768], [0, 512], max_token_budget=16384, cap_supported=True)
+    assert got == [Setting(256), Setting(2048), Setting(2048, 512)]
+    got = candidates([256, 2048], [0, 512], max_token_budget=None, cap_supported=False)
+    assert got == [Setting(256), Setting(2048)]
+    with pytest.raises(ValueError, match="no candidate"):
+        candidates([32768], [0], max_token_budget=16384, cap_supported=True)
+
+
+def test_request_meets_each_slo() -> None:
+    slo = AutopilotSlo(itl_ms=50, ttft_ms=1000, tail_itl_ms=200, ttft_by_class={"rag": 5000})
+    assert request_meets(0.5, [0.02] * 50, slo, "chat")
+    assert not request_meets(None, [], slo, "chat")
+    assert not request_meets(1.5, [0.02] * 50, slo, "chat")
+    assert request_meets(1.5, [0.02] * 50, slo, "rag")
+    assert not request_meets(0.5, [0.02] * 98 + [0.3], slo, "chat")  # the stall tail
+    assert not request_meets(0.5, [0.06] * 50, slo, "chat")
+    with pytest.raises(ValueError):
+        AutopilotSlo(itl_ms=0, ttft_ms=100)
