@@ -546,7 +546,6 @@ class Collector:
             return
         expected = self.config.ingest_token
         if expected is not None and not same_secret(hello.get("token"), expected):
-            self.metrics.refuse("auth")
             await self._close(ws, CLOSE_AUTH, "missing or wrong publish token")
             return
         conn = IngestConn(ws=ws, engine_id=hello["engine_id"], run_id=hello["run_id"])
