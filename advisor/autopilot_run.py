@@ -51,6 +51,7 @@ from advisor.simulate import ITL_CLASS
 from advisor.traffic import ObservedRequest, Traffic, engine_shape
 from storage import queries
 from storage.control import CollectorUnavailable, list_engines, send_control
+from wire import credentials
 from wire.control import CAP_KEY, MAX_REASON_CHARS
 
 logger = logging.getLogger("chunkscope.autopilot")
@@ -440,8 +441,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=_ints, default=DEFAULT_BUDGETS, help="candidate budgets")
     p.add_argument("--caps", type=_ints, default=DEFAULT_CAPS, help="candidate caps (0 = off)")
     p.add_argument("--status-every", type=float, default=10.0, help="seconds between statuses")
-    p.add_argument("--token", default=None, help="the collector's control token")
-    p.add_argument("--auth-token", default=None, help="the collector's --auth-token")
+    p.add_argument(
+        "--token",
+        default=credentials.from_env(credentials.CONTROL_ENV),
+        help=f"the collector's control token (default: ${credentials.CONTROL_ENV})",
+    )
+    p.add_argument(
+        "--auth-token",
+        default=credentials.from_env(credentials.LEGACY_ENV),
+        help=f"the collector's --auth-token (default: ${credentials.LEGACY_ENV})",
+    )
     p.add_argument("--log", default=None, help="append every decision as JSON lines here")
     p.add_argument("--max-ticks", type=int, default=None, help="stop after N decisions")
     p.add_argument("--log-level", default="INFO")

@@ -24,6 +24,7 @@ import pandas as pd
 from advisor.autopilot import parse_reason
 from advisor.autopilot_run import EXIT_PAUSED, SOURCE
 from dashboard.processes import ManagedProcess, python_argv
+from dashboard.services import child_env
 
 
 @dataclass(frozen=True)
@@ -55,14 +56,13 @@ class AutopilotSwitch:
         engine_id: str,
         db_url: str,
         slo: SwitchSlo,
-        token: str | None = None,
     ) -> list[str]:
+        """The child's command line; its control token travels in its environment, never here
+        (a command line is readable by every local user)."""
         args = ["--collector", collector_url, "--engine", engine_id, "--db", db_url,
                 "--slo-itl-ms", f"{slo.itl_ms:g}", "--slo-ttft-ms", f"{slo.ttft_ms:g}"]  # fmt: skip
         if slo.tail_itl_ms is not None:
             args += ["--slo-itl-max-ms", f"{slo.tail_itl_ms:g}"]
-        if token:
-            args += ["--token", token]
         return python_argv("advisor.autopilot_run", *args)
 
     def start(
@@ -81,8 +81,8 @@ class AutopilotSwitch:
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id)[:64]
             log = self.data_dir / "logs" / f"autopilot-{safe}.log"
             proc = ManagedProcess(
-                "autopilot", self.argv(collector_url, engine_id, db_url, slo, token), log
-            ).start()
+                "autopilot", self.argv(collector_url, engine_id, db_url, slo), log
+            ).start(env=child_env(control=token))
             self._procs[engine_id] = proc
             self._slos[engine_id] = slo
             return proc

@@ -11,6 +11,7 @@ import pytest
 from advisor.autopilot_run import build_parser
 from dashboard import charts
 from dashboard.autopilot import AutopilotSwitch, SwitchSlo, autopilot_events, latest_status
+from wire import credentials
 
 CHANGE = (
     "autopilot: budget 2048 cap off -> budget 256 cap off (3 more of 9 requests meet ...): "
@@ -66,9 +67,13 @@ def test_a_status_is_no_budget_marker() -> None:
     assert len(marks) == 2  # 2048 -> 256 and the manual 256 -> 512; no-change statuses skipped
 
 
-def test_switch_runs_the_cli_with_the_slos(tmp_path: Path) -> None:
+def test_switch_runs_the_cli_with_the_slos(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sw = AutopilotSwitch(tmp_path)
-    argv = sw.argv("ws://127.0.0.1:1", "e1", "sqlite:///x.db", SwitchSlo(80, 1500, 400), "tok")
+    argv = sw.argv("ws://127.0.0.1:1", "e1", "sqlite:///x.db", SwitchSlo(80, 1500, 400))
+    assert "tok" not in " ".join(argv)  # the token travels in the child's environment
+    monkeypatch.setenv(credentials.CONTROL_ENV, "tok")
     args = build_parser().parse_args(argv[3:])
     assert (args.slo_itl_ms, args.slo_ttft_ms, args.slo_itl_max_ms) == (80, 1500, 400)
     assert (args.engine, args.token) == ("e1", "tok")
