@@ -67,9 +67,7 @@ def test_a_status_is_no_budget_marker() -> None:
     assert len(marks) == 2  # 2048 -> 256 and the manual 256 -> 512; no-change statuses skipped
 
 
-def test_switch_runs_the_cli_with_the_slos(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_switch_runs_the_cli_with_the_slos(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sw = AutopilotSwitch(tmp_path)
     argv = sw.argv("ws://127.0.0.1:1", "e1", "sqlite:///x.db", SwitchSlo(80, 1500, 400))
     assert "tok" not in " ".join(argv)  # the token travels in the child's environment
