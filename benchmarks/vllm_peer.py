@@ -386,6 +386,54 @@ def run_ours(args: argparse.Namespace, model: Path, dtype: str) -> dict[str, Any
     return served
 
 
+def decode_step_in_process(args: argparse.Namespace, model: Path, dtype: str) -> dict[str, Any]:
+    """Our decode-only steps in this process, one torch thread, pinned to ``--core``:
+    ``--chat-streams`` requests past their prefills, ``engine.step()`` wall and thread-CPU time
+    and the forward's share (the rest is scheduler, metadata, sampling, events)."""
+    import torch
+
+    from engine.core.config import EngineConfig
+    from engine.core.sampling_params import SamplingParams
+    from engine.llm_engine import LLMEngine
+
+    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {args.core})
+    try:
+        engine = LLMEngine(
+            EngineConfig(model=str(model), token_budget=args.budget,
+                         max_token_budget=args.budget, max_model_len=args.max_model_len,
+                         num_kv_blocks=args.kv_blocks, device="cpu", dtype=dtype, seed=0,
+                         cpu_threads=1)
+        )  # fmt: skip
+        prompts = Prompts(args.seed)
+        n = max(20, args.decode_steps)
+        params = SamplingParams(max_tokens=n + 64, temperature=0.0, ignore_eos=True)
+        for _ in range(args.chat_streams):
+            engine.add_request(prompts.make(args.chat_prompt), params)
+        wall, cpu, fwd = [], [], []
+        while len(wall) < n:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            res = engine.step()
+            t1, c1 = time.perf_counter(), time.thread_time()
+            ev = res.event
+            if ev is not None and ev.num_prefill_tokens == 0:
+                wall.append((t1 - t0) * 1e3)
+                cpu.append((c1 - c0) * 1e3)
+                fwd.append(ev.forward_ns / 1e6)
+        wall, cpu, fwd = wall[10:], cpu[10:], fwd[10:]  # the first steps warm up
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    return {
+        "steps": len(wall),
+        "batch": args.chat_streams,
+        "wall_p50_ms": float(np.median(wall)),
+        "thread_cpu_p50_ms": float(np.median(cpu)),
+        "forward_p50_ms": float(np.median(fwd)),
+        "outside_forward_p50_ms": float(np.median(np.asarray(wall) - np.asarray(fwd))),
+    }
+
+
 def summarize_run(engine: str, dtype: str, served: dict[str, Any]) -> dict[str, Any]:
     reqs = served["requests"]
     by = {w["name"]: w for w in served["windows"]}
@@ -428,13 +476,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--kv-blocks", type=int, default=2048, help="ours (block size 16)")
     ap.add_argument("--kv-mib", type=int, default=256, help="vLLM --kv-cache-memory-bytes")
+    ap.add_argument(
+        "--decode-steps",
+        type=int,
+        default=200,
+        help="ours: decode-only steps timed in process (0: none)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.quick:  # tiny sizes, except what the command line sets
         quick = {"hidden": 128, "layers": 2, "pairs": 1, "chat_streams": 2, "chat_prompt": 16,
                  "chat_tokens": 8, "long_prompt": 300, "long_every_s": 1.0, "budget": 64,
                  "warmup_s": 1.0, "decode_window_s": 1.0, "window_s": 2.0,
-                 "max_model_len": 512, "kv_blocks": 256, "kv_mib": 32}  # fmt: skip
+                 "max_model_len": 512, "kv_blocks": 256, "kv_mib": 32,
+                 "decode_steps": 20}  # fmt: skip
         for k, v in quick.items():
             if getattr(args, k) == ap.get_default(k):
                 setattr(args, k, v)
@@ -477,6 +532,11 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(run)
             per_engine = {e: pooled([r for r in runs if r["engine"] == e]) for e in engines}
             entry: dict[str, Any] = {"engines": per_engine}
+            if "ours" in engines and args.decode_steps:
+                entry["ours_decode_step_in_process"] = decode_step_in_process(args, model, dtype)
+                logger.warning(
+                    "%s ours in process: %s", dtype, entry["ours_decode_step_in_process"]
+                )
             if set(engines) == set(ENGINES):
                 entry["ratios"] = ratios(per_engine["vllm"], per_engine["ours"])
                 entry["table"] = markdown(dtype, per_engine["vllm"], per_engine["ours"])
