@@ -9,7 +9,7 @@ from wire.control import POLICIES
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "flex")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "flex", "split")
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -85,7 +85,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                "attention_backend must be auto, sdpa, flash or flex, "
+                "attention_backend must be auto, sdpa, flash, flex or split, "
                 f"got {self.attention_backend!r}"
             )
         _check_int("image_token_cap", self.image_token_cap, 4)

@@ -63,8 +63,10 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
                   "help": "where the model runs"}),
     ("--dtype", {"choices": ("auto", "float32", "bfloat16", "float16"), "default": "auto",
                  "help": "model dtype"}),
-    ("--attention-backend", {"choices": ("auto", "sdpa", "flash", "flex"), "default": "auto",
-                             "help": "attention kernel"}),
+    ("--attention-backend", {"choices": ("auto", "sdpa", "flash", "flex", "split"),
+                             "default": "auto",
+                             "help": "attention kernel (auto: split on CPU, flash or sdpa on "
+                             "CUDA)"}),
     ("--seed", {"type": int, "default": 0, "help": "seed for synthetic weights and sampling"}),
     ("--image-token-cap", {"type": int, "default": 1280,
                            "help": "most image tokens per image (one per 28x28 pixels after "

@@ -267,7 +267,7 @@ def test_engine_flex_equals_sdpa(block_size: int) -> None:
 # --- configuration --------------------------------------------------------------------------------
 def test_config_and_cli_accept_flex() -> None:
     assert EngineConfig(attention_backend="flex").validate().attention_backend == "flex"
-    with pytest.raises(ValueError, match="auto, sdpa, flash or flex"):
+    with pytest.raises(ValueError, match="auto, sdpa, flash, flex or split"):
         EngineConfig(attention_backend="flexx").validate()
     from engine.server.cli import build_parser
 
@@ -287,7 +287,7 @@ def test_select_backend_flex(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu.name == "flex" and not cpu.compiled
     monkeypatch.setenv(af.FLEX_COMPILE_ENV, "1")
     assert select_backend("flex", CPU, 16).dense_widths
-    assert select_backend("auto", CPU, 16).name == "sdpa"  # auto is unchanged
+    assert select_backend("auto", CPU, 16).name == "split"  # auto on CPU: the split backend
     with pytest.raises(ValueError, match="block_size % 16 == 0"):
         FlexBackend().prepare_metadata([SeqSlice(0, 1, 3, [0])], 8, cuda)
     assert kernel_options_for(cuda, 256) is None

@@ -1,0 +1,197 @@
+"""The split backend (CPU default): a chunk's attention over its cached prefix with no mask,
+plus its causal diagonal, merged by log-sum-exp.
+
+A prefill chunk of ``q_len`` queries at positions ``[start, ctx_len)`` attends to the prefix
+``[0, start)`` in full and to its own keys causally. SDPA with one offset boolean mask makes the
+CPU kernel read and apply a ``[q_len, ctx_len]`` mask it had to build first (the mask costs ~20%
+of the attention at a 6,000-token context, measured). Here the two parts are two calls of the
+fused CPU flash kernel, neither with a mask, each returning the log-sum-exp of its rows, and the
+two partial outputs are merged exactly (``merge``):
+
+* prefix: the ``G = Hq / Hkv`` query heads that share a K/V head are stacked as rows of one
+  query ``[1, Hkv, G * q_len, D]``, so the K/V heads are used as they are (no repeat) and one
+  call serves all of a group's query heads. The K/V come from the paged cache: a view of the
+  flat cache when the prefix's blocks are one run of consecutive block ids (no copy), else one
+  ``index_select`` of the prefix's slots (a gather of ``start x Hkv x D``, ~1% of the call);
+* diagonal: ``is_causal=True`` against the chunk's own K/V (the step's inputs: the very values
+  just written to the cache), its K/V heads repeated for their query heads (``q_len`` rows).
+
+A chunk at position 0 is one causal call. Decodes (one query each) are batched in groups of
+similar context length (padding at most doubles a row's keys), the group's query heads stacked
+the same way (``[B, Hkv, G, D]``), K/V gathered from the flat cache by the step's slot table;
+a group whose lengths differ gets a ``[B, 1, 1, L]`` key-padding mask, built once per step in
+``prepare_metadata`` and shared by every layer. A group of equal lengths has none.
+
+The kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, what
+``F.scaled_dot_product_attention`` dispatches to on CPU) accumulates in fp32 for bf16 inputs
+and returns its log-sum-exp in fp32; the merge runs in fp32. When torch lacks the op,
+``split_available()`` is False and ``select`` falls back to SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.attention.common import (
+    AttentionMetadata,
+    DecodeGroup,
+    SeqSlice,
+    block_table,
+    context_slots,
+    slot_mapping,
+    store_kv,
+)
+
+
+def _flash_op():  # type: ignore[no-untyped-def]
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def split_available() -> bool:
+    """Whether this torch has the fused CPU flash kernel that returns log-sum-exp."""
+    return _flash_op() is not None
+
+
+@dataclass
+class SplitPrefill:
+    seq: SeqSlice
+    # the prefix [0, start) in the flat cache: a (first, end) slot range when its blocks are
+    # consecutive (read as a view), else its slots (gathered); None for a chunk at position 0
+    prefix_range: tuple[int, int] | None = None
+    prefix_slots: torch.Tensor | None = None
+
+
+@dataclass
+class SplitMetadata(AttentionMetadata):
+    split_prefills: list[SplitPrefill] = field(default_factory=list)
+
+
+def merge(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:
+    """Softmax attention over the union of two disjoint key sets, from each set's output
+    ``[..., L, D]`` and log-sum-exp ``[..., L]``, in fp32."""
+    lse = torch.logaddexp(lse1, lse2)
+    w1 = torch.exp(lse1 - lse).unsqueeze(-1)
+    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
+    return o1.float() * w1 + o2.float() * w2
+
+
+def prefix_location(
+    s: SeqSlice, block_size: int, table_row: torch.Tensor
+) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
+    """Where the prefix ``[0, start)`` of ``s`` lies in the flat cache (see ``SplitPrefill``)."""
+    start = s.ctx_len - s.q_len
+    if start == 0:
+        return None, None
+    n_blocks = -(-start // block_size)
+    ids = s.block_ids[:n_blocks]
+    if ids == list(range(ids[0], ids[0] + n_blocks)):
+        first = ids[0] * block_size
+        return (first, first + start), None
+    return None, context_slots(table_row, block_size, start)[0]
+
+
+class SplitBackend:
+    name = "split"
+
+    def __init__(self) -> None:
+        op = _flash_op()
+        if op is None:
+            raise RuntimeError(
+                "the split attention backend needs torch's fused CPU flash kernel "
+                "(aten::_scaled_dot_product_flash_attention_for_cpu); use --attention-backend sdpa"
+            )
+        self._op = op
+
+    def prepare_metadata(
+        self, seqs: list[SeqSlice], block_size: int, device: torch.device
+    ) -> SplitMetadata:
+        if device.type != "cpu":
+            raise ValueError("the split attention backend runs on CPU only")
+        table = block_table(seqs, block_size)
+        meta = SplitMetadata(
+            num_tokens=sum(s.q_len for s in seqs),
+            slot_mapping=slot_mapping(seqs, table, block_size),
+        )
+        decodes: list[tuple[int, SeqSlice]] = []
+        for row, s in enumerate(seqs):
+            if s.q_len == 1:
+                decodes.append((row, s))
+                continue
+            rng, slots = prefix_location(s, block_size, table[row : row + 1])
+            meta.split_prefills.append(SplitPrefill(s, rng, slots))
+        # Group decodes so that padding at most doubles the keys read per sequence.
+        decodes.sort(key=lambda d: d[1].ctx_len, reverse=True)
+        i = 0
+        while i < len(decodes):
+            longest = decodes[i][1].ctx_len
+            j = i
+            while j < len(decodes) and decodes[j][1].ctx_len * 2 >= longest:
+                j += 1
+            group = decodes[i:j]
+            slots = context_slots(table[[row for row, _ in group]], block_size, longest)
+            lens = torch.tensor([s.ctx_len for _, s in group])
+            mask = None
+            if bool((lens < longest).any()):
+                mask = (torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            rows = torch.tensor([s.q_start for _, s in group], dtype=torch.long)
+            meta.decode_groups.append(DecodeGroup(rows, slots, mask))
+            i = j
+        return meta
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert isinstance(meta, SplitMetadata)
+        num_heads = q.shape[1]
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        groups = num_heads // num_kv_heads
+        k_flat, v_flat = store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        for p in meta.split_prefills:
+            s = p.seq
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            qs = q[rows]  # [L, Hq, D]
+            ks = k[rows].repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0)
+            vs = v[rows].repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0)
+            diag, lse_diag = self._op(qs.transpose(0, 1).unsqueeze(0), ks, vs, is_causal=True)
+            if p.prefix_range is None and p.prefix_slots is None:
+                out[rows] = diag.squeeze(0).transpose(0, 1)
+                continue
+            if p.prefix_range is not None:
+                a, b = p.prefix_range
+                kp, vp = k_flat[a:b], v_flat[a:b]
+            else:
+                kp = k_flat.index_select(0, p.prefix_slots)
+                vp = v_flat.index_select(0, p.prefix_slots)
+            # [1, Hkv, G * L, D]: a group's query heads stacked as rows, heads h = kv * G + g
+            qg = qs.reshape(s.q_len, num_kv_heads, groups * head_dim)
+            qg = qg.view(s.q_len, num_kv_heads, groups, head_dim).permute(1, 2, 0, 3)
+            qg = qg.reshape(1, num_kv_heads, groups * s.q_len, head_dim)
+            pre, lse_pre = self._op(
+                qg, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
+            )
+            pre = pre.reshape(num_heads, s.q_len, head_dim)
+            lse_pre = lse_pre.reshape(num_heads, s.q_len)
+            merged = merge(pre, lse_pre, diag.squeeze(0), lse_diag.squeeze(0))
+            out[rows] = merged.transpose(0, 1)
+        for g in meta.decode_groups:
+            b = g.rows.numel()
+            qd = q.index_select(0, g.rows).view(b, num_kv_heads, groups, head_dim)
+            shape = (*g.kv_slots.shape, num_kv_heads, head_dim)
+            flat = g.kv_slots.reshape(-1)
+            kd = k_flat.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+            vd = v_flat.index_select(0, flat).view(shape).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask)
+            out.index_copy_(0, g.rows, o.reshape(b, num_heads, head_dim))
+        return out
