@@ -452,6 +452,17 @@ def summarize_run(engine: str, dtype: str, served: dict[str, Any]) -> dict[str, 
     }
 
 
+RATIO_CONVENTION = "> 1: ours better; latency vLLM / ours, throughput ours / vLLM"
+
+
+def pinning(core: int) -> str:
+    return (
+        f"vLLM: VLLM_CPU_OMP_THREADS_BIND={core}, VLLM_CPU_NUM_OF_RESERVED_CPU=1 (worker OpenMP "
+        f"threads bound to CPU {core}); ours: --cpu-threads 1, every thread of the core process "
+        f"bound to CPU {core} (sched_setaffinity); HTTP sides unpinned"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap)
@@ -543,24 +554,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(entry["table"])
             entry["runs"] = [{k: v for k, v in r.items() if k != "requests"} for r in runs]
             results["dtypes"][dtype] = entry
-    write_json(
-        out_dir / "vllm_peer.json",
-        {
-            "ratio_convention": "> 1: ours better; latency vLLM / ours, throughput ours / vLLM",
-            "pinning": (
-                f"vLLM: VLLM_CPU_OMP_THREADS_BIND={args.core}, VLLM_CPU_NUM_OF_RESERVED_CPU=1 "
-                f"(worker OpenMP threads bound to CPU {args.core}); ours: --cpu-threads 1, every "
-                f"thread of the core process bound to CPU {args.core} (sched_setaffinity); HTTP "
-                "sides unpinned"
-            ),
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-            "wall_s": time.time() - t_start,
-            **results,
-        },
-        script=SCRIPT,
-        config=config_of(args),
-    )
+            # written after every dtype: a run cut short keeps the dtypes it finished
+            write_json(
+                out_dir / "vllm_peer.json",
+                {
+                    "ratio_convention": RATIO_CONVENTION,
+                    "pinning": pinning(args.core),
+                    "load_average_before": load_before,
+                    "load_average_after": os.getloadavg(),
+                    "wall_s": time.time() - t_start,
+                    **results,
+                },
+                script=SCRIPT,
+                config=config_of(args),
+            )
     return 0
 
 
