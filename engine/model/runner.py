@@ -98,7 +98,10 @@ class ModelRunner:
             self._sync()
             self.last_forward_time = time.perf_counter() - t0 + self._encoder_time
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        if len(sample_rows) == len(ids):  # every row samples (a decode-only step): no gather
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         self._sync()
         self.last_forward_time = time.perf_counter() - t0 + self._encoder_time
         if self.keep_logits:
