@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import random
+import re
 import tempfile
 import threading
 import time
@@ -170,6 +171,36 @@ def client_window(streams: list[list[float]], lo: float, hi: float) -> dict[str,
     return {"output_tokens_per_s": tokens / (hi - lo), "itl": pcts(np.asarray(gaps))}
 
 
+TIMING_RE = re.compile(
+    r"over (\d+) steps: mean ([\d.]+) us, p50 ([\d.]+) us, p99 ([\d.]+) us per step, "
+    r"([\d.]+)% of step wall time(?:; publisher thread CPU ([\d.]+) us per step \(([\d.]+)%\))?"
+)
+
+
+def self_timing(log: str) -> dict[str, Any]:
+    """The bridge's own timing lines in vLLM's log (``CHUNKSCOPE_BRIDGE_TIMING_EVERY``): each
+    line's figures and the steps-weighted means of the core-thread and publisher shares."""
+    rows = []
+    for m in TIMING_RE.finditer(log):
+        n, mean, p50, p99, share, pub, pub_share = m.groups()
+        rows.append({"steps": int(n), "mean_us": float(mean), "p50_us": float(p50),
+                     "p99_us": float(p99), "core_share_pct": float(share),
+                     "publisher_cpu_us": float(pub) if pub else None,
+                     "publisher_share_pct": float(pub_share) if pub_share else None})  # fmt: skip
+    steps = sum(r["steps"] for r in rows)
+    if not steps:
+        return {"lines": rows}
+
+    def weighted(key: str) -> float | None:
+        have = [r for r in rows if r[key] is not None]
+        w = sum(r["steps"] for r in have)
+        return sum(r[key] * r["steps"] for r in have) / w if w else None
+
+    return {"lines": rows, "steps": steps, "core_share_pct": weighted("core_share_pct"),
+            "mean_us": weighted("mean_us"), "publisher_share_pct": weighted("publisher_share_pct"),
+            "publisher_cpu_us": weighted("publisher_cpu_us")}  # fmt: skip
+
+
 # --- the run ------------------------------------------------------------------------------------
 
 
@@ -263,6 +294,7 @@ def run(args: argparse.Namespace, tmp: Path, model: Path) -> dict[str, Any]:
             env = {"CHUNKSCOPE_ENGINE_ID": ENGINE_ID}
             if arm == "with":
                 env["CHUNKSCOPE_COLLECTOR_URL"] = collector.url
+                env["CHUNKSCOPE_BRIDGE_TIMING_EVERY"] = str(args.timing_every)
             servers[arm] = VllmServer(py, model, *extra, env=env, log=tmp / f"vllm-{arm}.log",
                                       bridge=arm == "with", max_model_len=1024)  # fmt: skip
 
@@ -288,6 +320,7 @@ def run(args: argparse.Namespace, tmp: Path, model: Path) -> dict[str, Any]:
         for s in servers.values():
             s.stop()
         collector.stop()
+    timing = self_timing(servers["with"].log_text()) if "with" in servers else {}
     summary = summarize(windows, args.pairs)
     pooled = {
         arm: {
@@ -298,7 +331,7 @@ def run(args: argparse.Namespace, tmp: Path, model: Path) -> dict[str, Any]:
         }
         for arm in ARMS
     }
-    return {"windows": windows, "paired": summary, "pooled": pooled}
+    return {"windows": windows, "paired": summary, "pooled": pooled, "bridge_self_timing": timing}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -315,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--settle-s", type=float, default=1.0)
     ap.add_argument("--window-s", type=float, default=4.0)
     ap.add_argument("--warmup-s", type=float, default=6.0)
+    ap.add_argument("--timing-every", type=int, default=1000, help="bridge self-timing lines")
     args = ap.parse_args(argv)
     if args.quick:
         args.pairs, args.window_s, args.warmup_s, args.hidden_size, args.layers = (
@@ -335,6 +369,11 @@ def main(argv: list[str] | None = None) -> None:
             lo, hi = r["ci95"]
             print(f"{name:>24}: with/without {r['ratio']:.4f} "
                   f"(95% CI {lo:.4f}..{hi:.4f}, {r['n_pairs']} pairs)")  # fmt: skip
+    t = payload["bridge_self_timing"]
+    if t.get("steps"):
+        print(f"bridge self-timing over {t['steps']} steps: core thread {t['mean_us']:.1f} us/step "
+              f"= {t['core_share_pct']:.3f}% of step wall time; publisher thread "
+              f"{t['publisher_cpu_us']} us/step = {t['publisher_share_pct']}%")  # fmt: skip
     write_json(out_dir / "vllm_overhead.json", payload, script=SCRIPT, config=config_of(args))
     print(json.dumps(payload["paired"], indent=1))
 
