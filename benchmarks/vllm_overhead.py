@@ -12,7 +12,10 @@ A window is closed-loop and decode-dominated: ``--streams`` clients each send a 
 the first ``--settle-s`` seconds are discarded. Per window, measured by the client (one SSE chunk =
 one token): output tokens/s, chat ITL p50/p99/p99.9/max; by vLLM itself (``/metrics`` scraped at
 the window's edges): ``vllm:generation_tokens_total`` per second and the mean of
-``vllm:inter_token_latency_seconds`` (and its p99 from the histogram's buckets, coarse).
+``vllm:inter_token_latency_seconds`` (and its p99 from the histogram's buckets, coarse); and the
+CPU time the server's whole process tree used per generated token (/proc), the bridge's cost in
+the unit least disturbed by other users of a shared machine. The bridge's own timing lines
+(``CHUNKSCOPE_BRIDGE_TIMING_EVERY``) are read from the bridged server's log.
 
 Reported: per pair the with/without ratio; the geometric mean of the pairs' ratios with a 95%
 bootstrap confidence interval over pairs; pooled figures per arm.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
 import tempfile
@@ -146,6 +150,31 @@ def server_window(before: dict[str, float], after: dict[str, float], seconds: fl
     }
 
 
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) used so far by ``root`` and its live descendants (/proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # fields after the command: state ppid ... utime (12th) stime (13th)
+        stats[int(entry)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / tick)
+    keep = {root}
+    grew = True
+    while grew:
+        grew = False
+        for pid, (ppid, _) in stats.items():
+            if ppid in keep and pid not in keep:
+                keep.add(pid)
+                grew = True
+    return sum(stats[p][1] for p in keep if p in stats)
+
+
 def pcts(ms: np.ndarray) -> dict[str, Any]:
     if ms.size == 0:
         return {"n": 0}
@@ -208,7 +237,9 @@ def _prompt(n: int, salt: int) -> str:
     return " ".join([WORDS[salt % len(WORDS)]] * (salt % 7 + 1) + [WORDS[i % 9] for i in range(n)])
 
 
-def load_window(url: str, args: argparse.Namespace, salt0: int) -> dict[str, Any]:
+def load_window(
+    url: str, args: argparse.Namespace, salt0: int, pid: int | None = None
+) -> dict[str, Any]:
     """Closed-loop streams against one server for settle + window seconds; each stream finishes
     its request in flight after the window's end."""
     stop = threading.Event()
@@ -240,23 +271,34 @@ def load_window(url: str, args: argparse.Namespace, salt0: int) -> dict[str, Any
 
     start = time.time()
     with ThreadPoolExecutor(args.streams) as pool:
-        futs = [pool.submit(stream, k) for k in range(args.streams)]
-        time.sleep(args.settle_s)
-        lo = time.time()
-        before = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
-        time.sleep(args.window_s)
-        after = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
-        hi = time.time()
-        stop.set()
+        try:
+            futs = [pool.submit(stream, k) for k in range(args.streams)]
+            time.sleep(args.settle_s)
+            lo = time.time()
+            cpu0 = tree_cpu_s(pid) if pid is not None else None
+            before = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+            time.sleep(args.window_s)
+            after = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+            cpu1 = tree_cpu_s(pid) if pid is not None else None
+            hi = time.time()
+        finally:
+            stop.set()  # an interrupt must not leave the streams looping
         for f in futs:
             f.result()
+    server = server_window(before, after, hi - lo)
+    gen = server["output_tokens_per_s"] * (hi - lo)
+    if cpu0 is not None and cpu1 is not None and gen > 0:
+        # the server's whole process tree (API server, engine core, worker): CPU per token is
+        # what the bridge adds, and much less sensitive than tokens/s to other users' load
+        server["cpu_ms_per_token"] = (cpu1 - cpu0) * 1e3 / gen
+        server["cpu_cores_busy"] = (cpu1 - cpu0) / (hi - lo)
     return {
         "start": start,
         "lo": lo,
         "hi": hi,
         "errors": errors[0],
         "client": client_window(records, lo, hi),
-        "server": server_window(before, after, hi - lo),
+        "server": server,
     }
 
 
@@ -274,6 +316,7 @@ def summarize(windows: list[dict[str, Any]], n_pairs: int) -> dict[str, Any]:
         "server_tokens_per_s": lambda w: w["server"]["output_tokens_per_s"],
         "server_itl_mean": lambda w: w["server"]["itl_mean_ms"],
         "server_itl_p99_buckets": lambda w: w["server"]["itl_p99_ms_buckets"],
+        "server_cpu_ms_per_token": lambda w: w["server"].get("cpu_ms_per_token"),
     }
     return {
         name: paired_ratio(series("with", get), series("without", get), seed=i)
@@ -309,13 +352,16 @@ def run(args: argparse.Namespace, tmp: Path, model: Path) -> dict[str, Any]:
         windows: list[dict[str, Any]] = []
         for p, order in enumerate(plan_order(args.pairs, args.seed)):
             for arm in order:
-                w = load_window(servers[arm].url, args, 1000 * (2 * p + (arm == "with")))
+                srv = servers[arm]
+                w = load_window(srv.url, args, 1000 * (2 * p + (arm == "with")), srv.proc.pid)
                 w.update(pair=p, arm=arm)
                 windows.append(w)
                 c = w["client"]
                 print(f"pair {p:>2} {arm:>7}: {c['output_tokens_per_s']:7.1f} tok/s client, "
                       f"{w['server']['output_tokens_per_s']:7.1f} server; ITL p99 "
-                      f"{c['itl'].get('p99_ms', float('nan')):.2f} ms", flush=True)  # fmt: skip
+                      f"{c['itl'].get('p99_ms', float('nan')):.2f} ms; "
+                      f"{w['server'].get('cpu_ms_per_token', float('nan')):.3f} CPU ms/token",
+                      flush=True)  # fmt: skip
     finally:
         for s in servers.values():
             s.stop()

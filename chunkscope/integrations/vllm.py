@@ -26,6 +26,7 @@ This is the only chunkscope module that imports vllm; the translation to events 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -41,6 +42,7 @@ from chunkscope.integrations.vllm_events import (
     BudgetControl,
     ScheduledChunk,
     StepTranslator,
+    dp_identity,
     traffic_class_of,
 )
 
@@ -90,10 +92,15 @@ class _Bridge:
         self.exec_start_ns: int | None = None
         self.step_start_ns = 0
         self.randomized = not os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION")
-        rank = int(getattr(vc.parallel_config, "data_parallel_rank", 0) or 0)
-        dp_size = int(getattr(vc.parallel_config, "data_parallel_size", 1) or 1)
+        pc = vc.parallel_config
+        dp, rank, dp_size = dp_identity(
+            getattr(pc, "data_parallel_size", 1),
+            getattr(pc, "data_parallel_rank", 0),
+            getattr(pc, "data_parallel_index", None),
+            multiprocessing.current_process().name,
+        )
         engine_id = os.environ.get("CHUNKSCOPE_ENGINE_ID") or default_engine_id()
-        if dp_size > 1:
+        if dp:
             engine_id = f"{engine_id}-dp{rank}"
         model = vc.model_config.served_model_name or vc.model_config.model
         if isinstance(model, list | tuple):
@@ -137,7 +144,7 @@ class _Bridge:
             self.start_budget,
         )
 
-    def hello(self, sched: Scheduler, model: str, rank: int, dp_size: int) -> dict[str, Any]:
+    def hello(self, sched: Scheduler, model: str, rank: int, dp_size: int | None) -> dict[str, Any]:
         vc = sched.vllm_config
         pool = sched.kv_cache_manager.block_pool
         return {

@@ -480,3 +480,23 @@ class BridgeTiming:
         )
         self._bridge, self._wall, self._cpu0 = [], 0, cpu
         return line
+
+
+_DP_PROCESS = re.compile(r"EngineCore_DP(\d+)")
+
+
+def dp_identity(
+    size: int | None, rank: int | None, index: int | None, process_name: str
+) -> tuple[bool, int, int | None]:
+    """(data parallel?, this core's rank, DP size or None when unknown) from vLLM's parallel
+    config as the engine core sees it. vLLM 0.32 runs the ranks of a dense (non-MoE) model as
+    independent engines: it resets ``data_parallel_size`` to 1 and ``data_parallel_rank`` to 0 in
+    each core (``reconfigure_for_independent_dp_rank``) and keeps the rank in
+    ``data_parallel_index``; the launcher names the process ``EngineCore_DP<rank>``."""
+    size = int(size or 1)
+    m = _DP_PROCESS.fullmatch(process_name or "")
+    r = int(index if index is not None else (rank or 0))
+    if m is not None and r == 0:
+        r = int(m.group(1))
+    dp = size > 1 or r > 0 or m is not None
+    return dp, r, (size if size > 1 else None) if dp else 1

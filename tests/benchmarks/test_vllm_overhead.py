@@ -80,3 +80,24 @@ def test_self_timing_reads_the_bridges_own_lines(vo: ModuleType) -> None:
     assert got["core_share_pct"] == pytest.approx(6.0) and got["mean_us"] == pytest.approx(35.0)
     assert got["publisher_cpu_us"] == pytest.approx(2.0)
     assert vo.self_timing("nothing") == {"lines": []}
+
+
+def test_tree_cpu_counts_descendants(vo: ModuleType) -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while vo.tree_cpu_s(child.pid) < 0.05 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        burnt = vo.tree_cpu_s(child.pid)
+        assert burnt >= 0.05
+        # this process's tree holds the child's CPU and its own
+        own = os.times()
+        assert vo.tree_cpu_s(os.getpid()) >= burnt + 0.5 * (own.user + own.system) - 0.05
+    finally:
+        child.kill()
+        child.wait()

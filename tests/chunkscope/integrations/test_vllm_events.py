@@ -240,3 +240,16 @@ def test_bridge_timing_without_publisher_clock() -> None:
     line = t.add(1_000, 0) or ""
     assert "mean 1.0 us" in line and "publisher" not in line
     assert t.summary() is None
+
+
+def test_dp_identity_sees_vllms_independent_dense_ranks() -> None:
+    from chunkscope.integrations.vllm_events import dp_identity
+
+    assert dp_identity(1, 0, 0, "EngineCore") == (False, 0, 1)  # no data parallelism
+    assert dp_identity(None, None, None, "MainProcess") == (False, 0, 1)
+    # a dense model's ranks: size and rank reset to 1 / 0, the rank kept in data_parallel_index
+    assert dp_identity(1, 0, 1, "EngineCore_DP1") == (True, 1, None)
+    assert dp_identity(1, 0, 0, "EngineCore_DP0") == (True, 0, None)
+    # an MoE model keeps the DP group: size and rank as configured
+    assert dp_identity(4, 3, 3, "EngineCore_DP3") == (True, 3, 4)
+    assert dp_identity(2, 1, None, "x") == (True, 1, 2)
