@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from advisor.overload import WindowLoad, judge
+from advisor.vllm_policy import SCHEDULERS, VllmV1Scheduler
 from engine.core.block_manager import BlockManager
 from engine.core.cost_model import StepWork
 from engine.core.request import Request
@@ -50,6 +51,9 @@ class EngineShape:
     max_token_budget: int = 8192
     policy: str = "chunked"
     enable_prefix_caching: bool = True
+    # whose step planning to replay: "chunkscope" (engine.core.scheduler) or "vllm"
+    # (advisor.vllm_policy: vLLM v1's order, for an engine whose hello says engine_kind "vllm")
+    scheduler: str = "chunkscope"
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,9 @@ def simulate(
         [shape.max_token_budget, token_budget, long_prefill_token_threshold]
         + [v for _, _, v in changes]
     )
-    sched = Scheduler(
+    if shape.scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {shape.scheduler!r}")
+    sched = (VllmV1Scheduler if shape.scheduler == "vllm" else Scheduler)(
         bm,
         token_budget=token_budget,
         max_token_budget=max_budget,

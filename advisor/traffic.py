@@ -222,6 +222,8 @@ def engine_shape(
     if blocks is None:
         blocks = int(config.get("num_kv_blocks") or 1 << 20)
     return EngineShape(
+        # a vLLM engine (the bridge's hello says so) is replayed with vLLM v1's order
+        scheduler="vllm" if row.get("engine_kind") == "vllm" else "chunkscope",
         num_kv_blocks=blocks,
         block_size=int(config.get("block_size") or 16),
         max_num_seqs=int(config.get("max_num_seqs") or 256),

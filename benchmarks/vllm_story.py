@@ -13,11 +13,10 @@ to each further budget; each window's first seconds are discarded. Per window, m
 
 Chat ITL p50/p99/p99.9/max, RAG TTFT and output tokens/s per window.
 
-``--overhead``: vLLM's output tokens/s and chat ITL p99 with the bridge against without it (vLLM's
-own scheduler), the arms alternated (a fresh server per arm run), same model and traffic.
+The bridge's overhead (with against without) is ``benchmarks/vllm_overhead.py``.
 
-Run from the repo root:  .venv/bin/python benchmarks/vllm_story.py [--quick] [--overhead]
-Writes benchmarks/results/vllm_story.json (or vllm_overhead.json).
+Run from the repo root:  .venv/bin/python -m benchmarks.vllm_story [--quick]
+Writes benchmarks/results/vllm_story.json.
 """
 
 from __future__ import annotations
@@ -224,51 +223,9 @@ def story(args: argparse.Namespace, tmp: Path, model: Path) -> dict[str, Any]:
     return {"windows": out, "requests": len(traffic.records), "errors": traffic.errors}
 
 
-def overhead(args: argparse.Namespace, tmp: Path, model: Path) -> dict[str, Any]:
-    db_url = f"sqlite:///{tmp / 'overhead.db'}"
-    collector = start_collector(db_url)
-    runs = []
-    try:
-        for rep in range(args.reps):
-            for bridge in (True, False) if rep % 2 == 0 else (False, True):
-                server = _serve(args, tmp, model, bridge=bridge, collector_url=collector.url,
-                                tag=f"{rep}-{int(bridge)}")  # fmt: skip
-                traffic = Traffic(server.url, args).start()
-                try:
-                    time.sleep(args.warmup_s)
-                    lo = time.time()
-                    time.sleep(args.window_s)
-                    hi = time.time()
-                finally:
-                    traffic.close()
-                    server.stop()
-                import pandas as pd
-
-                empty = pd.DataFrame({"request_id": [], "time": [], "itl_ms": []})
-                st = _window_stats(traffic.records, empty, lo, hi)
-                runs.append({"rep": rep, "bridge": bridge, **st})
-                print(f"rep {rep} bridge={bridge}: {st['output_tokens_per_s_client']:.1f} tok/s, "
-                      f"chat ITL p99 {st['chat_itl_client'].get('p99_ms')}")  # fmt: skip
-    finally:
-        collector.stop()
-
-    def mean(bridge: bool, key: str) -> float:
-        vals = [r[key] if key.startswith("output") else r["chat_itl_client"]["p99_ms"]
-                for r in runs if r["bridge"] == bridge]  # fmt: skip
-        return float(np.mean(vals))
-
-    ratio = {
-        "tokens_per_s_with_over_without": mean(True, "output_tokens_per_s_client")
-        / mean(False, "output_tokens_per_s_client"),
-        "chat_itl_p99_with_over_without": mean(True, "p99") / mean(False, "p99"),
-    }
-    return {"runs": runs, "ratios": ratio}
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap)
-    ap.add_argument("--overhead", action="store_true", help="bridge on/off, alternated")
     ap.add_argument("--budgets", default="4096,512,256", help="start budget, then live cuts")
     ap.add_argument("--hidden-size", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
@@ -280,33 +237,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup-s", type=float, default=8.0)
     ap.add_argument("--settle-s", type=float, default=3.0)
     ap.add_argument("--window-s", type=float, default=30.0)
-    ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args(argv)
     if args.quick:
         args.hidden_size, args.layers, args.window_s, args.warmup_s = 128, 2, 8.0, 4.0
-        args.rag_prompt, args.reps = 1500, 1
+        args.rag_prompt = 1500
     args.budgets = [int(b) for b in str(args.budgets).split(",")]
     out_dir = setup(args)
     with tempfile.TemporaryDirectory(prefix="vllm-story-") as d:
         tmp = Path(d)
         model = build_llama_folder(tmp / "model", hidden_size=args.hidden_size,
                                    num_layers=args.layers, max_positions=4096)  # fmt: skip
-        if args.overhead:
-            payload = overhead(args, tmp, model)
-            name = "vllm_overhead.json"
-        else:
-            payload = story(args, tmp, model)
-            name = "vllm_story.json"
-            for w in payload["windows"]:
-                c, s = w["chat_itl_client"], w["chat_itl_stored"]
-                print(
-                    f"budget {w['budget']:>5}: chat ITL client p50/p99/p99.9/max "
-                    f"{c.get('p50_ms', 0):.1f}/{c.get('p99_ms', 0):.1f}/{c.get('p999_ms', 0):.1f}/"
-                    f"{c.get('max_ms', 0):.1f} ms; stored {s.get('p50_ms', 0):.1f}/"
-                    f"{s.get('p99_ms', 0):.1f}/{s.get('p999_ms', 0):.1f}/{s.get('max_ms', 0):.1f}"
-                    f" ms; max step {w['max_step_ms']} ms; {w['output_tokens_per_s_client']:.0f}"
-                    " tok/s"
-                )
+        payload = story(args, tmp, model)
+        name = "vllm_story.json"
+        for w in payload["windows"]:
+            c, s = w["chat_itl_client"], w["chat_itl_stored"]
+            print(
+                f"budget {w['budget']:>5}: chat ITL client p50/p99/p99.9/max "
+                f"{c.get('p50_ms', 0):.1f}/{c.get('p99_ms', 0):.1f}/{c.get('p999_ms', 0):.1f}/"
+                f"{c.get('max_ms', 0):.1f} ms; stored {s.get('p50_ms', 0):.1f}/"
+                f"{s.get('p99_ms', 0):.1f}/{s.get('p999_ms', 0):.1f}/{s.get('max_ms', 0):.1f}"
+                f" ms; max step {w['max_step_ms']} ms; {w['output_tokens_per_s_client']:.0f}"
+                " tok/s"
+            )
         write_json(out_dir / name, payload, script=SCRIPT, config=config_of(args))
 
 

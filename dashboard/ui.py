@@ -377,3 +377,21 @@ def empty_store_help(ctx: Context) -> None:
             "python -m loadgen --url http://127.0.0.1:8000 --profile mixed --rate 1 "
             "--duration 120\n```"
         )
+
+
+def span_notes(
+    runs: list[dict[str, Any]], lo: float, hi: float, fmt: Any = None, slack_s: float = 5.0
+) -> list[str]:
+    """What a shared window [lo, hi] leaves out of each run: a run that started inside it (it
+    saw only part of the window's traffic) or went on after it (its later traffic is not
+    compared). Wall seconds; ``fmt`` turns one into text (default: seconds as they are)."""
+    fmt = fmt or (lambda t: f"{t:.0f}")
+    notes = []
+    for r in runs:
+        started = pd.to_numeric(r.get("started"), errors="coerce")
+        last = pd.to_numeric(r.get("last_time"), errors="coerce")
+        if pd.notna(started) and started > lo + slack_s:
+            notes.append(f"{r['engine_id']} started {started - lo:.0f} s into the window")
+        if pd.notna(last) and last > hi + slack_s:
+            notes.append(f"{r['engine_id']} ran on until {fmt(last)} ({last - hi:.0f} s after it)")
+    return notes

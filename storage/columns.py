@@ -23,6 +23,7 @@ ENGINES_COLUMNS = [
     "num_steps",
     "num_gap_events",
     "config",
+    "engine_kind",  # the hello's engine_kind ("vllm" for the bridge), None for chunkscope's own
 ]
 STEPS_COLUMNS = [
     "engine_id",

@@ -94,9 +94,19 @@ def engines(db: Engine) -> pd.DataFrame:
                 "num_steps": m["num_steps"],
                 "num_gap_events": m["num_gap_events"],
                 "config": m["config"],
+                "engine_kind": _engine_kind(m["hello"]),
             }
         )
     return frame_of(out, ENGINES_COLUMNS)
+
+
+def _engine_kind(hello: str | None) -> str | None:
+    try:
+        h = json.loads(hello) if hello else {}
+    except ValueError:
+        return None
+    kind = h.get("engine_kind") if isinstance(h, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 # ---- steps ------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ This is the only chunkscope module that imports vllm; the translation to events 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -37,9 +38,11 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from chunkscope.integrations.vllm_events import (
+    BridgeTiming,
     BudgetControl,
     ScheduledChunk,
     StepTranslator,
+    dp_identity,
     traffic_class_of,
 )
 
@@ -50,6 +53,8 @@ ENV_URL = "CHUNKSCOPE_COLLECTOR_URL"
 # A test hook: while the file this names exists, the bridge's per-step code raises (the fault
 # path that must never reach vLLM).
 ENV_FAULT_FILE = "CHUNKSCOPE_BRIDGE_FAULT_FILE"
+# every N steps the bridge logs its own time on the core thread (0: never); default 10000
+ENV_TIMING_EVERY = "CHUNKSCOPE_BRIDGE_TIMING_EVERY"
 
 
 CLOSE_TIMEOUT_S = 2.0
@@ -85,11 +90,17 @@ class _Bridge:
         self.anchor = ClockAnchor.now()
         self.start_step_ns = 0
         self.exec_start_ns: int | None = None
+        self.step_start_ns = 0
         self.randomized = not os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION")
-        rank = int(getattr(vc.parallel_config, "data_parallel_rank", 0) or 0)
-        dp_size = int(getattr(vc.parallel_config, "data_parallel_size", 1) or 1)
+        pc = vc.parallel_config
+        dp, rank, dp_size = dp_identity(
+            getattr(pc, "data_parallel_size", 1),
+            getattr(pc, "data_parallel_rank", 0),
+            getattr(pc, "data_parallel_index", None),
+            multiprocessing.current_process().name,
+        )
         engine_id = os.environ.get("CHUNKSCOPE_ENGINE_ID") or default_engine_id()
-        if dp_size > 1:
+        if dp:
             engine_id = f"{engine_id}-dp{rank}"
         model = vc.model_config.served_model_name or vc.model_config.model
         if isinstance(model, list | tuple):
@@ -124,6 +135,9 @@ class _Bridge:
                 "passes 5) to let the bridge flush and say goodbye"
             )
         self.publisher.start()
+        every = int(os.environ.get(ENV_TIMING_EVERY) or 10000)
+        self.timing = BridgeTiming(every, self._publisher_cpu_ns) if every > 0 else None
+        self.step_ns = 0  # the bridge's time on the core thread in the step in flight
         self._chain_sigterm(sched)
         logger.info(
             "chunkscope: vLLM engine %s publishing to %s (budget %d, controls: token_budget, "
@@ -133,7 +147,7 @@ class _Bridge:
             self.start_budget,
         )
 
-    def hello(self, sched: Scheduler, model: str, rank: int, dp_size: int) -> dict[str, Any]:
+    def hello(self, sched: Scheduler, model: str, rank: int, dp_size: int | None) -> dict[str, Any]:
         vc = sched.vllm_config
         pool = sched.kv_cache_manager.block_pool
         return {
@@ -203,6 +217,21 @@ class _Bridge:
 
         signal.signal(signal.SIGTERM, on_sigterm)
 
+    def _publisher_cpu_ns(self) -> int | None:
+        thread = getattr(self.publisher, "_thread", None)
+        if thread is None or thread.ident is None:
+            return None
+        return time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
+
+    def timed_step(self, start_ns: int, end_ns: int) -> None:
+        """One step done: its bridge time counted; the summary logged every N steps."""
+        if self.timing is None:
+            return
+        line = self.timing.add(self.step_ns, end_ns - start_ns)
+        self.step_ns = 0
+        if line:
+            logger.info(line)
+
     def _close_when_drained(self, sched: Scheduler) -> None:
         while sched.get_num_unfinished_requests() or self.translator._inflight is not None:
             time.sleep(0.01)
@@ -229,6 +258,9 @@ class _Bridge:
         )
 
     def close(self) -> None:
+        line = self.timing.summary() if self.timing is not None else None
+        if line:
+            logger.info(line)
         # vLLM's process manager kills the core --shutdown-timeout s after its SIGTERM; a drain
         # may have used most of that, so the flush is short (at most one batch is unacknowledged
         # when the collector is up)
@@ -300,7 +332,9 @@ class ChunkscopeScheduler(Scheduler):
                 bridge.fault("schedule (control)")
             budget = self.max_num_scheduled_tokens
             cap = int(self.scheduler_config.long_prefill_token_threshold or 0)
+            t_sched = time.monotonic_ns()
             out = super().schedule(*args, **kwargs)
+            t_after = time.monotonic_ns()
             try:
                 self._chunkscope_scheduled(bridge, out, start_ns, budget, cap)
             except Exception:  # noqa: BLE001
@@ -311,6 +345,8 @@ class ChunkscopeScheduler(Scheduler):
         finally:
             lock.release()
         bridge.exec_start_ns = time.monotonic_ns()
+        bridge.step_start_ns = start_ns
+        bridge.step_ns = (t_sched - start_ns) + (bridge.exec_start_ns - t_after)
         return out
 
     def _chunkscope_scheduled(
@@ -356,6 +392,7 @@ class ChunkscopeScheduler(Scheduler):
             return super().update_from_output(scheduler_output, model_runner_output)
         end_ns = time.monotonic_ns()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        t_after = time.monotonic_ns()
         try:
             bridge.check_fault()
             produced: dict[str, int] = {}
@@ -379,6 +416,12 @@ class ChunkscopeScheduler(Scheduler):
                 bridge.dropped_step(bridge.exec_start_ns or end_ns)
             bridge.translator._inflight = None
             bridge.fault("update_from_output")
+        try:
+            done = time.monotonic_ns()
+            bridge.step_ns += done - t_after
+            bridge.timed_step(bridge.step_start_ns, done)
+        except Exception:  # noqa: BLE001
+            bridge.fault("timing")
         return outputs
 
     def shutdown(self) -> None:

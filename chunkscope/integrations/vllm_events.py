@@ -430,3 +430,73 @@ class BudgetControl:
         and/or ``long_prefill_token_threshold``; empty when nothing changed."""
         pending, self._pending = self._pending, {}
         return pending
+
+
+class BridgeTiming:
+    """The bridge's own cost on vLLM's busy loop: nanoseconds its hooks spent on the core thread
+    per step, against the step's wall time (schedule() entry to update_from_output() exit), and
+    the publisher thread's CPU time over the same steps. ``add`` returns a summary line every
+    ``every`` steps (then starts afresh), else None."""
+
+    def __init__(self, every: int, publisher_cpu_ns: Any = None) -> None:
+        self.every = max(1, int(every))
+        self._cpu = publisher_cpu_ns  # () -> int or None
+        self._bridge: list[int] = []
+        self._wall = 0
+        self._cpu0 = self._read_cpu()
+
+    def _read_cpu(self) -> int | None:
+        try:
+            return int(self._cpu()) if self._cpu is not None else None
+        except Exception:  # noqa: BLE001 - the thread may be gone
+            return None
+
+    def add(self, bridge_ns: int, step_wall_ns: int) -> str | None:
+        self._bridge.append(bridge_ns)
+        self._wall += max(0, step_wall_ns)
+        if len(self._bridge) < self.every:
+            return None
+        return self.summary()
+
+    def summary(self) -> str | None:
+        n = len(self._bridge)
+        if not n:
+            return None
+        xs = sorted(self._bridge)
+        total = sum(xs)
+        cpu = self._read_cpu()
+        pub = (cpu - self._cpu0) if cpu is not None and self._cpu0 is not None else None
+        line = (
+            f"chunkscope: bridge time on the core thread over {n} steps: mean "
+            f"{total / n / 1e3:.1f} us, p50 {xs[n // 2] / 1e3:.1f} us, p99 "
+            f"{xs[min(n - 1, (99 * n) // 100)] / 1e3:.1f} us per step, "
+            f"{100 * total / self._wall if self._wall else 0.0:.3f}% of step wall time"
+            + (
+                f"; publisher thread CPU {pub / n / 1e3:.1f} us per step "
+                f"({100 * pub / self._wall if self._wall else 0.0:.3f}%)"
+                if pub is not None
+                else ""
+            )
+        )
+        self._bridge, self._wall, self._cpu0 = [], 0, cpu
+        return line
+
+
+_DP_PROCESS = re.compile(r"EngineCore_DP(\d+)")
+
+
+def dp_identity(
+    size: int | None, rank: int | None, index: int | None, process_name: str
+) -> tuple[bool, int, int | None]:
+    """(data parallel?, this core's rank, DP size or None when unknown) from vLLM's parallel
+    config as the engine core sees it. vLLM 0.32 runs the ranks of a dense (non-MoE) model as
+    independent engines: it resets ``data_parallel_size`` to 1 and ``data_parallel_rank`` to 0 in
+    each core (``reconfigure_for_independent_dp_rank``) and keeps the rank in
+    ``data_parallel_index``; the launcher names the process ``EngineCore_DP<rank>``."""
+    size = int(size or 1)
+    m = _DP_PROCESS.fullmatch(process_name or "")
+    r = int(index if index is not None else (rank or 0))
+    if m is not None and r == 0:
+        r = int(m.group(1))
+    dp = size > 1 or r > 0 or m is not None
+    return dp, r, (size if size > 1 else None) if dp else 1

@@ -60,6 +60,16 @@ elif mode == "Two engines":
     when = charts.to_datetime([end]).iloc[0]
     names = (f"A: {a_id}", f"B: {b_id}")
     st.caption(f"Both engines over the same {width} s ending {when:%H:%M:%S}.")
+    apart = ui.span_notes(
+        [ra, rb], end - width, end, fmt=lambda t: f"{charts.to_datetime([t]).iloc[0]:%H:%M:%S}"
+    )
+    if apart:
+        st.warning(
+            "The two engines did not run over the same span: "
+            + "; ".join(apart)
+            + ". Only this window is compared: drive both with the same traffic at the same "
+            "time (or pick a window where both ran) for a fair comparison."
+        )
 elif mode == "Two windows":
     latest = ctx.latest
     if latest is None:

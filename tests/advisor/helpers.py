@@ -71,6 +71,8 @@ def hello(engine_id: str, run_id: str, shape: EngineShape, budget: int, wall_ns:
             "enable_prefix_caching": shape.enable_prefix_caching,
         },
         "clock": {"wall_ns": wall_ns, "mono_ns": MONO0},
+        # a vLLM engine's hello says so (the bridge's engine_kind)
+        **({"engine_kind": "vllm"} if shape.scheduler == "vllm" else {}),
     }
 
 

@@ -161,6 +161,18 @@ def test_every_page_renders_the_seeded_store(
         assert table.loc["requests", side] == want.num_requests
     assert table.loc["throughput (tokens/s)", "A"] != table.loc["throughput (tokens/s)", "B"]
     assert any("Both engines over the same 300 s" in c for c in _texts(at, "caption"))
+    # a run that went on after the shared window, or started inside it, is said to have
+    from dashboard.ui import span_notes
+
+    rows = [runs.loc[e].to_dict() | {"engine_id": e} for e in ("engine-other", "engine-test")]
+    want_notes = span_notes(rows, end - 300, end)
+    warned = [w for w in _texts(at, "warning") if "did not run over the same span" in w]
+    assert len(warned) == (1 if want_notes else 0)
+    assert span_notes([{"engine_id": "x", "started": 100.0, "last_time": 500.0}], 0, 400) == [
+        "x started 100 s into the window",
+        "x ran on until 500 (100 s after it)",
+    ]
+    assert span_notes([{"engine_id": "x", "started": 3.0, "last_time": 402.0}], 0, 400) == []
     at.selectbox(key="compare_engine_a").set_value("engine-test").run()
     table = at.dataframe[0].value.set_index("metric")
     assert len(table["B / A"].dropna()) > 3 and (table["B / A"].dropna() == 1.0).all()

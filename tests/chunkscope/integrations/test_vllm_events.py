@@ -212,3 +212,44 @@ def test_translation_imports_neither_vllm_nor_torch() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bridge_timing_reports_every_n_steps_and_its_share_of_step_time() -> None:
+    from chunkscope.integrations.vllm_events import BridgeTiming
+
+    cpu = iter([1_000, 1_000 + 4 * 2_000, 9_000 + 3_000])  # publisher thread CPU clock (ns)
+    t = BridgeTiming(4, lambda: next(cpu))
+    lines = [t.add(ns, 1_000_000) for ns in (10_000, 20_000, 30_000, 100_000)]
+    assert lines[:3] == [None, None, None]
+    line = lines[3]
+    assert line is not None
+    # mean 40 us, p50 the upper middle (30 us), p99 the largest; 160 us of 4 ms of steps = 4%
+    assert "over 4 steps" in line and "mean 40.0 us" in line and "p50 30.0 us" in line
+    assert "p99 100.0 us" in line and "4.000% of step wall time" in line
+    assert "publisher thread CPU 2.0 us per step (0.200%)" in line
+    # afresh after a report
+    assert t.add(5_000, 1_000_000) is None
+    last = t.summary() or ""
+    assert "over 1 steps" in last and "CPU 3.0 us per step" in last
+
+
+def test_bridge_timing_without_publisher_clock() -> None:
+    from chunkscope.integrations.vllm_events import BridgeTiming
+
+    t = BridgeTiming(1, None)
+    line = t.add(1_000, 0) or ""
+    assert "mean 1.0 us" in line and "publisher" not in line
+    assert t.summary() is None
+
+
+def test_dp_identity_sees_vllms_independent_dense_ranks() -> None:
+    from chunkscope.integrations.vllm_events import dp_identity
+
+    assert dp_identity(1, 0, 0, "EngineCore") == (False, 0, 1)  # no data parallelism
+    assert dp_identity(None, None, None, "MainProcess") == (False, 0, 1)
+    # a dense model's ranks: size and rank reset to 1 / 0, the rank kept in data_parallel_index
+    assert dp_identity(1, 0, 1, "EngineCore_DP1") == (True, 1, None)
+    assert dp_identity(1, 0, 0, "EngineCore_DP0") == (True, 0, None)
+    # an MoE model keeps the DP group: size and rank as configured
+    assert dp_identity(4, 3, 3, "EngineCore_DP3") == (True, 3, 4)
+    assert dp_identity(2, 1, None, "x") == (True, 1, 2)

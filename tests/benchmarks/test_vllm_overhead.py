@@ -1,0 +1,103 @@
+"""benchmarks/vllm_overhead.py's bookkeeping, without vLLM: balanced random pair orders, the
+paired ratio and its interval, vLLM's /metrics read back, and the bridge's own timing line
+parsed as the bridge writes it. No timing is asserted."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import pytest
+
+from chunkscope.integrations.vllm_events import BridgeTiming
+
+
+@pytest.fixture(scope="module")
+def vo() -> ModuleType:
+    return importlib.import_module("benchmarks.vllm_overhead")
+
+
+def test_pair_orders_are_balanced_and_seeded(vo: ModuleType) -> None:
+    order = vo.plan_order(20, 3)
+    assert len(order) == 20 and all(set(p) == {"with", "without"} for p in order)
+    assert sum(p[0] == "with" for p in order) == 10
+    assert order == vo.plan_order(20, 3) and order != vo.plan_order(20, 4)
+    assert len(vo.plan_order(5, 1)) == 5
+
+
+def test_paired_ratio_is_the_geometric_mean_with_an_interval(vo: ModuleType) -> None:
+    with_ = [99.0, 198.0, 49.5, 990.0]
+    without = [100.0, 200.0, 50.0, 1000.0]  # every pair 0.99 whatever its level
+    r = vo.paired_ratio(with_, without)
+    assert r["n_pairs"] == 4 and r["ratio"] == pytest.approx(0.99)
+    assert r["ci95"] == pytest.approx([0.99, 0.99])
+    noisy = vo.paired_ratio([100.0, 90.0, 110.0, 95.0], [100.0, 100.0, 100.0, 100.0])
+    lo, hi = noisy["ci95"]
+    assert lo < noisy["ratio"] < hi and lo < 1.0
+    assert vo.paired_ratio([None, 1.0], [1.0, 0.0])["n_pairs"] == 0
+
+
+METRICS_1 = """# HELP vllm:generation_tokens_total x
+vllm:generation_tokens_total{engine="0",model_name="m"} 100.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="m"} 10.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.025",model_name="m"} 20.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 20.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 20.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 0.2
+"""
+METRICS_2 = (
+    METRICS_1.replace(" 100.0", " 300.0")
+    .replace('"0.01",model_name="m"} 10.0', '"0.01",model_name="m"} 110.0')
+    .replace('"0.025",model_name="m"} 20.0', '"0.025",model_name="m"} 220.0')
+    .replace('"+Inf",model_name="m"} 20.0', '"+Inf",model_name="m"} 220.0')
+    .replace('_count{engine="0",model_name="m"} 20.0', '_count{engine="0",model_name="m"} 220.0')
+    .replace("} 0.2", "} 3.2")
+)
+
+
+def test_server_figures_from_two_scrapes(vo: ModuleType) -> None:
+    a, b = vo.parse_metrics(METRICS_1), vo.parse_metrics(METRICS_2)
+    s = vo.server_window(a, b, 2.0)
+    assert s["output_tokens_per_s"] == pytest.approx(100.0)
+    assert s["itl_n"] == 200 and s["itl_mean_ms"] == pytest.approx(15.0)
+    # 100 of 200 under 10 ms, the other 100 in (10, 25]: p99 is 98% into that bucket
+    assert s["itl_p99_ms_buckets"] == pytest.approx(10 + 15 * 0.98)
+
+
+def test_self_timing_reads_the_bridges_own_lines(vo: ModuleType) -> None:
+    cpu = iter([0, 4_000, 8_000])
+    t = BridgeTiming(2, lambda: next(cpu))
+    log = "\n".join(
+        [
+            "INFO x " + (t.add(10_000, 1_000_000) or "") + (t.add(30_000, 1_000_000) or ""),
+            "INFO y " + (t.add(50_000, 500_000) or "") + (t.add(50_000, 500_000) or ""),
+        ]
+    )
+    got = vo.self_timing(log)
+    assert [r["steps"] for r in got["lines"]] == [2, 2]
+    assert got["lines"][0]["core_share_pct"] == pytest.approx(2.0)
+    assert got["lines"][1]["core_share_pct"] == pytest.approx(10.0)
+    assert got["core_share_pct"] == pytest.approx(6.0) and got["mean_us"] == pytest.approx(35.0)
+    assert got["publisher_cpu_us"] == pytest.approx(2.0)
+    assert vo.self_timing("nothing") == {"lines": []}
+
+
+def test_tree_cpu_counts_descendants(vo: ModuleType) -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while vo.tree_cpu_s(child.pid) < 0.05 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        burnt = vo.tree_cpu_s(child.pid)
+        assert burnt >= 0.05
+        # this process's tree holds the child's CPU and its own
+        own = os.times()
+        assert vo.tree_cpu_s(os.getpid()) >= burnt + 0.5 * (own.user + own.system) - 0.05
+    finally:
+        child.kill()
+        child.wait()
