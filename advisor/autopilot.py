@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from advisor.fit import FitReport
+from advisor.overload import WindowLoad
 from advisor.predict import step_timing
 from advisor.simulate import ITL_CLASS, EngineShape, SimResult, simulate
 from advisor.traffic import Traffic, to_sim_requests
@@ -355,7 +356,11 @@ class Autopilot:
         traffic: Traffic,
         shape: EngineShape,
         observed: Observed | None = None,
+        load: WindowLoad | None = None,
     ) -> Decision:
+        """One tick. ``load`` is the look-back window's load (``advisor.overload``): an
+        overloaded window's figures say how long it ran, not what a setting does, so no
+        decision is made from it (the same rule the sweep and the advisor follow)."""
         cfg, cur = self.config, self.current
 
         def keep(kind: str, reason: str, **kw: Any) -> Decision:
@@ -378,6 +383,13 @@ class Autopilot:
             )
         if isinstance(fit, str):
             return keep("refuse", f"autopilot holds {cur.label()}: too little data ({fit})")
+        if load is not None and load.overloaded:
+            self._pick, self._pick_ticks = None, 0
+            return keep(
+                "refuse",
+                f"autopilot holds {cur.label()}: the window is overloaded ({load.reason()}); "
+                "no decision from it",
+            )
         if fit.num_steps < cfg.min_steps:
             return keep(
                 "refuse",

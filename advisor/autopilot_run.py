@@ -48,7 +48,7 @@ from advisor.autopilot import (
 )
 from advisor.fit import FitError, FitReport, fit_from_store
 from advisor.simulate import ITL_CLASS
-from advisor.traffic import ObservedRequest, Traffic, engine_shape
+from advisor.traffic import ObservedRequest, Traffic, engine_shape, observed_load
 from storage import queries
 from storage.control import CollectorUnavailable, list_engines, send_control
 from wire import credentials
@@ -303,7 +303,10 @@ class Runner:
             self.db, engine_id=o.engine_id, run_id=self.run_id, since=since, until=now,
             steady=steady,
         )  # fmt: skip
-        d = self.pilot.decide(now, fit, traffic, shape, obs)
+        load = observed_load(
+            self.db, engine_id=o.engine_id, run_id=self.run_id, since=since, until=now
+        )
+        d = self.pilot.decide(now, fit, traffic, shape, obs, load)
         logger.info("%s", d.reason)
         if d.changes:
             self.apply(d)

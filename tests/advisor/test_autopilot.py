@@ -17,6 +17,7 @@ from advisor.autopilot import (
     request_meets,
 )
 from advisor.fit import FitReport, NoiseModel
+from advisor.overload import WindowLoad
 from advisor.simulate import EngineShape
 from advisor.traffic import ObservedRequest, Traffic
 from engine.core.cost_model import CostModel
@@ -129,6 +130,23 @@ def test_no_fallback_when_predictions_hold() -> None:
 def test_refuses_on_a_poor_fit() -> None:
     d = pilot().decide(0.0, fit(r2=0.1), traffic(), SHAPE)
     assert d.kind == "refuse" and not d.changes and "poor fit" in d.reason
+
+
+def test_makes_no_decision_from_an_overloaded_window() -> None:
+    # the two ticks that would move 16384 -> 256 (test above), with the queue growing through
+    # the window: no change, and the reason says why
+    ap = pilot()
+    grows = WindowLoad(arrived=20, queued_start=1, queued_end=12)
+    for t in (0.0, 2.0, 4.0):
+        d = ap.decide(t, fit(), traffic(), SHAPE, None, grows)
+        assert d.kind == "refuse" and not d.changes, d.reason
+        assert "overloaded" in d.reason and "queue grew from 1 to 12" in d.reason
+    failed = WindowLoad(arrived=20, queued_start=0, queued_end=0, failed=2)
+    assert "failed" in ap.decide(6.0, fit(), traffic(), SHAPE, None, failed).reason
+    # a window that is not overloaded decides as before
+    calm = WindowLoad(arrived=20, queued_start=1, queued_end=2)
+    assert ap.decide(8.0, fit(), traffic(), SHAPE, None, calm).kind == "hold"
+    assert ap.decide(10.0, fit(), traffic(), SHAPE, None, calm).kind == "change"
 
 
 def test_refuses_with_too_little_data() -> None:
