@@ -209,7 +209,6 @@ def _engine_changed() -> None:
     st.session_state["engine_choice_changed"] = True
 
 
-@st.fragment(run_every=SIDEBAR_REFRESH_S)
 def store_size_line(db_url: str | None) -> str:
     """The sidebar's store line: its size as the retention limits count it, and on disk."""
     from storage.retention import human_bytes
@@ -224,6 +223,7 @@ def store_size_line(db_url: str | None) -> str:
     return line + " (`chunkscope prune` deletes old runs)"
 
 
+@st.fragment(run_every=SIDEBAR_REFRESH_S)
 def _status_panel() -> None:
     if st.session_state.pop("engine_choice_changed", False):
         st.rerun()  # the whole page follows the new selection
