@@ -257,7 +257,9 @@ def _status_panel() -> None:
         st.info("Collector starting…")
     elif ctx.collector_url:
         st.warning(f"Collector unreachable ({err}). Showing stored data.")
-    if ctx.store_error:
+    if ctx.store_error and stk.embedded and stk.starting:
+        st.info("Store: not created yet (the collector creates it as it starts)")
+    elif ctx.store_error:
         st.warning(f"Store: {ctx.store_error}")
     else:
         st.caption(store_size_line(ctx.db_url))
