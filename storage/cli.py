@@ -72,6 +72,16 @@ def _collector_parser() -> argparse.ArgumentParser:
         f"--control-token (default: ${credentials.LEGACY_ENV}, else none)",
     )
     p.add_argument(
+        "--credentials-file",
+        default=credentials.from_env(credentials.CREDENTIALS_FILE_ENV),
+        metavar="PATH",
+        help='engines with tokens of their own: a TOML file ([engines."ID"] publish = '
+        '"...", control = "..."; JSON if it ends in .json), read once at start. A listed '
+        "engine publishes only with its own publish token and is steered only with its own "
+        "control token; the others use the shared tokens "
+        f"(default: ${credentials.CREDENTIALS_FILE_ENV}, else none; docs/security.md)",
+    )
+    p.add_argument(
         "--allow-unauthenticated",
         action="store_true",
         help="listen on an address other than loopback without --publish-token and "
@@ -159,6 +169,19 @@ def run_collector(argv: list[str]) -> int:
     )
     # one line per connection and HTTP probe is noise at INFO
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.root.level))
+    engine_credentials: dict[str, credentials.EngineCredentials] = {}
+    if args.credentials_file:
+        try:
+            engine_credentials = credentials.load_engine_credentials(args.credentials_file)
+        except credentials.CredentialsFileError as exc:
+            print(f"python -m storage: --credentials-file {exc}", file=sys.stderr)
+            return 2
+        logger.info(  # the ids only, never a token
+            "%d engine(s) with credentials of their own: %s",
+            len(engine_credentials),
+            ", ".join(sorted(engine_credentials)[:20])
+            + (" ..." if len(engine_credentials) > 20 else ""),
+        )
     missing = {}
     if not (args.publish_token or args.auth_token):
         missing["--publish-token"] = "who may publish"
@@ -178,6 +201,7 @@ def run_collector(argv: list[str]) -> int:
             publish_token=args.publish_token,
             auth_token=args.auth_token,
             control_token=args.control_token,
+            engine_credentials=engine_credentials,
             max_frame_bytes=args.max_frame_bytes,
             control_timeout=args.control_timeout,
             db_connect_timeout=args.db_connect_timeout,

@@ -37,6 +37,7 @@ from storage import ingest, retention
 from storage.ingest import CLOSE_BAD_INPUT
 from storage.store import CollectorControl, Disconnect, Events, EventsResult, Hello, RunInfo
 from storage.writer import Writer
+from wire import credentials
 from wire.control import (
     CAP_KEY,
     CONTROL_KEYS,
@@ -47,6 +48,7 @@ from wire.control import (
     relay_declaration,
     same_secret,
 )
+from wire.credentials import EngineCredentials
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,9 @@ class CollectorConfig:
     publish_token: str | None = None
     control_token: str | None = None
     auth_token: str | None = None
+    # engine id -> its own tokens (--credentials-file; wire.credentials): a listed engine
+    # publishes and is steered only with its own, the others with the shared ones above
+    engine_credentials: dict[str, EngineCredentials] = field(default_factory=dict, repr=False)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     control_timeout: float = 15.0
     hello_timeout: float = 10.0
@@ -105,8 +110,12 @@ class CollectorConfig:
     def control_gate(self) -> tuple[str, ...]:
         """The tokens that open a /control connection (empty: open). The legacy auth token
         opens it beside a control token, as before; steering then still needs the control
-        token in each message."""
-        return tuple(t for t in (self.control_token, self.auth_token) if t)
+        token in each message. Each listed engine's own control token opens it too (it then
+        lists and steers that engine only)."""
+        shared = tuple(t for t in (self.control_token, self.auth_token) if t)
+        if not shared:
+            return ()
+        return shared + tuple(c.control for c in self.engine_credentials.values())
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -115,6 +124,11 @@ class CollectorConfig:
             raise ValueError(f"max_frame_bytes must be at least 1024, got {self.max_frame_bytes}")
         if self.control_timeout <= 0:
             raise ValueError(f"control_timeout must be positive, got {self.control_timeout}")
+        clash = credentials.clash_with_shared(
+            self.engine_credentials, (self.publish_token, self.control_token, self.auth_token)
+        )
+        if clash:
+            raise ValueError(clash)
         if self.prune_older_than is not None and not self.prune_older_than > 0:
             raise ValueError(f"prune_older_than must be positive, got {self.prune_older_than}")
         if self.prune_max_bytes is not None and not self.prune_max_bytes > 0:
@@ -544,9 +558,14 @@ class Collector:
         if hello is None:
             await self._close(ws, CLOSE_BAD_INPUT, why)
             return
-        expected = self.config.ingest_token
-        if expected is not None and not same_secret(hello.get("token"), expected):
-            await self._close(ws, CLOSE_AUTH, "missing or wrong publish token")
+        why = credentials.may_publish(
+            hello["engine_id"],
+            hello.get("token"),
+            shared=self.config.ingest_token,
+            engines=self.config.engine_credentials,
+        )
+        if why:
+            await self._close(ws, CLOSE_AUTH, why)
             return
         conn = IngestConn(ws=ws, engine_id=hello["engine_id"], run_id=hello["run_id"])
         self._take_hello(conn, hello)
@@ -761,6 +780,8 @@ class Collector:
     async def _control_client(self, ws: ServerConnection) -> None:
         self.metrics.control_clients.inc()
         presented = presented_token(ws.request) if ws.request is not None else None
+        # a client holding one engine's own control token sees and steers that engine only
+        scope = credentials.steers_only(presented, self.config.engine_credentials)
         in_flight: set[asyncio.Task[Any]] = set()
         try:
             async for raw in ws:
@@ -771,7 +792,7 @@ class Collector:
                     continue
                 kind = msg.get("type")
                 if kind == "list_engines":
-                    await self._send(ws, self.engines_reply(msg))
+                    await self._send(ws, self.engines_reply(msg, only=scope))
                 elif kind == "control":
                     if len(in_flight) >= MAX_CONTROLS_IN_FLIGHT:
                         self.metrics.refuse("control_busy")
@@ -810,10 +831,14 @@ class Collector:
     def list_engines(self) -> list[dict[str, Any]]:
         return [dict(v) for v in self._seen.values()]
 
-    def engines_reply(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def engines_reply(self, msg: dict[str, Any], only: str | None = None) -> dict[str, Any]:
         """The ``engines`` reply: connected engines first, then the others, at most
-        ``ingest.MAX_ENGINES_LISTED`` from ``offset`` (``next_offset`` when more follow)."""
-        return ingest.engines_page(self.list_engines(), msg.get("offset"))
+        ``ingest.MAX_ENGINES_LISTED`` from ``offset`` (``next_offset`` when more follow);
+        ``only``: that engine id alone."""
+        rows = self.list_engines()
+        if only is not None:
+            rows = [r for r in rows if r.get("engine_id") == only]
+        return ingest.engines_page(rows, msg.get("offset"))
 
     async def _relay_and_answer(
         self, ws: ServerConnection, msg: dict[str, Any], presented: str | None
@@ -868,10 +893,14 @@ class Collector:
         token = msg.get("token")
         if token is None:
             token = presented
-        if self.config.control_token is not None and not same_secret(
-            token, self.config.control_token
-        ):
-            return refuse("missing or wrong control token", "token")
+        why = credentials.may_steer(
+            engine_id if isinstance(engine_id, str) else "",
+            token,
+            shared=self.config.control_token,
+            engines=self.config.engine_credentials,
+        )
+        if why:
+            return refuse(why, "token")
         if not isinstance(engine_id, str) or not engine_id:
             return refuse("engine_id must be a non-empty string", "bad_request")
         if run_id is not None and not isinstance(run_id, str):

@@ -147,15 +147,19 @@ def _out_of_range(name: str, value: Any, ranges: dict[str, tuple[int, int]]) -> 
 
 def integer_refusal(ev: dict[str, Any], kind: str | None = None) -> str:
     """Why an event (or a hello, ``kind="hello"``) carries an integer its column cannot hold on
-    every backend ("" when none does)."""
+    every backend ("" when none does).
+
+    Runs on every stored event, so the loop is inline: events are parsed JSON, whose integers
+    are exactly ``int`` (``type() is int`` also leaves out ``bool``); only those are looked up."""
     kind = kind or ev.get("type")
     ranges = INT_RANGES.get(kind) if isinstance(kind, str) else None
     if ranges is None:
         return ""
     for name, value in ev.items():
-        why = _out_of_range(name, value, ranges)
-        if why:
-            return why
+        if type(value) is int:
+            bounds = ranges.get(name)
+            if bounds is not None and not bounds[0] <= value <= bounds[1]:
+                return _out_of_range(name, value, ranges)
     runs = INT_RANGES["hello"]
     if kind == "hello" and isinstance(ev.get("clock"), dict):
         for name, value in ev["clock"].items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,8 @@ _REQ_MUTABLE = (
     "last_token_step",
     "max_itl_ns",
 )
+_LOOKUP_IDS = 500  # request ids per lookup query (SQLite allows 32,766 parameters)
+_req_mutable = operator.attrgetter(*_REQ_MUTABLE)  # all of them in one C call
 _STEP_INTS = (
     "forward_ns",
     "num_decode_tokens",
@@ -117,7 +120,7 @@ class RequestState:
     max_itl_ns: int | None = None
 
     def row(self, run_key: int) -> dict[str, Any]:
-        d = {name: getattr(self, name) for name in _REQ_MUTABLE}
+        d = dict(zip(_REQ_MUTABLE, _req_mutable(self), strict=True))
         d.update(run_key=run_key, req_no=self.req_no, request_id=self.request_id)
         return d
 
@@ -234,6 +237,8 @@ class _Batch:
         self.gaps: list[dict[str, Any]] = []
         self.dirty_requests: dict[int, dict[int, RequestState]] = {}
         self.dirty_runs: dict[int, RunState] = {}
+        # run_key -> request ids looked up in this transaction and not in the database
+        self.not_stored: dict[int, set[str]] = {}
 
     def touch(self, run: RunState, req: RequestState) -> None:
         self.dirty_requests.setdefault(run.run_key, {})[req.req_no] = req
@@ -499,6 +504,8 @@ class Store:
 
     def _events(self, op: Events, batch: _Batch) -> EventsResult:
         run = self._run(op.run_key)
+        if run.partial:
+            self._look_up_requests(run, op.events, batch)
         res = EventsResult(run.run_key, run.last_seq, 0, 0, [], [], {})
         for ev in op.events:
             seq = ev["seq"]
@@ -538,11 +545,40 @@ class Store:
         res.last_seq = run.last_seq
         return res
 
+    def _look_up_requests(self, run: RunState, events: list[dict[str, Any]], batch: _Batch) -> None:
+        """Load, in one query per ``_LOOKUP_IDS`` ids, the requests that ``events``' request
+        events name and memory does not hold (a new request's first event, most often), and
+        note the ones the database does not hold either; ``_request_state`` then needs no query
+        for them. A run with finished requests evicted would otherwise cost one query per new
+        request."""
+        known = run.requests
+        ids = {
+            rid
+            for ev in events
+            if ev.get("type") == "request"
+            and type(rid := ev.get("request_id")) is str
+            and rid not in known
+        }
+        if not ids:
+            return
+        req = schema.requests
+        absent = batch.not_stored.setdefault(run.run_key, set())
+        wanted = sorted(ids)
+        for i in range(0, len(wanted), _LOOKUP_IDS):
+            part = wanted[i : i + _LOOKUP_IDS]
+            rows = self.conn.execute(
+                select(req).where(req.c.run_key == run.run_key, req.c.request_id.in_(part))
+            )
+            for row in rows:
+                state = self._request_from_row(row._mapping)
+                known[state.request_id] = state
+            absent.update(rid for rid in part if rid not in known)
+
     def _request_state(self, run: RunState, request_id: str, batch: _Batch) -> RequestState:
         state = run.requests.get(request_id)
         if state is not None:
             return state
-        if run.partial:
+        if run.partial and request_id not in batch.not_stored.get(run.run_key, ()):
             req = schema.requests
             row = self.conn.execute(
                 select(req).where(req.c.run_key == run.run_key, req.c.request_id == request_id)
@@ -565,7 +601,7 @@ class Store:
         if not isinstance(raw_chunks, list):
             raise TypeError("chunks must be a list")
         parsed: list[tuple[str, int, int, int]] = []
-        for c in raw_chunks:
+        for c in raw_chunks:  # the hot loop of ingest: one pass per chunk, checks inline
             rid = c["request_id"]
             if not isinstance(rid, str):
                 raise TypeError(f"chunk request_id must be a string, got {rid!r}")
@@ -574,7 +610,12 @@ class Store:
                 | (FLAG_PRODUCED if c["produced_token"] else 0)
                 | (FLAG_CAPPED if c.get("capped") else 0)  # absent from older engines
             )
-            start, n = _int(c["start"], "start"), _int(c["num_tokens"], "num_tokens")
+            start, n = c["start"], c["num_tokens"]
+            # what _int checks, inline for the common case; _int says why otherwise
+            if type(start) is not int or not -INT64_MAX <= start <= INT64_MAX:
+                start = _int(start, "start")
+            if type(n) is not int or not -INT64_MAX <= n <= INT64_MAX:
+                n = _int(n, "num_tokens")
             parsed.append((rid, start, n, flags))
         g = ev.get
         row: dict[str, Any] = {
@@ -593,8 +634,12 @@ class Store:
             row[name] = _opt_int(g(name), name)
         chunk_rows: list[tuple[int, int, int, int]] = []
         token_rows: list[tuple[int, int, int]] = []
+        known = run.requests
+        dirty: dict[int, RequestState] | None = None  # batch.touch's dict for this run
         for rid, start, n, flags in parsed:
-            req = self._request_state(run, rid, batch)
+            req = known.get(rid)
+            if req is None:
+                req = self._request_state(run, rid, batch)
             chunk_rows.append((req.req_no, start, n, flags))
             if flags & FLAG_PRODUCED:
                 k = req.num_tokens + 1
@@ -610,7 +655,9 @@ class Store:
                 req.last_token_ns = end_ns
                 req.last_token_step = step
                 token_rows.append((req.req_no, k, itl))
-                batch.touch(run, req)
+                if dirty is None:
+                    dirty = batch.dirty_requests.setdefault(run.run_key, {})
+                dirty[req.req_no] = req
         run.num_steps += 1
         if run.last_step is None or step >= run.last_step:
             run.last_step = step

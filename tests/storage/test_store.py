@@ -1,0 +1,83 @@
+"""storage.store driven directly: what the writer keeps of a run's requests between batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import event, select
+
+from storage import db as dbm
+from storage import schema
+from storage.store import Events, EventsResult, Hello, Store
+from testkit.engines import SyntheticEngine
+
+
+def _request(seq: int, rid: str, kind: str, t: int) -> dict[str, Any]:
+    return {"type": "request", "seq": seq, "request_id": rid, "kind": kind, "time_ns": t}
+
+
+def _step(seq: int, step: int, rids: list[str]) -> dict[str, Any]:
+    chunk = {"kind": "decode", "start": 8, "num_tokens": 1, "produced_token": True}
+    return {
+        "type": "step",
+        "seq": seq,
+        "step": step,
+        "start_ns": 1000 * step,
+        "end_ns": 1000 * step + 500,
+        "chunks": [{**chunk, "request_id": rid} for rid in rids],
+    }
+
+
+def test_requests_evicted_after_they_finish_are_found_again_with_one_query(db_url: str) -> None:
+    """Finished requests leave the writer's memory; a later batch's new requests are looked up
+    together (one query, not one per request), and a late event for an evicted request updates
+    its row instead of inserting it twice."""
+    db = dbm.connect(db_url)
+    dbm.migrate(db)
+    store = Store(db)
+    store.startup()
+    [info] = store.apply([Hello(SyntheticEngine(engine_id="e", run_id="r", seed=1).hello())])
+    first = [
+        _request(1, "a", "arrived", 10),
+        _request(2, "b", "arrived", 11),
+        _step(3, 1, ["a", "b"]),
+        _request(4, "a", "finished", 2000),
+    ]
+    [res] = store.apply([Events(info.run_key, first)])
+    assert isinstance(res, EventsResult) and res.stored == 4 and not res.bad
+
+    lookups: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and "requests" in statement:
+            lookups.append(statement)
+
+    event.listen(db, "before_cursor_execute", count)
+    new = [f"n{i}" for i in range(5)]
+    second = [
+        _request(5, "a", "preempted", 2100),  # late, for the evicted request
+        *[_request(6 + i, rid, "arrived", 2200 + i) for i, rid in enumerate(new)],
+        _step(11, 2, ["b", *new]),
+    ]
+    [res] = store.apply([Events(info.run_key, second)])
+    event.remove(db, "before_cursor_execute", count)
+    assert isinstance(res, EventsResult) and res.stored == len(second) and not res.bad
+    assert len(lookups) == 1, lookups
+
+    with db.connect() as c:
+        rows = c.execute(
+            select(
+                schema.requests.c.request_id,
+                schema.requests.c.req_no,
+                schema.requests.c.num_preemptions,
+                schema.requests.c.finished_ns,
+                schema.requests.c.num_tokens,
+            ).where(schema.requests.c.run_key == info.run_key)
+        ).all()
+    by_id = {r.request_id: r for r in rows}
+    assert sorted(by_id) == sorted(["a", "b", *new]) and len(rows) == len(by_id)
+    assert len({r.req_no for r in rows}) == len(rows)
+    assert by_id["a"].num_preemptions == 1 and by_id["a"].finished_ns == 2000
+    assert by_id["b"].num_tokens == 2 and all(by_id[rid].num_tokens == 1 for rid in new)
+    store.close()
+    db.dispose()
