@@ -569,3 +569,40 @@ def test_an_event_that_cannot_be_encoded_keeps_its_seq(collector: FakeCollector)
             pub.publish({"kind": "arrived"})
     finally:
         pub.close(timeout=WAIT_S)
+
+
+def test_the_engine_thread_never_wakes_a_polling_publisher(collector: FakeCollector) -> None:
+    """With ``linger_s > 0`` the network thread polls: ``publish`` only appends (no call into
+    the event loop from the engine's thread), and every event still arrives, in order, batched."""
+    pub = make_publisher(collector.url, linger_s=0.05)
+    wakes: list[int] = []
+    pub.buffer.on_data = lambda: wakes.append(1)
+    pub.start()
+    try:
+        for burst in range(5):
+            for i in range(20):
+                pub.publish(req_event(burst * 20 + i))
+            time.sleep(0.03)
+        assert pub.wait_acked(timeout=WAIT_S)
+        assert stored_seqs(collector) == list(range(1, 101))
+        assert [collector.stored[s]["request_id"] for s in (1, 100)] == ["r0", "r99"]
+        assert wakes == []
+        assert len(collector.frames) < 100 // 4
+    finally:
+        pub.close(timeout=WAIT_S)
+
+
+def test_without_linger_publish_wakes_the_sender(collector: FakeCollector) -> None:
+    pub = make_publisher(collector.url, linger_s=0)
+    wakes: list[int] = []
+    wake = pub._wake_sender
+    pub.buffer.on_data = lambda: (wakes.append(1), wake())
+    pub.start()
+    try:
+        assert pub.wait_acked(timeout=WAIT_S)
+        time.sleep(0.05)  # the sender is idle and armed
+        pub.publish(req_event(1))
+        assert pub.wait_acked(timeout=WAIT_S)
+        assert stored_seqs(collector) == [1] and wakes
+    finally:
+        pub.close(timeout=WAIT_S)
