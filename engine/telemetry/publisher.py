@@ -5,15 +5,15 @@ its ``seq`` and keeps it in an :class:`~engine.telemetry.buffer.EventBuffer` unt
 acknowledges it. A background thread runs an asyncio loop that connects to the collector's
 ``/ingest`` (``websockets.asyncio.client``), sends the ``hello``, resends from the collector's
 first ``ack`` + 1, then sends batches (by count, a linger and a frame-size bound) and releases
-what each ``ack`` covers. With ``linger_s > 0`` (default 0.1 s) that thread polls the buffer every
-``linger_s`` instead of being woken by ``publish``: at most one frame per ``linger_s`` while
-events come (a full batch goes at once), and nothing on the engine's thread but the append. Each
-frame costs the thread a few hundred us of asyncio and websockets Python, so the frame rate is
-most of its CPU. It reconnects with exponential backoff and jitter; while no collector answers
-the engine serves normally and the buffer holds events (memory, then spill files, then a
-declared ``gap``). Controls the collector relays on the same connection are applied by an
-``apply_control`` coroutine as tasks, so the reader never waits on the engine.
-The wire is ``docs/telemetry.md``.
+what each ``ack`` covers. After a frame that did not fill a batch it sleeps ``linger_s`` (default
+0.1 s) and polls the buffer again, so while events keep coming ``publish`` never wakes it (only
+the first event after an idle spell does) and a frame carries what ``linger_s`` gathered: each
+frame and each wake-up cost that thread a few hundred us (asyncio and websockets code, the
+wake-up itself on a virtual machine), so their rate is most of its CPU. It reconnects with
+exponential backoff and jitter; while no collector answers the engine serves normally and the
+buffer holds events (memory, then spill files, then a declared ``gap``). Controls the collector
+relays on the same connection are applied by an ``apply_control`` coroutine as tasks, so the
+reader never waits on the engine. The wire is ``docs/telemetry.md``.
 """
 
 from __future__ import annotations
@@ -440,27 +440,26 @@ class Publisher:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(session.acked.wait(), 1.0)
                 continue
-            polling = self.linger_s > 0 and not self._stopping
+            lingering = self.linger_s > 0 and not self._stopping
             entries = self._next_entries(session)
-            if not entries:
-                if polling:
-                    # Poll the buffer every linger_s: the engine's thread never wakes this loop
-                    # (no call into it, no syscall on the engine's path), and a frame carries
-                    # what linger_s gathered. Stop and resend requests wait at most linger_s.
-                    await asyncio.sleep(self.linger_s)
-                    continue
+            if not entries:  # idle: sleep until the next publish wakes this loop
                 wake.clear()
                 if not self._next_entries(session, arm=True):
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(wake.wait(), 1.0 if self._stopping else None)
+                    if lingering:
+                        await asyncio.sleep(self.linger_s)  # let a batch gather
                 continue
             frame, last_seq, n = self._frame(entries, session)
             await ws.send(frame)
             session.cursor = last_seq
             self._frames_sent += 1
             self._events_sent += n
-            if polling and n == len(entries) and n < self.max_batch_events:
-                await asyncio.sleep(self.linger_s)  # all sent: let the next batch gather
+            if lingering and n == len(entries) and n < self.max_batch_events:
+                # While events keep coming, poll every linger_s: the engine's thread does not
+                # wake this loop (no call into it, no syscall on its path) until a poll finds
+                # nothing. Stop and resend requests wait at most linger_s.
+                await asyncio.sleep(self.linger_s)
 
     def _next_entries(self, session: _Session, *, arm: bool = False) -> list[tuple[int, str]]:
         if session.carry and session.carry[0][0] == session.cursor + 1:

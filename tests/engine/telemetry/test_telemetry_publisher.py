@@ -571,23 +571,34 @@ def test_an_event_that_cannot_be_encoded_keeps_its_seq(collector: FakeCollector)
         pub.close(timeout=WAIT_S)
 
 
-def test_the_engine_thread_never_wakes_a_polling_publisher(collector: FakeCollector) -> None:
-    """With ``linger_s > 0`` the network thread polls: ``publish`` only appends (no call into
-    the event loop from the engine's thread), and every event still arrives, in order, batched."""
+def test_a_steady_stream_does_not_wake_the_publisher_and_an_idle_one_does_not_poll(
+    collector: FakeCollector,
+) -> None:
+    """While events keep coming the network thread polls every ``linger_s`` (``publish`` only
+    appends: no call into its loop per frame); once idle it sleeps until the next publish."""
     pub = make_publisher(collector.url, linger_s=0.05)
     wakes: list[int] = []
-    pub.buffer.on_data = lambda: wakes.append(1)
+    pub.buffer.on_data = lambda: (wakes.append(1), pub._wake_sender())
+    takes: list[int] = []
+    take = pub.buffer.take
+    pub.buffer.take = lambda *a, **k: (takes.append(1), take(*a, **k))[1]  # type: ignore[method-assign]
     pub.start()
     try:
-        for burst in range(5):
-            for i in range(20):
-                pub.publish(req_event(burst * 20 + i))
-            time.sleep(0.03)
+        for i in range(200):
+            pub.publish(req_event(i))
+            time.sleep(0.002)
         assert pub.wait_acked(timeout=WAIT_S)
-        assert stored_seqs(collector) == list(range(1, 101))
-        assert [collector.stored[s]["request_id"] for s in (1, 100)] == ["r0", "r99"]
-        assert wakes == []
-        assert len(collector.frames) < 100 // 4
+        assert stored_seqs(collector) == list(range(1, 201))
+        assert [collector.stored[s]["request_id"] for s in (1, 200)] == ["r0", "r199"]
+        frames = len(collector.frames)
+        assert frames < 200 // 4  # batched
+        assert len(wakes) < frames / 2  # woken per frame (the old way): wakes == frames
+        time.sleep(0.1)
+        n_takes = len(takes)
+        time.sleep(0.3)  # idle: no polling (6 polls at linger 0.05)
+        assert len(takes) == n_takes
+        pub.publish(req_event(200))  # the first event after an idle spell wakes it
+        assert pub.wait_acked(timeout=WAIT_S) and len(wakes) >= 1
     finally:
         pub.close(timeout=WAIT_S)
 
