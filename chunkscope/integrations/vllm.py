@@ -40,7 +40,6 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from chunkscope.integrations.vllm_events import (
     BridgeTiming,
     BudgetControl,
-    ScheduledChunk,
     StepTranslator,
     dp_identity,
     traffic_class_of,
@@ -358,18 +357,22 @@ class ChunkscopeScheduler(Scheduler):
         starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
-        chunks = []
+        # ScheduledChunk's fields as plain tuples (no object per chunk on the busy loop)
+        chunks: list[tuple[str, int, int, int, int]] = []
+        add = chunks.append
+        requests = self.requests
         for rid, n in out.num_scheduled_tokens.items():
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             if req is None:
                 continue
-            chunks.append(
-                ScheduledChunk(
+            start = starts.get(rid)
+            add(
+                (
                     rid,
-                    int(starts.get(rid, req.num_computed_tokens - n)),
-                    int(n),
-                    int(req.num_prompt_tokens),
-                    int(req.num_tokens),
+                    req.num_computed_tokens - n if start is None else start,
+                    n,
+                    req.num_prompt_tokens,
+                    req.num_tokens,
                 )
             )
         pool = self.kv_cache_manager.block_pool

@@ -26,9 +26,9 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.server.protocol import TRAFFIC_CLASS_MAX_LEN
 from wire.control import CAP_KEY, check_changes
@@ -99,9 +99,9 @@ def chunk_kind(start: int, num_tokens: int, num_prompt_tokens: int, num_tokens_t
     return "prefill"
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """One request's share of a step, as vLLM scheduled it."""
+class ScheduledChunk(NamedTuple):
+    """One request's share of a step, as vLLM scheduled it. A plain tuple in this field order
+    does as well (the bridge passes tuples: a step of 64 chunks builds no objects for them)."""
 
     request_id: str  # vLLM's internal id
     start: int  # num_computed_tokens before this step
@@ -121,8 +121,11 @@ class _Req:
 
 @dataclass
 class _InFlight:
-    step: StepEvent
-    chunks: list[ScheduledChunk]
+    """The step vLLM is executing: its fields as read at ``schedule()`` (the event is built once
+    its output is back) and its chunks as ``(internal id, external id, kind, start, tokens)``."""
+
+    fields: dict[str, Any]
+    chunks: list[tuple[str, str, str, int, int]]
     held: list[Any] = field(default_factory=list)  # aborts that landed during the step
 
 
@@ -215,7 +218,7 @@ class StepTranslator:
         *,
         start_ns: int,
         token_budget: int,
-        chunks: list[ScheduledChunk],
+        chunks: Sequence[ScheduledChunk | tuple[str, int, int, int, int]],
         long_prefill_token_threshold: int = 0,
         preempted: list[str],
         num_running: int,
@@ -245,53 +248,52 @@ class StepTranslator:
         for ev in self._pending_controls:
             self._emit(ev)
         self._pending_controls.clear()
-        records = []
+        reqs = self._reqs
+        rows: list[tuple[str, str, str, int, int]] = []
+        add = rows.append
         num_decode = num_prefill = 0
-        for c in chunks:
-            req = self._reqs.get(c.request_id)
+        for rid, start, n, n_prompt, n_total in chunks:
+            req = reqs.get(rid)
             if req is None:  # added before the bridge was up: known from here on
-                req = _Req(
-                    external_request_id(c.request_id, randomized=self.randomized_ids),
-                    c.num_prompt_tokens,
-                )
-                self._reqs[c.request_id] = req
+                req = _Req(external_request_id(rid, randomized=self.randomized_ids), n_prompt)
+                reqs[rid] = req
             if not req.scheduled:
                 req.scheduled = True
-                req.num_cached_tokens = c.start
+                req.num_cached_tokens = start
                 self._emit(
                     RequestEvent(
                         "first_scheduled",
                         req.external_id,
                         start_ns,
                         num_prompt_tokens=req.num_prompt_tokens,
-                        num_cached_tokens=c.start,
+                        num_cached_tokens=start,
                         step=step,
                     )
                 )
-            kind = chunk_kind(c.start, c.num_tokens, c.num_prompt_tokens, c.num_tokens_total)
+            kind = chunk_kind(start, n, n_prompt, n_total)
             if kind == "decode":
-                num_decode += c.num_tokens
+                num_decode += n
             else:
-                num_prefill += c.num_tokens
-            records.append(ChunkRecord(req.external_id, kind, c.start, c.num_tokens, False))
-        event = StepEvent(
-            step=step,
-            start_ns=start_ns,
-            end_ns=start_ns,
-            token_budget=int(token_budget),
-            policy=self.policy,
-            long_prefill_token_threshold=int(long_prefill_token_threshold),
-            num_decode_tokens=num_decode,
-            num_prefill_tokens=num_prefill,
-            num_scheduled_tokens=num_decode + num_prefill,
-            num_running=int(num_running),
-            num_waiting=int(num_waiting),
-            kv_blocks_used=int(kv_blocks_used),
-            kv_blocks_total=int(kv_blocks_total),
-            num_preemptions=len(preempted),
-            chunks=records,
+                num_prefill += n
+            add((rid, req.external_id, kind, start, n))
+        self._inflight = _InFlight(
+            {
+                "step": step,
+                "start_ns": start_ns,
+                "token_budget": int(token_budget),
+                "policy": self.policy,
+                "long_prefill_token_threshold": int(long_prefill_token_threshold),
+                "num_decode_tokens": num_decode,
+                "num_prefill_tokens": num_prefill,
+                "num_scheduled_tokens": num_decode + num_prefill,
+                "num_running": int(num_running),
+                "num_waiting": int(num_waiting),
+                "kv_blocks_used": int(kv_blocks_used),
+                "kv_blocks_total": int(kv_blocks_total),
+                "num_preemptions": len(preempted),
+            },
+            rows,
         )
-        self._inflight = _InFlight(event, chunks)
         return step
 
     def executed(
@@ -312,36 +314,39 @@ class StepTranslator:
         flight, self._inflight = self._inflight, None
         if flight is None:
             return
-        step = flight.step
-        step.end_ns = end_ns
+        fields = flight.fields
+        index = fields["step"]
         if num_running is not None:
-            step.num_running = int(num_running)
+            fields["num_running"] = int(num_running)
         if num_waiting is not None:
-            step.num_waiting = int(num_waiting)
-        step.forward_ns = max(0, end_ns - forward_start_ns) if forward_start_ns else 0
+            fields["num_waiting"] = int(num_waiting)
+        reqs = self._reqs
+        got = produced.get
+        records: list[ChunkRecord] = []
+        add = records.append
         after: list[RequestEvent] = []
-        for i, c in enumerate(flight.chunks):
-            n = int(produced.get(c.request_id, 0))
-            req = self._reqs.get(c.request_id)
-            if n <= 0 or req is None:
+        for rid, ext, kind, start, n in flight.chunks:
+            k = got(rid, 0)
+            req = reqs.get(rid) if k > 0 else None
+            if req is None:  # no token, or the request was aborted during the step
+                add(ChunkRecord(ext, kind, start, n, False))
                 continue
-            rec = step.chunks[i]
-            step.chunks[i] = ChunkRecord(rec.request_id, rec.kind, rec.start, rec.num_tokens, True)
+            add(ChunkRecord(ext, kind, start, n, True))
             if req.num_output_tokens == 0:
                 after.append(
                     RequestEvent(
                         "first_token",
-                        req.external_id,
+                        ext,
                         end_ns,
                         num_prompt_tokens=req.num_prompt_tokens,
                         num_output_tokens=1,
                         num_cached_tokens=req.num_cached_tokens,
-                        step=step.step,
+                        step=index,
                     )
                 )
-            req.num_output_tokens += n
+            req.num_output_tokens += int(k)
         for rid, reason in finished.items():
-            req = self._reqs.pop(rid, None)
+            req = reqs.pop(rid, None)
             if req is None:
                 continue
             after.append(
@@ -353,10 +358,17 @@ class StepTranslator:
                     num_output_tokens=req.num_output_tokens,
                     num_cached_tokens=req.num_cached_tokens,
                     finish_reason=finish_reason_name(reason),
-                    step=step.step,
+                    step=index,
                 )
             )
-        self._emit(step)
+        self._emit(
+            StepEvent(
+                end_ns=end_ns,
+                forward_ns=max(0, end_ns - forward_start_ns) if forward_start_ns else 0,
+                chunks=records,
+                **fields,
+            )
+        )
         for ev in after:
             self._emit(ev)
         for ev in flight.held:

@@ -34,10 +34,10 @@ from wire.events import ChunkRecord, ControlEvent, RequestEvent, StepEvent
 logger = logging.getLogger(__name__)
 
 _FLAT_EVENTS = (StepEvent, RequestEvent, ControlEvent)
-# The direct chunk encoder writes exactly these fields; a ChunkRecord with others uses json.
-_CHUNK_FIELDS_OK = tuple(f.name for f in fields(ChunkRecord)) == (
-    "request_id", "kind", "start", "num_tokens", "produced_token"
-)  # fmt: skip
+# The direct chunk encoder writes exactly these fields, in this order; a test checks that it is
+# the encoder in use (a field added to ChunkRecord must be added to it too).
+DIRECT_CHUNK_FIELDS = ("request_id", "kind", "start", "num_tokens", "produced_token", "capped")
+DIRECT_STEP_ENCODER = tuple(f.name for f in fields(ChunkRecord)) == DIRECT_CHUNK_FIELDS
 
 DEFAULT_MAX_MEMORY_EVENTS = 20_000
 DEFAULT_MAX_SPILL_BYTES = 1 << 30
@@ -59,30 +59,99 @@ def event_dict(event: Any) -> dict[str, Any]:
 
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9_.:\-]*\Z").match
+_DUMPS = json.JSONEncoder(separators=(",", ":"), default=str).encode
+
+
+def _flat_json(parts: list[str], d: dict[str, Any]) -> None:
+    """Append ``"key":value`` for each item of ``d``: ints, None, bools and plain
+    id-like strings written directly, anything else through ``json`` (same text as json.dumps
+    with compact separators; ``default=str`` as ever)."""
+    for k, v in d.items():
+        t = type(v)
+        if t is int:
+            parts.append(f'"{k}":{v}')
+        elif v is None:
+            parts.append(f'"{k}":null')
+        elif t is bool:
+            parts.append(f'"{k}":true' if v else f'"{k}":false')
+        elif t is str and _SAFE_ID(v):
+            parts.append(f'"{k}":"{v}"')
+        else:
+            parts.append(f'"{k}":{_DUMPS(v)}')
+
+
+def _encode_flat(seq: int, event: Any) -> str:
+    """A request or control event (a flat dataclass) as JSON with its seq, written directly:
+    the same object as ``json.dumps`` of ``to_dict()`` + seq (a test checks), ~3x cheaper."""
+    parts = [f'{{"type":"{event.type}","seq":{seq}']
+    _flat_json(parts, vars(event))
+    return ",".join(parts) + "}"
+
+
+_TF = {True: "true", False: "false"}
+_KINDS = frozenset(("prefill", "decode"))
+_safe_ids: set[str] = set()  # request ids checked by _SAFE_ID (ids recur in step after step)
+
+
+def _safe_id(rid: Any) -> bool:
+    if type(rid) is not str:
+        return False
+    if rid in _safe_ids:
+        return True
+    if not _SAFE_ID(rid):
+        return False
+    if len(_safe_ids) >= 65536:
+        _safe_ids.clear()
+    _safe_ids.add(rid)
+    return True
+
+
+# A step's scalar fields: all ints but ``policy`` (a test checks this is the encoder in use).
+_STEP_INT_FIELDS = tuple(
+    f.name for f in fields(StepEvent) if f.name not in ("policy", "chunks")
+)  # fmt: skip
+_STEP_HEAD = '{"type":"step","seq":%d,"policy":"%s",' + ",".join(
+    f'"{name}":%d' for name in _STEP_INT_FIELDS
+)
+_NUM_STEP_FIELDS = len(_STEP_INT_FIELDS) + 2
+_ONLY_INT = {int}
 
 
 def _encode_step(seq: int, event: StepEvent) -> str:
-    """A step event as JSON with its chunks written out directly (most of the telemetry's CPU:
-    ~30 us instead of ~48 for 64 chunks); equal to ``json.dumps`` of ``to_dict()`` + seq."""
-    d = {k: v for k, v in vars(event).items() if k != "chunks"}
-    d["type"] = event.type
-    d["seq"] = seq
-    head = json.dumps(d, separators=(",", ":"), default=str)
-    parts = []
+    """A step event as JSON with its fields and chunks written out directly (most of the
+    telemetry's CPU: a 64-chunk step ~35 us instead of ~140 through dicts and json.dumps);
+    the same object as ``json.dumps`` of ``to_dict()`` + seq (a test checks). A field or chunk
+    with an unusual value (an id with quotes, a non-int count) goes through json."""
+    d = event.__dict__
+    ints = tuple([d[k] for k in _STEP_INT_FIELDS])
+    policy = d["policy"]
+    if (
+        len(d) == _NUM_STEP_FIELDS and set(map(type, ints)) == _ONLY_INT
+        and type(policy) is str and _SAFE_ID(policy) and type(seq) is int
+    ):  # fmt: skip
+        head = _STEP_HEAD % (seq, policy, *ints)
+    else:
+        parts = [f'{{"type":"step","seq":{seq}']
+        _flat_json(parts, {k: v for k, v in d.items() if k != "chunks"})
+        head = ",".join(parts)
+    out: list[str] = []
+    add = out.append
     for c in event.chunks:
-        rid, kind, start, n = c.request_id, c.kind, c.start, c.num_tokens
-        produced = c.produced_token
-        if not (
-            type(rid) is str and _SAFE_ID(rid) and kind in ("prefill", "decode")
-            and type(start) is int and type(n) is int and type(produced) is bool
+        d = c.__dict__
+        rid, kind, start, n = d["request_id"], d["kind"], d["start"], d["num_tokens"]
+        produced, capped = d["produced_token"], d["capped"]
+        if (
+            _safe_id(rid) and kind in _KINDS and type(start) is int and type(n) is int
+            and (produced is True or produced is False) and (capped is True or capped is False)
+            and len(d) == 6
         ):  # fmt: skip
-            parts.append(json.dumps(dict(vars(c)), separators=(",", ":"), default=str))
-            continue
-        parts.append(
-            f'{{"request_id":"{rid}","kind":"{kind}","start":{start},"num_tokens":{n},'
-            f'"produced_token":{"true" if produced else "false"}}}'
-        )
-    return f'{head[:-1]},"chunks":[{",".join(parts)}]}}'
+            add(
+                f'{{"request_id":"{rid}","kind":"{kind}","start":{start},"num_tokens":{n},'
+                f'"produced_token":{_TF[produced]},"capped":{_TF[capped]}}}'
+            )
+        else:
+            add(_DUMPS(dict(d)))
+    return f'{head},"chunks":[{",".join(out)}]}}'
 
 
 def encode_or_placeholder(seq: int, event: Any) -> str:
@@ -97,8 +166,11 @@ def encode_or_placeholder(seq: int, event: Any) -> str:
 
 def encode_event(seq: int, event: Any) -> str:
     """One event as compact JSON text with its ``seq`` (an Event with ``to_dict()`` or a dict)."""
-    if type(event) is StepEvent and _CHUNK_FIELDS_OK:
+    t = type(event)
+    if t is StepEvent and DIRECT_STEP_ENCODER:
         return _encode_step(seq, event)
+    if t is RequestEvent or t is ControlEvent:
+        return _encode_flat(seq, event)
     d = event_dict(event)
     if "type" not in d:
         raise ValueError(f"an event needs a 'type' field, got keys {sorted(d)}")

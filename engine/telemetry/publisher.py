@@ -4,12 +4,16 @@
 its ``seq`` and keeps it in an :class:`~engine.telemetry.buffer.EventBuffer` until the collector
 acknowledges it. A background thread runs an asyncio loop that connects to the collector's
 ``/ingest`` (``websockets.asyncio.client``), sends the ``hello``, resends from the collector's
-first ``ack`` + 1, then sends batches (by count, a short linger and a frame-size bound) and
-releases what each ``ack`` covers. It reconnects with exponential backoff and jitter; while no
-collector answers the engine serves normally and the buffer holds events (memory, then spill
-files, then a declared ``gap``). Controls the collector relays on the same connection are
-applied by an ``apply_control`` coroutine as tasks, so the reader never waits on the engine.
-The wire is ``docs/telemetry.md``.
+first ``ack`` + 1, then sends batches (by count, a linger and a frame-size bound) and releases
+what each ``ack`` covers. After a frame that did not fill a batch it sleeps ``linger_s`` (default
+0.1 s) and polls the buffer again, so while events keep coming ``publish`` never wakes it (only
+the first event after an idle spell does) and a frame carries what ``linger_s`` gathered: each
+frame and each wake-up cost that thread a few hundred us (asyncio and websockets code, the
+wake-up itself on a virtual machine), so their rate is most of its CPU. It reconnects with
+exponential backoff and jitter; while no collector answers the engine serves normally and the
+buffer holds events (memory, then spill files, then a declared ``gap``). Controls the collector
+relays on the same connection are applied by an ``apply_control`` coroutine as tasks, so the
+reader never waits on the engine. The wire is ``docs/telemetry.md``.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ class Publisher:
         control_token: str | None = None,
         limits: BufferLimits | None = None,
         max_batch_events: int = 512,
-        linger_s: float = 0.025,
+        linger_s: float = 0.1,
         max_frame_bytes: int = 1 << 20,
         max_inflight_events: int = 8192,
         backoff_initial_s: float = 0.1,
@@ -436,13 +440,14 @@ class Publisher:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(session.acked.wait(), 1.0)
                 continue
+            lingering = self.linger_s > 0 and not self._stopping
             entries = self._next_entries(session)
-            if not entries:
+            if not entries:  # idle: sleep until the next publish wakes this loop
                 wake.clear()
                 if not self._next_entries(session, arm=True):
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(wake.wait(), 1.0 if self._stopping else None)
-                    if not self._stopping and self.linger_s > 0:
+                    if lingering:
                         await asyncio.sleep(self.linger_s)  # let a batch gather
                 continue
             frame, last_seq, n = self._frame(entries, session)
@@ -450,6 +455,11 @@ class Publisher:
             session.cursor = last_seq
             self._frames_sent += 1
             self._events_sent += n
+            if lingering and n == len(entries) and n < self.max_batch_events:
+                # While events keep coming, poll every linger_s: the engine's thread does not
+                # wake this loop (no call into it, no syscall on its path) until a poll finds
+                # nothing. Stop and resend requests wait at most linger_s.
+                await asyncio.sleep(self.linger_s)
 
     def _next_entries(self, session: _Session, *, arm: bool = False) -> list[tuple[int, str]]:
         if session.carry and session.carry[0][0] == session.cursor + 1:

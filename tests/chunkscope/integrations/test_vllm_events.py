@@ -113,6 +113,64 @@ def test_a_request_told_in_causal_order_with_exact_token_times() -> None:
     assert done.finish_reason == "length" and done.num_output_tokens == 2
 
 
+def test_plain_tuples_tell_the_same_steps_as_scheduled_chunks() -> None:
+    """vllm.py hands the translator plain tuples (no object per chunk on vLLM's busy loop): the
+    events, chunk by chunk, equal those told from ScheduledChunk objects, and a chunk whose
+    request was aborted during the step produced no token."""
+    told = []
+    for make in (ScheduledChunk, lambda *a: tuple(a)):
+        tr, events = _translator()
+        for r in ("cmpl-a-0-11111111", "cmpl-b-0-22222222", "cmpl-c-0-33333333"):
+            tr.arrived(r, None, 8)
+        _schedule(
+            tr,
+            [
+                make("cmpl-a-0-11111111", 0, 8, 8, 8),
+                make("cmpl-b-0-22222222", 0, 4, 8, 8),
+                make("cmpl-c-0-33333333", 2, 6, 8, 8),
+            ],
+            long_prefill_token_threshold=4,
+        )
+        tr.aborted(["cmpl-c-0-33333333"])
+        tr.executed(
+            end_ns=5_000,
+            forward_start_ns=4_000,
+            produced={"cmpl-a-0-11111111": 1, "cmpl-c-0-33333333": 1},
+            finished={},
+            num_running=2,
+            num_waiting=1,
+        )
+        _schedule(
+            tr, [make("cmpl-a-0-11111111", 8, 1, 8, 9), make("cmpl-b-0-22222222", 4, 4, 8, 8)]
+        )
+        tr.executed(
+            end_ns=7_000,
+            produced={"cmpl-a-0-11111111": 1, "cmpl-b-0-22222222": 1},
+            finished={"cmpl-a-0-11111111": 0},
+        )
+        # arrivals and aborts carry the time they were told (now): not part of the comparison
+        now = ("arrived", "aborted")
+        told.append([{**e.to_dict(), "time_ns": 0} if getattr(e, "kind", "") in now
+                     else e.to_dict() for e in events])  # fmt: skip
+    assert told[0] == told[1]
+    steps = [e for e in told[1] if e["type"] == "step"]
+    assert [[c["produced_token"] for c in s["chunks"]] for s in steps] == [
+        [True, False, False], [True, True],
+    ]  # fmt: skip
+    assert [[c["kind"] for c in s["chunks"]] for s in steps] == [
+        ["prefill", "prefill", "prefill"], ["decode", "prefill"],
+    ]  # fmt: skip
+    assert steps[0]["forward_ns"] == 1_000 and steps[0]["num_waiting"] == 1
+    assert steps[0]["long_prefill_token_threshold"] == 4 and steps[1]["forward_ns"] == 0
+    assert [(s["num_prefill_tokens"], s["num_decode_tokens"]) for s in steps] == [(18, 0), (4, 1)]
+    kinds = [f"{e['kind']}:{e['request_id']}" if e["type"] == "request" else f"step{e['step']}"
+             for e in told[1]]  # fmt: skip
+    assert kinds[3:] == [
+        "first_scheduled:cmpl-a", "first_scheduled:cmpl-b", "first_scheduled:cmpl-c", "step1",
+        "first_token:cmpl-a", "aborted:cmpl-c", "step2", "first_token:cmpl-b", "finished:cmpl-a",
+    ]  # fmt: skip
+
+
 def test_an_abort_during_a_step_comes_after_that_step() -> None:
     tr, events = _translator()
     tr.arrived("r1-aaaaaaaa", None, 4)

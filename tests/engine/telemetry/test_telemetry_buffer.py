@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,6 +90,44 @@ def test_fast_event_dicts_equal_to_dict() -> None:
         assert json.loads(encode_event(seq, ev)) == {**ev.to_dict(), "seq": seq}
     raw = {"type": "gap", "x": 1}
     assert event_dict(raw) == raw and event_dict(raw) is not raw
+
+
+def test_the_direct_encoders_are_in_use_and_equal_json_dumps(monkeypatch: Any) -> None:
+    """Steps, request and control events are written without dicts; the text parses to exactly
+    ``to_dict()`` + seq, chunks' ``capped`` included, and odd values take the json path."""
+    from engine.telemetry import buffer
+
+    assert buffer.DIRECT_STEP_ENCODER  # a field added to ChunkRecord must reach the encoder
+    assert tuple(f.name for f in fields(ChunkRecord)) == buffer.DIRECT_CHUNK_FIELDS
+    chunks = [ChunkRecord(f"cmpl-{i:04x}", "decode", 90 + i, 1, i % 2 == 0, i % 3 == 0)
+              for i in range(12)]  # fmt: skip
+    chunks.append(ChunkRecord("p-1", "prefill", 0, 48, False, True))
+    step = StepEvent(
+        step=9, start_ns=10**15, end_ns=10**15 + 7, token_budget=64, policy="chunked",
+        num_decode_tokens=12, num_prefill_tokens=48, num_scheduled_tokens=60, num_running=13,
+        num_waiting=2, kv_blocks_used=30, kv_blocks_total=99, num_preemptions=1, forward_ns=5,
+        long_prefill_token_threshold=48, chunks=chunks,
+    )  # fmt: skip
+    odd_step = StepEvent(**{**vars(step), "policy": 'a "b" ü', "num_waiting": None,
+                            "chunks": [ChunkRecord('q"\\', "decode", 1, 1, True, False),
+                                       ChunkRecord("x", "weird", 1.5, 1, 1, False)]})  # fmt: skip
+    events: list[Any] = [
+        step,
+        odd_step,
+        RequestEvent(kind="finished", request_id="cmpl-1", time_ns=3, traffic_class="rag",
+                     num_output_tokens=2, finish_reason="length", step=1),
+        RequestEvent(kind="arrived", request_id="id with space\n\u00e9", time_ns=-1),
+        ControlEvent(key="token_budget", old_value=512, new_value=256, accepted=True,
+                     time_ns=0, applied_at_step=4, request_id="c1"),
+        ControlEvent(key="policy", old_value={"a": [1, 2.5]}, new_value=True, accepted=False,
+                     time_ns=0, reason='bad "value"', source="collector"),
+    ]  # fmt: skip
+    for seq, ev in enumerate(events, start=1):
+        text = encode_event(seq, ev)
+        assert json.loads(text) == {**ev.to_dict(), "seq": seq}, text
+    # a plain step's head does not go through the generic field writer
+    monkeypatch.setattr(buffer, "_flat_json", lambda *a: (_ for _ in ()).throw(AssertionError))
+    assert json.loads(encode_event(1, step)) == {**step.to_dict(), "seq": 1}
 
 
 def test_spill_files_hold_the_tail_and_are_deleted_once_acked(tmp_path: Path) -> None:

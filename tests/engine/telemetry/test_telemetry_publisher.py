@@ -569,3 +569,51 @@ def test_an_event_that_cannot_be_encoded_keeps_its_seq(collector: FakeCollector)
             pub.publish({"kind": "arrived"})
     finally:
         pub.close(timeout=WAIT_S)
+
+
+def test_a_steady_stream_does_not_wake_the_publisher_and_an_idle_one_does_not_poll(
+    collector: FakeCollector,
+) -> None:
+    """While events keep coming the network thread polls every ``linger_s`` (``publish`` only
+    appends: no call into its loop per frame); once idle it sleeps until the next publish."""
+    pub = make_publisher(collector.url, linger_s=0.05)
+    wakes: list[int] = []
+    pub.buffer.on_data = lambda: (wakes.append(1), pub._wake_sender())
+    takes: list[int] = []
+    take = pub.buffer.take
+    pub.buffer.take = lambda *a, **k: (takes.append(1), take(*a, **k))[1]  # type: ignore[method-assign]
+    pub.start()
+    try:
+        for i in range(200):
+            pub.publish(req_event(i))
+            time.sleep(0.002)
+        assert pub.wait_acked(timeout=WAIT_S)
+        assert stored_seqs(collector) == list(range(1, 201))
+        assert [collector.stored[s]["request_id"] for s in (1, 200)] == ["r0", "r199"]
+        frames = len(collector.frames)
+        assert frames < 200 // 4  # batched
+        assert len(wakes) < frames / 2  # woken per frame (the old way): wakes == frames
+        time.sleep(0.1)
+        n_takes = len(takes)
+        time.sleep(0.3)  # idle: no polling (6 polls at linger 0.05)
+        assert len(takes) == n_takes
+        pub.publish(req_event(200))  # the first event after an idle spell wakes it
+        assert pub.wait_acked(timeout=WAIT_S) and len(wakes) >= 1
+    finally:
+        pub.close(timeout=WAIT_S)
+
+
+def test_without_linger_publish_wakes_the_sender(collector: FakeCollector) -> None:
+    pub = make_publisher(collector.url, linger_s=0)
+    wakes: list[int] = []
+    wake = pub._wake_sender
+    pub.buffer.on_data = lambda: (wakes.append(1), wake())
+    pub.start()
+    try:
+        assert pub.wait_acked(timeout=WAIT_S)
+        time.sleep(0.05)  # the sender is idle and armed
+        pub.publish(req_event(1))
+        assert pub.wait_acked(timeout=WAIT_S)
+        assert stored_seqs(collector) == [1] and wakes
+    finally:
+        pub.close(timeout=WAIT_S)
