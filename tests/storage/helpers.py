@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import text
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 from storage import db as dbm
 
@@ -66,3 +69,16 @@ def run_row(db_url: str, engine_id: str, run_id: str) -> dict[str, Any]:
         return dict(row._mapping) if row is not None else {}
     finally:
         db.dispose()
+
+
+def hello_close_code(url: str, hello: dict[str, Any]) -> int | None:
+    """Say ``hello`` to the collector at ``url`` on a fresh connection: the close code, or None
+    when it was acked."""
+    with connect(url + "/ingest", open_timeout=5, proxy=None) as ws:
+        ws.send(json.dumps(hello))
+        try:
+            reply = json.loads(ws.recv(timeout=5))
+        except ConnectionClosed:
+            return ws.close_code
+        assert reply["type"] == "ack", reply
+        return None

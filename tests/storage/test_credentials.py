@@ -5,7 +5,6 @@ port 0."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import select
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from storage import cli, schema
@@ -23,19 +22,11 @@ from testkit.engines import FakeEngineClient, SyntheticEngine
 from wire import credentials
 from wire.control import control_mac
 
-from .helpers import wait_until
+from .helpers import hello_close_code, wait_until
 
 
 def _hello_close_code(url: str, token: str | None) -> int | None:
-    hello = SyntheticEngine(engine_id="e", run_id=f"r-{token}").hello(token=token)
-    with connect(url + "/ingest", open_timeout=5, proxy=None) as ws:
-        ws.send(json.dumps(hello))
-        try:
-            reply = json.loads(ws.recv(timeout=5))
-        except ConnectionClosed:
-            return ws.close_code
-        assert reply["type"] == "ack", reply
-        return None
+    return _close_code(url, "e", token)
 
 
 def test_publishing_and_steering_open_one_door_each(
@@ -103,14 +94,7 @@ OWN = {
 
 def _close_code(url: str, engine_id: str, token: str | None) -> int | None:
     hello = SyntheticEngine(engine_id=engine_id, run_id=f"r-{token}").hello(token=token)
-    with connect(url + "/ingest", open_timeout=5, proxy=None) as ws:
-        ws.send(json.dumps(hello))
-        try:
-            reply = json.loads(ws.recv(timeout=5))
-        except ConnectionClosed:
-            return ws.close_code
-        assert reply["type"] == "ack", reply
-        return None
+    return hello_close_code(url, hello)
 
 
 def test_engine_a_s_publish_token_cannot_publish_as_engine_b(

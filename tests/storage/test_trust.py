@@ -9,7 +9,6 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from storage import db as dbm
@@ -18,7 +17,7 @@ from storage.control import exchange, list_engines, send_control
 from storage.store import Events
 from testkit.engines import FakeEngineClient, SyntheticEngine
 
-from .helpers import run_row, stored_seqs, wait_until
+from .helpers import hello_close_code, run_row, stored_seqs, wait_until
 
 
 def _live(collector: Any, **kw: Any) -> tuple[SyntheticEngine, FakeEngineClient]:
@@ -30,18 +29,6 @@ def _live(collector: Any, **kw: Any) -> tuple[SyntheticEngine, FakeEngineClient]
     client.send_events(eng.steps(2))
     client.wait_ack(eng.seq)
     return eng, client
-
-
-def _hello_close_code(collector: Any, hello: dict[str, Any]) -> int | None:
-    """Say ``hello`` on a fresh connection; the close code, or None when it was acked."""
-    with connect(collector.url + "/ingest", open_timeout=5, proxy=None) as ws:
-        ws.send(json.dumps(hello))
-        try:
-            reply = json.loads(ws.recv(timeout=5))
-        except ConnectionClosed:
-            return ws.close_code
-        assert reply["type"] == "ack", reply
-        return None
 
 
 def _controls(db_url: str) -> Any:
@@ -63,12 +50,12 @@ def test_a_hello_without_the_run_secret_never_replaces_or_pollutes_a_run(
         hello.pop("run_secret")
         if secret is not None:
             hello["run_secret"] = secret
-        assert _hello_close_code(collector, hello) == 4403
+        assert hello_close_code(collector.url, hello) == 4403
     client.send_events(eng.steps(2))  # the real connection was never replaced
     assert client.wait_ack(eng.seq) == eng.seq and client.close_code is None
     client.close()
     wait_until(lambda: not run_row(sqlite_url, "eng", "run-a")["connected"], what="disconnect")
-    assert _hello_close_code(collector, dict(forged, run_secret="w" * 43)) == 4403  # not live
+    assert hello_close_code(collector.url, dict(forged, run_secret="w" * 43)) == 4403  # not live
     back = FakeEngineClient(collector.url, eng)
     assert back.connect() == eng.seq  # the engine itself comes back, secret in hand
     back.close()
@@ -83,12 +70,12 @@ def test_an_engine_without_a_secret_is_not_replaced_while_live(
 ) -> None:
     collector = collector_factory(sqlite_url)
     eng, client = _live(collector, run_secret=None)
-    assert _hello_close_code(collector, eng.hello()) == 4409
+    assert hello_close_code(collector.url, eng.hello()) == 4409
     client.send_events(eng.steps(1))
     assert client.wait_ack(eng.seq) == eng.seq
     client.close()
     wait_until(lambda: not run_row(sqlite_url, "eng", "run-a")["connected"], what="disconnect")
-    assert _hello_close_code(collector, eng.hello()) is None  # it reconnects as before
+    assert hello_close_code(collector.url, eng.hello()) is None  # it reconnects as before
 
 
 def test_a_second_run_of_an_engine_id_never_takes_the_control_route(
