@@ -17,6 +17,12 @@ CPU time the server's whole process tree used per generated token (/proc), the b
 the unit least disturbed by other users of a shared machine. The bridge's own timing lines
 (``CHUNKSCOPE_BRIDGE_TIMING_EVERY``) are read from the bridged server's log.
 
+``--core N`` binds each server's model worker (its OpenMP threads) to CPU N, with
+``VLLM_CPU_OMP_THREADS_BIND=N`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (vLLM-CPU's own layout on a
+2-CPU machine: the worker on one CPU, the rest of vLLM on the other), and the collector and this
+client to the other CPUs: the collector then costs vLLM's forward nothing, as when it runs on
+another machine, and what the bridged arm still pays is the bridge in vLLM's own processes.
+
 Reported: per pair the with/without ratio; the geometric mean of the pairs' ratios with a 95%
 bootstrap confidence interval over pairs; pooled figures per arm.
 
@@ -324,10 +330,22 @@ def summarize(windows: list[dict[str, Any]], n_pairs: int) -> dict[str, Any]:
     }
 
 
+def bind_threads(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` (an affinity is per thread) onto ``cpus``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
 def run(args: argparse.Namespace, tmp: Path, model: Path) -> dict[str, Any]:
     py = vllm_python()
     assert py is not None, "no vLLM environment: run scripts/setup_vllm.sh"
     collector = start_collector(f"sqlite:///{tmp / 'overhead.db'}")
+    others = set(os.sched_getaffinity(0)) - {args.core} if args.core is not None else set()
+    if others:  # the collector off the worker's CPU (this client too, once the servers are up)
+        bind_threads(collector.process.pid, others)
     extra = ["--max-num-batched-tokens", str(args.budget),
              "--kv-cache-memory-bytes", str(256 << 20)]  # fmt: skip
     servers: dict[str, VllmServer] = {}
@@ -335,6 +353,9 @@ def run(args: argparse.Namespace, tmp: Path, model: Path) -> dict[str, Any]:
 
         def start(arm: str) -> None:
             env = {"CHUNKSCOPE_ENGINE_ID": ENGINE_ID}
+            if args.core is not None:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(args.core)
+                env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
             if arm == "with":
                 env["CHUNKSCOPE_COLLECTOR_URL"] = collector.url
                 env["CHUNKSCOPE_BRIDGE_TIMING_EVERY"] = str(args.timing_every)
@@ -344,6 +365,8 @@ def run(args: argparse.Namespace, tmp: Path, model: Path) -> dict[str, Any]:
         with ThreadPoolExecutor(2) as pool:
             for f in [pool.submit(start, a) for a in ARMS]:
                 f.result()
+        if others:
+            bind_threads(os.getpid(), others)
         for arm in ARMS:  # warm-up, not recorded
             w = args.window_s
             args.window_s = args.warmup_s
@@ -395,7 +418,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window-s", type=float, default=4.0)
     ap.add_argument("--warmup-s", type=float, default=6.0)
     ap.add_argument("--timing-every", type=int, default=1000, help="bridge self-timing lines")
+    ap.add_argument(
+        "--core",
+        type=int,
+        default=None,
+        help="bind vLLM's model workers to this CPU and the collector and client to the others "
+        "(default: nothing bound)",
+    )
     args = ap.parse_args(argv)
+    if args.core is not None and (
+        args.core not in os.sched_getaffinity(0) or len(os.sched_getaffinity(0)) < 2
+    ):
+        ap.error(f"--core {args.core}: needs a CPU this process may use and at least one other")
     if args.quick:
         args.pairs, args.window_s, args.warmup_s, args.hidden_size, args.layers = (
             3,

@@ -5,6 +5,7 @@ parsed as the bridge writes it. No timing is asserted."""
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 import pytest
@@ -98,6 +99,27 @@ def test_tree_cpu_counts_descendants(vo: ModuleType) -> None:
         # this process's tree holds the child's CPU and its own
         own = os.times()
         assert vo.tree_cpu_s(os.getpid()) >= burnt + 0.5 * (own.user + own.system) - 0.05
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_bind_threads_moves_every_thread_of_a_process() -> None:
+    import subprocess
+    import sys
+
+    from benchmarks.vllm_overhead import bind_threads
+
+    code = "import threading, time\nthreading.Thread(target=time.sleep, args=(30,)).start()\n"
+    code += "print('up', flush=True)\ntime.sleep(30)\n"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        cpu = min(os.sched_getaffinity(0))
+        bind_threads(child.pid, {cpu})
+        tids = os.listdir(f"/proc/{child.pid}/task")
+        assert len(tids) == 2
+        assert all(os.sched_getaffinity(int(t)) == {cpu} for t in tids)
     finally:
         child.kill()
         child.wait()
