@@ -543,7 +543,6 @@ class EventBuffer:
             seq = min(seq, self._next_seq - 1)
             if seq <= self._acked:
                 return
-            self._acked = seq
             keep: list[_MemSegment | _DiskSegment] = []
             for i, segment in enumerate(self._segments):
                 if segment.first_seq > seq:
@@ -562,6 +561,9 @@ class EventBuffer:
                     keep.extend(self._segments[i:])
                     break
             self._segments = keep
+            # published last: ``acked_seq`` is read without the lock (``Publisher.wait_acked``),
+            # so a reader that sees ``seq`` acknowledged finds its segments already released
+            self._acked = seq
             if self._spill_events == 0:
                 self._spilling = False
             wake = False

@@ -156,6 +156,31 @@ def test_spill_files_hold_the_tail_and_are_deleted_once_acked(tmp_path: Path) ->
     assert buf.stats().queued == 0 and buf.stats().spill_bytes == 0
 
 
+def test_an_ack_is_visible_only_once_its_spill_files_are_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``acked_seq`` is read without the buffer's lock (``Publisher.wait_acked``): a reader that
+    sees a seq acknowledged must find its spill files deleted (CI once saw them still there)."""
+    from engine.telemetry import buffer as buffer_mod
+
+    limits = BufferLimits(max_memory_events=2, spill_dir=tmp_path, spill_segment_bytes=200)
+    buf = EventBuffer("run-v", limits)
+    for i in range(12):
+        buf.publish(_ev(i))
+    seen_during_delete: list[int] = []
+    delete = buffer_mod._DiskSegment.delete
+
+    def spy(segment: Any) -> None:
+        seen_during_delete.append(buf.acked_seq)
+        delete(segment)
+
+    monkeypatch.setattr(buffer_mod._DiskSegment, "delete", spy)
+    buf.ack(12)
+    assert seen_during_delete and max(seen_during_delete) == 0
+    assert buf.acked_seq == 12
+    assert list((tmp_path / "run-v").glob("*.jsonl")) == []
+
+
 def test_full_buffer_drops_new_events_then_declares_them_in_one_gap(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
