@@ -60,6 +60,13 @@ def test_the_older_single_token_still_opens_both(collector_factory: Any, sqlite_
         list_engines(collector.url)
 
 
+@pytest.fixture
+def no_token_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No shared token from this shell's environment reaches the collector's command line."""
+    for env in (credentials.PUBLISH_ENV, credentials.CONTROL_ENV, credentials.LEGACY_ENV):
+        monkeypatch.delenv(env, raising=False)
+
+
 @pytest.mark.parametrize(
     ("flags", "missing"),
     [
@@ -73,10 +80,8 @@ def test_the_collector_refuses_a_network_address_without_both_tokens(
     missing: list[str],
     tmp_path: Any,
     capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+    no_token_env: None,
 ) -> None:
-    for env in (credentials.PUBLISH_ENV, credentials.CONTROL_ENV, credentials.LEGACY_ENV):
-        monkeypatch.delenv(env, raising=False)
     argv = ["--host", "0.0.0.0", "--port", "0", "--data-dir", str(tmp_path), *flags]
     assert cli.run_collector(argv) == 2
     err = capsys.readouterr().err
@@ -197,9 +202,8 @@ def test_a_bad_credentials_file_refuses_to_start_with_exit_2(
     tmp_path: Any,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
+    no_token_env: None,
 ) -> None:
-    for env in (credentials.PUBLISH_ENV, credentials.CONTROL_ENV, credentials.LEGACY_ENV):
-        monkeypatch.delenv(env, raising=False)
     path = tmp_path / "creds.toml"
     path.write_text(content)
     data = tmp_path / "data"
