@@ -103,10 +103,22 @@ def machine_info() -> dict[str, Any]:
             for line in f:
                 if line.startswith("model name"):
                     info["cpu_model"] = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    # the vector and matrix units that decide CPU kernel speed (one machine
+                    # kind of this project has AMX, another only AVX-512)
+                    flags = set(line.split(":", 1)[1].split())
+                    info["cpu_matrix_flags"] = sorted(flags & MATRIX_FLAGS)
+                if "cpu_model" in info and "cpu_matrix_flags" in info:
                     break
     except OSError:
         pass
     return info
+
+
+MATRIX_FLAGS = frozenset(
+    {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8",
+     "amx_tile"}
+)  # fmt: skip
 
 
 def provenance(script: str) -> dict[str, Any]:

@@ -155,6 +155,8 @@ async def stream_completion(
                 obj = json.loads(data)
                 if obj.get("choices"):
                     rec.chunk_times.append(now)
+                if obj.get("usage"):
+                    rec.completion_tokens = obj["usage"].get("completion_tokens")
                 elif "chunkscope" in obj:
                     rec.engine_token_times = list(obj["chunkscope"].get("token_times") or [])
     except Exception as exc:  # noqa: BLE001 - recorded, the run goes on

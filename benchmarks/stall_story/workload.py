@@ -81,3 +81,6 @@ class ClientRequest:
     chunk_times: list[float] = field(default_factory=list)
     engine_token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    # the server's own count (stream usage); an SSE chunk may carry several tokens when an
+    # engine's frontend falls behind and merges deltas (vLLM's output collector does)
+    completion_tokens: int | None = None
