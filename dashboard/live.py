@@ -131,3 +131,50 @@ def _concat(parts: list[pd.DataFrame]) -> pd.DataFrame:
     if len(parts) == 1:
         return parts[0].reset_index(drop=True)
     return pd.concat(parts, ignore_index=True)
+
+
+@dataclass
+class RefreshPace:
+    """How often the Live page redraws: every ``base_s`` while a redraw is cheap, slower while it
+    is not. On a saturated machine a redraw can take longer than its interval; the page's reruns
+    then queue ahead of everything else in the session, a click in the sidebar included. Two
+    redraws in a row longer than half the interval double it (up to ``max_s``); two in a row under
+    ``fast`` of it halve it again (down to ``base_s``): between the two thresholds it holds."""
+
+    base_s: float = 1.0
+    max_s: float = 8.0
+    slow: float = 0.5
+    fast: float = 0.15
+    interval_s: float = 0.0
+    last_redraw_s: float | None = None
+    _streak: int = 0  # > 0: slow redraws in a row; < 0: fast ones
+
+    def __post_init__(self) -> None:
+        if not 0 < self.base_s <= self.max_s:
+            raise ValueError(f"need 0 < base_s <= max_s, got {self.base_s} and {self.max_s}")
+        if not 0 < self.fast < self.slow / 2:
+            # halving must not land a redraw of the fast side on the slow side
+            raise ValueError(f"need 0 < fast < slow / 2, got {self.fast} and {self.slow}")
+        self.interval_s = self.interval_s or self.base_s
+
+    @property
+    def slowed(self) -> bool:
+        return self.interval_s > self.base_s
+
+    def observe(self, redraw_s: float) -> bool:
+        """One redraw took ``redraw_s`` seconds. True when the interval changed."""
+        self.last_redraw_s = redraw_s
+        if redraw_s > self.slow * self.interval_s and self.interval_s < self.max_s:
+            self._streak = max(self._streak, 0) + 1
+        elif redraw_s < self.fast * self.interval_s and self.interval_s > self.base_s:
+            self._streak = min(self._streak, 0) - 1
+        else:
+            self._streak = 0
+        if self._streak >= 2:
+            self.interval_s = min(self.max_s, self.interval_s * 2)
+        elif self._streak <= -2:
+            self.interval_s = max(self.base_s, self.interval_s / 2)
+        else:
+            return False
+        self._streak = 0
+        return True

@@ -8,7 +8,7 @@ import streamlit as st
 
 from dashboard import charts, data, ui
 from dashboard.autopilot import autopilot_events, latest_status
-from dashboard.live import SUMMARY_GRID_S, LiveWindow
+from dashboard.live import SUMMARY_GRID_S, LiveWindow, RefreshPace
 
 REFRESH_S = 1.0
 SUMMARY_REFRESH_S = 5.0
@@ -20,8 +20,21 @@ factor = c2.number_input("Stall: ITL above x median", min_value=1.1, value=3.0, 
 floor = c3.number_input("and above (ms)", min_value=0.0, value=100.0, step=10.0)
 
 
-@st.fragment(run_every=REFRESH_S)
+pace = st.session_state.get("live_pace")
+if not isinstance(pace, RefreshPace):
+    pace = st.session_state["live_pace"] = RefreshPace(base_s=REFRESH_S)
+
+
 def live_view() -> None:
+    """One redraw, timed: a redraw slower than its interval slows the page (``RefreshPace``);
+    the fragment's interval is fixed when the page runs, so a change reruns the page."""
+    t0 = time.perf_counter()
+    _live_view()
+    if pace.observe(time.perf_counter() - t0):
+        st.rerun(scope="app")
+
+
+def _live_view() -> None:
     ctx = ui.fresh_context()
     if ctx.empty:
         ui.empty_store_help(ctx)
@@ -106,6 +119,10 @@ def _status(ctx: ui.Context, lw: LiveWindow, problem: str | None) -> None:
     horizon = lw.horizon
     if horizon is not None:
         parts.append(f"newest step {time.time() - horizon:.1f} s ago")
+    if pace.slowed and pace.last_redraw_s is not None:
+        parts.append(
+            f"redrawn every {pace.interval_s:g} s (a redraw took {pace.last_redraw_s:.1f} s)"
+        )
     st.caption(" · ".join(parts))
     lost = ctx.selected_rows()["num_gap_events"].fillna(0).sum() if not ctx.empty else 0
     if lost:
@@ -120,5 +137,5 @@ def _status(ctx: ui.Context, lw: LiveWindow, problem: str | None) -> None:
         st.warning(f"Collector unreachable ({err}): showing stored data.")
 
 
-live_view()
+st.fragment(run_every=pace.interval_s)(live_view)()
 latency_view()

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
+import pytest
 
-from dashboard.live import LiveWindow
+from dashboard.live import LiveWindow, RefreshPace
 from tests.dashboard.frames import T0, itl_frame, steps_frame
 
 
@@ -128,3 +129,35 @@ def test_all_engines_reads_each_run_and_only_selected_runs() -> None:
     assert len(lw.steps) == 7
     assert lw.itl["run_id"].tolist() == ["r1"]
     assert lw.matches(None, (("e1", "r2"), ("e1", "r1")))
+
+
+def test_the_pace_slows_only_after_two_slow_redraws_in_a_row_and_returns_when_they_are_cheap() -> (
+    None
+):
+    pace = RefreshPace(base_s=1.0, max_s=4.0)
+    assert not pace.observe(0.9)  # one slow redraw (> half the interval): not yet
+    assert not pace.observe(0.1)  # the streak is broken
+    assert not pace.observe(0.6)
+    assert pace.observe(0.7) and pace.interval_s == 2.0 and pace.slowed
+    assert not pace.observe(1.5) and pace.observe(1.5) and pace.interval_s == 4.0
+    assert not pace.observe(3.0) and not pace.observe(3.0)  # at max_s it holds
+    assert not pace.observe(1.0) and not pace.observe(1.0)  # between the thresholds: holds
+    assert not pace.observe(0.1) and pace.observe(0.1) and pace.interval_s == 2.0
+    assert not pace.observe(0.2) and pace.observe(0.2) and pace.interval_s == 1.0
+    assert not pace.slowed
+    assert not pace.observe(0.0) and not pace.observe(0.0)  # never below base_s
+
+
+def test_a_halved_interval_does_not_bounce_back_up() -> None:
+    # a redraw just under the fast threshold at 2 s stays under the slow one at 1 s
+    pace = RefreshPace(base_s=1.0, max_s=8.0, interval_s=2.0)
+    assert not pace.observe(0.29) and pace.observe(0.29) and pace.interval_s == 1.0
+    assert not pace.observe(0.29) and not pace.observe(0.29) and pace.interval_s == 1.0
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"base_s": 0.0}, {"base_s": 2.0, "max_s": 1.0}, {"fast": 0.3}, {"fast": 0.0}]
+)
+def test_a_pace_that_could_flap_is_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        RefreshPace(**kwargs)
