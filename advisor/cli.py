@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a `python -m loadgen --out` result against this engine: add the client's "
         "delivery (its TTFT and gap differences from the engine's) to the predicted figures",
     )
+    pr.add_argument(
+        "--allow-poor-fit",
+        action="store_true",
+        help="recommend even when the step-cost model fits poorly (its constant above the "
+        "cheapest steps, a step shape it misses, the machine changing speed, too few prefill "
+        "steps); by default such a fit gives its figures, flagged, and no recommendation",
+    )
     pr.add_argument("--out", metavar="FILE.json", help="write the prediction document here")
     pr.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
@@ -120,6 +127,9 @@ def table(doc: dict[str, Any]) -> str:
         f"traffic: {doc['traffic']['classes'].get('all', {}).get('num_requests', 0)} requests "
         f"over {doc['traffic']['duration_s']:.0f} s",
     ]
+    quality = doc.get("fit_quality") or {}
+    if quality.get("poor"):
+        lines.append("poor fit: " + "; ".join(quality.get("reasons") or ()))
     lines += budget_table(doc["windows"], WINDOW_COLUMNS, doc["pareto_budgets"])
     seen = doc.get("observed_window") or {}
     if seen.get("overloaded"):
@@ -158,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             client=args.client_run,
             fit_method=args.fit_method,
             caps=args.caps,
+            allow_poor_fit=args.allow_poor_fit,
         )
     except (FitError, ValueError, OSError) as exc:
         print(f"advisor: {exc}", file=sys.stderr)

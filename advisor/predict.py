@@ -55,6 +55,7 @@ def predict_from_store(
     client: ClientDelay | str | None = None,
     max_steps: int | None = 2_000_000,
     caps: Sequence[int] = (0,),
+    allow_poor_fit: bool = False,
 ) -> dict[str, Any]:
     """Predicted figures per budget (and long-prefill cap, ``caps``) for the traffic of
     [since, until], measured from ``since + warmup_s`` (as a sweep window discards its
@@ -93,6 +94,7 @@ def predict_from_store(
         max_steps=max_steps,
         caps=caps,
         observed=load,
+        allow_poor_fit=allow_poor_fit,
         selection={
             "db": _redact(db_url),
             "engine_id": engine_id,
@@ -121,13 +123,16 @@ def predict_traffic(
     selection: dict[str, Any] | None = None,
     caps: Sequence[int] = (0,),
     observed: WindowLoad | None = None,
+    allow_poor_fit: bool = False,
 ) -> dict[str, Any]:
     """Simulate ``traffic`` at each budget with step times from ``report``: its prediction
     times the measured scatter (``noise``, seeded draws) and the measured pauses between steps
     (``step_gap``), or the bare prediction and the median pause. ``caps``: long-prefill caps
     tried beside each budget (0 = off); the recommendation is then a (budget, cap) pair.
     ``observed``: the load of the window the traffic was read from; when it was overloaded
-    (``advisor.overload``) the traffic is not what was offered, and nothing is recommended."""
+    (``advisor.overload``) the traffic is not what was offered, and nothing is recommended.
+    A poor fit (``FitReport.quality``, ``advisor.fit.fit_quality``) recommends nothing either
+    (the figures are still given, flagged) unless ``allow_poor_fit``."""
     if not traffic.requests:
         raise ValueError("no request arrived in the selected window: nothing to simulate")
     reqs, warm = to_sim_requests(traffic, shape.block_size)
@@ -145,6 +150,16 @@ def predict_traffic(
     )
     sim_s = time.perf_counter() - t0
     rec = recommend(windows, slo, "predicted")
+    if report.poor and not allow_poor_fit:
+        rec = Recommendation(
+            None,
+            "predicted",
+            False,
+            None,
+            "predicted: no recommendation, poor fit of the step-cost model ("
+            + "; ".join(report.quality.get("reasons") or ())
+            + "): a decision it cannot support is not made",
+        )
     if observed is not None and observed.overloaded:
         rec = Recommendation(
             None,
@@ -159,6 +174,7 @@ def predict_traffic(
         "created": time.time(),
         "selection": selection or {},
         "fit": report.to_dict(),
+        "fit_quality": report.quality,
         "engine_shape": shape_dict(shape),
         "traffic": traffic.summary(),
         "slo": slo.to_dict(),
