@@ -479,8 +479,9 @@ def overload_check(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             ["sweep", "--url", url, "--profile", "mixed", "--rate", "1", "--budgets",
              ",".join(map(str, budgets)),
              "--window-s", f"{window:g}", "--warmup-s", f"{window / 5:g}", "--seed", str(a.seed),
-             "--request-timeout", f"{2 * window:g}", "--drain-s", "5", "--control-token",
-             CONTROL_TOKEN, "--slo-itl-ms", f"{a.slo_itl_ms:g}", "--out", str(out)],
+             "--request-timeout", f"{2 * window:g}", "--window-drain-s", f"{window:g}",
+             "--control-token", CONTROL_TOKEN, "--slo-itl-ms", f"{a.slo_itl_ms:g}", "--out",
+             str(out)],
             timeout=2 * window + 4 * window + 120,
         )  # fmt: skip
         sweep = json.loads(out.read_text())
