@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         "delivery (its TTFT and gap differences from the engine's) to the predicted figures",
     )
     pr.add_argument(
+        "--draws",
+        type=int,
+        default=1,
+        help="simulate each budget N times (other draws of the measured scatter) and give each "
+        "figure's median: steadier p99 and max (N times the simulation time)",
+    )
+    pr.add_argument(
         "--allow-poor-fit",
         action="store_true",
         help="recommend even when the step-cost model fits poorly (its constant above the "
@@ -119,7 +126,8 @@ def table(doc: dict[str, Any]) -> str:
         f"cost model ({fit['num_steps']} steps, {fit.get('num_outliers', 0)} outliers left out): "
         f"step = {m['const'] * 1e3:.3g} ms "
         f"+ {m['prefill'] * 1e6:.3g} us/prefill token + {m['decode'] * 1e6:.3g} us/decode token "
-        f"+ {m['attn'] * 1e9:.3g} ns/attention pair; relative error p50 "
+        f"+ {m['attn'] * 1e9:.3g} ns/attention pair "
+        f"(+ {m.get('attn_decode', 0.0) * 1e9:.3g} ns/decode pair); relative error p50 "
         f"{100 * m['rel_err_p50']:.1f}% p95 {100 * m['rel_err_p95']:.1f}%, R^2 {m['r2']:.3f} "
         f"(all steps: p50 {100 * fit.get('rel_err_p50_all', 0):.1f}% "
         f"p95 {100 * fit.get('rel_err_p95_all', 0):.1f}%); "
@@ -169,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             fit_method=args.fit_method,
             caps=args.caps,
             allow_poor_fit=args.allow_poor_fit,
+            draws=args.draws,
         )
     except (FitError, ValueError, OSError) as exc:
         print(f"advisor: {exc}", file=sys.stderr)

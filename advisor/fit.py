@@ -124,7 +124,7 @@ def step_works(chunks: pd.DataFrame, image_requests: frozenset[str] = frozenset(
     prefill tokens of requests in ``image_requests`` (those with images: the vision encoder
     runs in their prefill), a shape the fit's quality is checked on (:func:`fit_quality`)."""
     cols = ["engine_id", "run_id", "step", "prefill_tokens", "decode_tokens", "attention_pairs"]
-    cols.append("image_prefill_tokens")
+    cols += ["decode_pairs", "image_prefill_tokens"]
     if chunks.empty:
         return pd.DataFrame({c: pd.Series(dtype="int64") for c in cols})
     n = chunks["num_tokens"].to_numpy(dtype=np.int64)
@@ -139,10 +139,29 @@ def step_works(chunks: pd.DataFrame, image_requests: frozenset[str] = frozenset(
             "prefill_tokens": np.where(decode, 0, n),
             "decode_tokens": np.where(decode, n, 0),
             "attention_pairs": n * s + n * (n + 1) // 2,
+            "decode_pairs": np.where(decode, n * s + n * (n + 1) // 2, 0),
             "image_prefill_tokens": np.where(~decode & image, n, 0),
         }
     )
     return df.groupby(["engine_id", "run_id", "step"], as_index=False, sort=True).sum()
+
+
+WORK_COLUMNS = ("prefill_tokens", "decode_tokens", "attention_pairs", "decode_pairs")
+
+
+def step_work_list(steps: pd.DataFrame) -> list[StepWork]:
+    """One ``StepWork`` per row of a :func:`load_steps` frame (``decode_pairs`` 0 if absent)."""
+    dp = steps["decode_pairs"] if "decode_pairs" in steps else pd.Series(0, index=steps.index)
+    return [
+        StepWork(int(p), int(d), int(a), int(q))
+        for p, d, a, q in zip(
+            steps["prefill_tokens"],
+            steps["decode_tokens"],
+            steps["attention_pairs"],
+            dp,
+            strict=True,
+        )
+    ]
 
 
 def busy_gaps_s(steps: pd.DataFrame) -> np.ndarray:
@@ -174,7 +193,11 @@ def load_steps(
     steps = queries.steps(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     if steps.empty:
         return steps.assign(
-            prefill_tokens=[], decode_tokens=[], attention_pairs=[], image_prefill_tokens=[]
+            prefill_tokens=[],
+            decode_tokens=[],
+            attention_pairs=[],
+            decode_pairs=[],
+            image_prefill_tokens=[],
         )
     reqs = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     images = frozenset(
@@ -194,7 +217,7 @@ def load_steps(
         works.append(step_works(chunks, images))
     work = pd.concat(works, ignore_index=True) if works else step_works(pd.DataFrame())
     merged = steps.merge(work, on=["engine_id", "run_id", "step"], how="left")
-    for c in ("prefill_tokens", "decode_tokens", "attention_pairs", "image_prefill_tokens"):
+    for c in (*WORK_COLUMNS, "image_prefill_tokens"):
         merged[c] = merged[c].fillna(0).astype("int64")
     return merged
 
@@ -352,15 +375,7 @@ def fit_steps(
     usable = steps[(steps["end_ns"] >= steps["start_ns"]) & (steps["num_scheduled_tokens"] > 0)]
     if len(usable) < 4:
         raise FitError(f"need at least 4 steps with tokens to fit, the selection has {len(usable)}")
-    works = [
-        StepWork(int(p), int(d), int(a))
-        for p, d, a in zip(
-            usable["prefill_tokens"],
-            usable["decode_tokens"],
-            usable["attention_pairs"],
-            strict=True,
-        )
-    ]
+    works = step_work_list(usable)
     measured = (usable["end_ns"] - usable["start_ns"]).to_numpy(dtype=np.int64) / 1e9
     model, inliers = robust_fit(works, measured, method)
     gaps = busy_gaps_s(steps)
@@ -396,14 +411,15 @@ def fit_steps(
         logger.warning("poor fit of the step-cost model: %s", "; ".join(quality["reasons"]))
     logger.info(
         "cost model from %d steps (%d outliers left out): const %.3g s, prefill %.3g s/token, "
-        "decode %.3g s/token, attention %.3g s/pair; relative error p50 %.1f%% p95 %.1f%%, "
-        "R^2 %.3f; gap %.3g s",
+        "decode %.3g s/token, attention %.3g s/pair (+ %.3g s/decode pair); relative error p50 "
+        "%.1f%% p95 %.1f%%, R^2 %.3f; gap %.3g s",
         report.num_steps,
         report.num_outliers,
         model.const,
         model.prefill,
         model.decode,
         model.attn,
+        model.attn_decode,
         100 * model.rel_err_p50,
         100 * model.rel_err_p95,
         model.r2,

@@ -198,6 +198,7 @@ def replay(
     sweep: dict[str, Any],
     client_path: str | None,
     seed: int = 0,
+    draws: int = 1,
 ) -> list[dict[str, Any]]:
     """Each sweep window predicted from the requests it actually received (read back from the
     store: arrivals, prompt, image, cached and output lengths), simulated from an idle engine at
@@ -208,11 +209,10 @@ def replay(
     speed changing between the fit and the window) and ``speed`` (the window's steps measured
     against the baseline fit's prediction, median ratio, decode-only steps and all)."""
     from advisor.client import ClientDraw, load_client_delay
-    from advisor.fit import FitError, FitReport, fit_from_store, load_steps
-    from advisor.predict import step_timing
+    from advisor.fit import FitError, FitReport, fit_from_store, load_steps, step_work_list
+    from advisor.predict import median_windows, step_timing
     from advisor.simulate import figures, simulate
     from advisor.traffic import engine_shape, observed_traffic, to_sim_requests
-    from engine.core.cost_model import StepWork
     from storage import db as dbm
 
     report = FitReport.from_dict(fit_doc)
@@ -231,17 +231,7 @@ def replay(
             row: dict[str, Any] = {"budget": w["budget"], "num_requests": len(traffic.requests)}
             busy = steps[steps["num_scheduled_tokens"] > 0]
             if not busy.empty:
-                pred = report.model.predict_many(
-                    [
-                        StepWork(int(p), int(d), int(a))
-                        for p, d, a in zip(
-                            busy["prefill_tokens"],
-                            busy["decode_tokens"],
-                            busy["attention_pairs"],
-                            strict=True,
-                        )
-                    ]
-                )
+                pred = report.model.predict_many(step_work_list(busy))
                 ratio = (busy["end_ns"] - busy["start_ns"]).to_numpy() / 1e9 / pred
                 dec = (busy["prefill_tokens"] == 0).to_numpy()
                 row["speed_all"] = float(statistics.median(ratio))
@@ -250,26 +240,30 @@ def replay(
                 if rep is None or not traffic.requests:
                     continue
                 reqs, warm = to_sim_requests(traffic, shape.block_size)
-                step_ns, gap_ns = step_timing(rep, seed=seed)
-                res = simulate(
-                    reqs,
-                    shape,
-                    token_budget=w["budget"],
-                    step_ns=step_ns,
-                    gap_ns=gap_ns,
-                    warm_prefixes=warm,
-                    max_steps=2_000_000,
-                )
 
                 def ns(wall: float, t0: float = traffic.since) -> int:
                     return round((wall - t0) * 1e9)
 
-                fig = figures(
-                    res,
-                    since_ns=ns(w["measured_from"]),
-                    until_ns=ns(w["end"]),
-                    client=None if delay is None else ClientDraw(delay, seed + 1),
-                )
+                runs = []
+                for k in range(draws):  # as predict_traffic(draws=): the median of k draws
+                    step_ns, gap_ns = step_timing(rep, seed=seed + k)
+                    res = simulate(
+                        reqs,
+                        shape,
+                        token_budget=w["budget"],
+                        step_ns=step_ns,
+                        gap_ns=gap_ns,
+                        warm_prefixes=warm,
+                        max_steps=2_000_000,
+                    )
+                    fig = figures(
+                        res,
+                        since_ns=ns(w["measured_from"]),
+                        until_ns=ns(w["end"]),
+                        client=None if delay is None else ClientDraw(delay, seed + 1 + k),
+                    )
+                    runs.append([fig])
+                fig = median_windows(runs)[0]
                 row.update({f"{label}_{k}": v for k, v in fig.items() if k in FIGURE_KEYS})
             out.append(row)
     finally:
@@ -326,6 +320,7 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
             warmup_s=a.warmup_s,
             fit_method=a.fit_method,
             client=None if a.engine_side else str(base_out),
+            draws=a.draws,
         )
         predict_s = time.perf_counter() - t_pred
         pred_path = work / f"{profile}-predictions.json"
@@ -354,6 +349,7 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
             sweep,
             None if a.engine_side else str(base_out),
             seed=a.seed,
+            draws=a.draws,
         )
     finally:
         stop(proc)
@@ -567,6 +563,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft-ms", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fit-method", choices=("ols", "relative"), default="ols")
+    ap.add_argument(
+        "--draws",
+        type=int,
+        default=5,
+        help="each prediction the median of N simulations with successive seeds (other draws "
+        "of the measured scatter)",
+    )
     ap.add_argument(
         "--engine-side",
         action="store_true",

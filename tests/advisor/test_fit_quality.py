@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from advisor.fit import FitReport, fit_quality
+from advisor.fit import FitReport, NoiseModel, fit_quality
 from advisor.predict import predict_traffic
 from advisor.recommend import Slo
 from advisor.simulate import EngineShape
@@ -115,3 +115,33 @@ def test_a_poor_fit_makes_no_recommendation(poor: bool) -> None:
     else:
         assert doc["recommended_budget"] in (128, 512)
     assert FitReport.from_dict(report.to_dict()).poor is poor
+
+
+def test_draws_give_each_figure_its_median() -> None:
+    """``draws`` > 1: the median over draws of the scatter, per figure and budget; one draw is
+    the plain prediction. A planted mean (or the first draw) fails the median check."""
+    from advisor.predict import median_windows
+
+    runs = [
+        [{"budget": 128, "cap": 0, "itl_p99_ms": v, "itl_max_ms": None, "overloaded": o}]
+        for v, o in ((10.0, False), (30.0, True), (11.0, False))
+    ]
+    got = median_windows(runs)[0]
+    assert got["itl_p99_ms"] == 11.0 and got["budget"] == 128 and got["cap"] == 0
+    assert got["itl_max_ms"] is None and got["overloaded"] is False
+    runs[2][0]["overloaded"] = True
+    runs[2][0]["overload_reason"] = "queue grew"
+    assert median_windows(runs)[0]["overloaded"] is True  # most draws say so
+    noise = NoiseModel([1.0], [[0.5, 1.0, 2.0]], [0.0])
+    report = FitReport(MODEL, 500, 0.0, 0.0, noise=noise)
+    shape = EngineShape(num_kv_blocks=4096)
+    kw = {"slo": Slo(itl_ms=1000.0), "seed": 3}
+    one = [predict_traffic(report, _traffic(), shape, [128], seed=3 + k, slo=kw["slo"])
+           for k in range(3)]  # fmt: skip
+    three = predict_traffic(report, _traffic(), shape, [128], draws=3, **kw)
+    assert three["draws"] == 3
+    for key in ("itl_p99_ms", "ttft_p99_ms", "tokens_per_s"):
+        vals = sorted(d["windows"][0][key] for d in one)
+        assert three["windows"][0][key] == pytest.approx(vals[1]), key
+    with pytest.raises(ValueError, match="draws"):
+        predict_traffic(report, _traffic(), shape, [128], draws=0, **kw)
