@@ -100,6 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a `python -m loadgen --out` result against this engine: add the client's "
         "delivery (its TTFT and gap differences from the engine's) to the predicted figures",
     )
+    pr.add_argument(
+        "--draws",
+        type=int,
+        default=1,
+        help="simulate each budget N times (other draws of the measured scatter) and give each "
+        "figure's median: steadier p99 and max (N times the simulation time)",
+    )
+    pr.add_argument(
+        "--allow-poor-fit",
+        action="store_true",
+        help="recommend even when the step-cost model fits poorly (its constant above the "
+        "cheapest steps, a step shape it misses, the machine changing speed, too few prefill "
+        "steps); by default such a fit gives its figures, flagged, and no recommendation",
+    )
     pr.add_argument("--out", metavar="FILE.json", help="write the prediction document here")
     pr.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
@@ -112,7 +126,8 @@ def table(doc: dict[str, Any]) -> str:
         f"cost model ({fit['num_steps']} steps, {fit.get('num_outliers', 0)} outliers left out): "
         f"step = {m['const'] * 1e3:.3g} ms "
         f"+ {m['prefill'] * 1e6:.3g} us/prefill token + {m['decode'] * 1e6:.3g} us/decode token "
-        f"+ {m['attn'] * 1e9:.3g} ns/attention pair; relative error p50 "
+        f"+ {m['attn'] * 1e9:.3g} ns/attention pair "
+        f"(+ {m.get('attn_decode', 0.0) * 1e9:.3g} ns/decode pair); relative error p50 "
         f"{100 * m['rel_err_p50']:.1f}% p95 {100 * m['rel_err_p95']:.1f}%, R^2 {m['r2']:.3f} "
         f"(all steps: p50 {100 * fit.get('rel_err_p50_all', 0):.1f}% "
         f"p95 {100 * fit.get('rel_err_p95_all', 0):.1f}%); "
@@ -120,6 +135,9 @@ def table(doc: dict[str, Any]) -> str:
         f"traffic: {doc['traffic']['classes'].get('all', {}).get('num_requests', 0)} requests "
         f"over {doc['traffic']['duration_s']:.0f} s",
     ]
+    quality = doc.get("fit_quality") or {}
+    if quality.get("poor"):
+        lines.append("poor fit: " + "; ".join(quality.get("reasons") or ()))
     lines += budget_table(doc["windows"], WINDOW_COLUMNS, doc["pareto_budgets"])
     seen = doc.get("observed_window") or {}
     if seen.get("overloaded"):
@@ -158,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             client=args.client_run,
             fit_method=args.fit_method,
             caps=args.caps,
+            allow_poor_fit=args.allow_poor_fit,
+            draws=args.draws,
         )
     except (FitError, ValueError, OSError) as exc:
         print(f"advisor: {exc}", file=sys.stderr)

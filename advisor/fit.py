@@ -85,6 +85,12 @@ class FitReport:
     num_outliers: int = 0  # steps left out of the least squares (see ``robust_fit``)
     rel_err_p50_all: float = 0.0  # relative error over every step, outliers included
     rel_err_p95_all: float = 0.0
+    # whether the fit can carry a prediction (:func:`fit_quality`): {"poor", "reasons", ...}
+    quality: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def poor(self) -> bool:
+        return bool(self.quality.get("poor"))
 
     def step_seconds(self, work: StepWork) -> float:
         """Predicted seconds of a step doing ``work`` (never below zero)."""
@@ -108,18 +114,23 @@ class FitReport:
             num_outliers=int(d.get("num_outliers", 0)),
             rel_err_p50_all=float(d.get("rel_err_p50_all", 0.0)),
             rel_err_p95_all=float(d.get("rel_err_p95_all", 0.0)),
+            quality=dict(d.get("quality") or {}),
         )
 
 
-def step_works(chunks: pd.DataFrame) -> pd.DataFrame:
+def step_works(chunks: pd.DataFrame, image_requests: frozenset[str] = frozenset()) -> pd.DataFrame:
     """Per (engine, run, step): prefill tokens, decode tokens and attention pairs of its chunks,
-    counted as ``StepWork.from_chunks`` counts them (vectorised)."""
+    counted as ``StepWork.from_chunks`` counts them (vectorised); ``image_prefill_tokens``: the
+    prefill tokens of requests in ``image_requests`` (those with images: the vision encoder
+    runs in their prefill), a shape the fit's quality is checked on (:func:`fit_quality`)."""
     cols = ["engine_id", "run_id", "step", "prefill_tokens", "decode_tokens", "attention_pairs"]
+    cols += ["decode_pairs", "image_prefill_tokens"]
     if chunks.empty:
         return pd.DataFrame({c: pd.Series(dtype="int64") for c in cols})
     n = chunks["num_tokens"].to_numpy(dtype=np.int64)
     s = chunks["start"].to_numpy(dtype=np.int64)
     decode = (chunks["kind"] == "decode").to_numpy()
+    image = chunks["request_id"].isin(image_requests).to_numpy() if image_requests else False
     df = pd.DataFrame(
         {
             "engine_id": chunks["engine_id"].to_numpy(),
@@ -128,9 +139,29 @@ def step_works(chunks: pd.DataFrame) -> pd.DataFrame:
             "prefill_tokens": np.where(decode, 0, n),
             "decode_tokens": np.where(decode, n, 0),
             "attention_pairs": n * s + n * (n + 1) // 2,
+            "decode_pairs": np.where(decode, n * s + n * (n + 1) // 2, 0),
+            "image_prefill_tokens": np.where(~decode & image, n, 0),
         }
     )
     return df.groupby(["engine_id", "run_id", "step"], as_index=False, sort=True).sum()
+
+
+WORK_COLUMNS = ("prefill_tokens", "decode_tokens", "attention_pairs", "decode_pairs")
+
+
+def step_work_list(steps: pd.DataFrame) -> list[StepWork]:
+    """One ``StepWork`` per row of a :func:`load_steps` frame (``decode_pairs`` 0 if absent)."""
+    dp = steps["decode_pairs"] if "decode_pairs" in steps else pd.Series(0, index=steps.index)
+    return [
+        StepWork(int(p), int(d), int(a), int(q))
+        for p, d, a, q in zip(
+            steps["prefill_tokens"],
+            steps["decode_tokens"],
+            steps["attention_pairs"],
+            dp,
+            strict=True,
+        )
+    ]
 
 
 def busy_gaps_s(steps: pd.DataFrame) -> np.ndarray:
@@ -158,10 +189,22 @@ def load_steps(
     until: float | None = None,
 ) -> pd.DataFrame:
     """The selected steps with their work: the columns of ``queries.steps`` plus
-    ``prefill_tokens``, ``decode_tokens``, ``attention_pairs``."""
+    ``prefill_tokens``, ``decode_tokens``, ``attention_pairs``, ``image_prefill_tokens``."""
     steps = queries.steps(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     if steps.empty:
-        return steps.assign(prefill_tokens=[], decode_tokens=[], attention_pairs=[])
+        return steps.assign(
+            prefill_tokens=[],
+            decode_tokens=[],
+            attention_pairs=[],
+            decode_pairs=[],
+            image_prefill_tokens=[],
+        )
+    reqs = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
+    images = frozenset(
+        reqs.loc[reqs["num_image_tokens"].fillna(0) > 0, "request_id"].astype(str)
+        if not reqs.empty
+        else ()
+    )
     works = []
     for (eid, rid), g in steps.groupby(["engine_id", "run_id"], sort=False):
         chunks = queries.step_chunks(
@@ -171,10 +214,10 @@ def load_steps(
             step_from=int(g["step"].min()),
             step_to=int(g["step"].max()),
         )
-        works.append(step_works(chunks))
+        works.append(step_works(chunks, images))
     work = pd.concat(works, ignore_index=True) if works else step_works(pd.DataFrame())
     merged = steps.merge(work, on=["engine_id", "run_id", "step"], how="left")
-    for c in ("prefill_tokens", "decode_tokens", "attention_pairs"):
+    for c in (*WORK_COLUMNS, "image_prefill_tokens"):
         merged[c] = merged[c].fillna(0).astype("int64")
     return merged
 
@@ -227,6 +270,104 @@ def robust_fit(
     return model, keep
 
 
+# A fit that cannot carry a prediction (:func:`fit_quality`); a reason each.
+POOR_REL_ERR_P50 = 0.25  # the model misses a typical step by more than this
+SHAPE_RATIO = (0.8, 1.25)  # a step shape's median measured / predicted outside: a missing term
+SHAPE_MIN_STEPS = 5
+MIN_PREFILL_STEPS = 8  # fewer: the cost of a chunk is not pinned down, other budgets guessed
+DRIFT_RATIO = 1.5  # decode steps' measured / predicted, slowest third over fastest
+DRIFT_MIN_STEPS = 10  # per third
+CHEAPEST_MIN_STEPS = 5
+
+
+def fit_quality(
+    model: CostModel,
+    measured: np.ndarray,
+    predicted: np.ndarray,
+    *,
+    prefill: np.ndarray,
+    decode: np.ndarray,
+    image_prefill: np.ndarray,
+    start_ns: np.ndarray,
+) -> dict[str, Any]:
+    """Whether a fit can carry a prediction to other budgets, and why not: the residuals per
+    step shape (decode only, prefill, prefill of requests with images: the vision encoder),
+    the constant against the engine's cheapest steps, the machine's speed across the fit
+    window and the number of prefill steps. ``{"poor", "reasons", "by_shape", "cheapest_ms",
+    "drift"}``; a poor fit makes no recommendation (``advisor.predict``)."""
+    reasons: list[str] = []
+    ok = predicted > 0
+    ratio = np.where(ok, measured / np.where(ok, predicted, 1.0), np.inf)
+    rel = np.abs(predicted - measured) / np.maximum(measured, 1e-9)
+    shapes = np.where(
+        prefill == 0, "decode", np.where(image_prefill > 0, "vision prefill", "prefill")
+    )
+    by_shape: dict[str, dict[str, Any]] = {}
+    for name in ("decode", "prefill", "vision prefill"):
+        m = shapes == name
+        if not m.any():
+            continue
+        r = float(np.median(ratio[m]))
+        by_shape[name] = {
+            "num_steps": int(m.sum()),
+            "measured_ms_p50": float(np.median(measured[m]) * 1e3),
+            "ratio_p50": r,
+            "rel_err_p50": float(np.median(rel[m])),
+        }
+        lo, hi = SHAPE_RATIO
+        if m.sum() >= SHAPE_MIN_STEPS and not lo <= r <= hi:
+            reasons.append(
+                f"{name} steps took {r:.2f}x the model's prediction (median of {int(m.sum())}): "
+                "a cost the model has no term for"
+            )
+    rel_p50 = float(np.median(rel)) if rel.size else 0.0
+    if rel_p50 > POOR_REL_ERR_P50:
+        reasons.append(
+            f"relative error p50 {100 * rel_p50:.0f}% (over {100 * POOR_REL_ERR_P50:.0f}%)"
+        )
+    n_prefill = int((prefill > 0).sum())
+    if n_prefill < MIN_PREFILL_STEPS:
+        reasons.append(
+            f"only {n_prefill} steps with prefill (needs {MIN_PREFILL_STEPS}): the cost of a "
+            "chunk is not pinned down, so other budgets would be guessed"
+        )
+    # the cheapest steps the engine ran: decode only, fewest tokens (at least a few of them)
+    cheapest_ms: float | None = None
+    dec_only = prefill == 0
+    for k in np.unique(decode[dec_only]):
+        m = dec_only & (decode == k)
+        if m.sum() >= CHEAPEST_MIN_STEPS:
+            cheapest_ms = float(np.median(measured[m]) * 1e3)
+            if model.const * 1e3 > cheapest_ms:
+                reasons.append(
+                    f"per-step constant {model.const * 1e3:.1f} ms is above the {cheapest_ms:.1f} "
+                    f"ms the engine's cheapest steps took (decode of {int(k)}): the fit absorbed "
+                    "something other than the work (load on the machine)"
+                )
+            break
+    # the machine's speed across the window: decode steps' ratio per third of the window
+    drift: list[float] = []
+    order = np.argsort(start_ns[dec_only], kind="stable")
+    dec_ratio = ratio[dec_only][order]
+    if dec_ratio.size >= 3 * DRIFT_MIN_STEPS:
+        drift = [float(np.median(part)) for part in np.array_split(dec_ratio, 3)]
+        if min(drift) > 0 and max(drift) / min(drift) > DRIFT_RATIO:
+            reasons.append(
+                "the machine's speed changed during the fit window: decode steps took "
+                + " / ".join(f"{d:.2f}x" for d in drift)
+                + " the prediction in its three thirds"
+            )
+    return {
+        "poor": bool(reasons),
+        "reasons": reasons,
+        "by_shape": by_shape,
+        "cheapest_ms": cheapest_ms,
+        "const_ms": model.const * 1e3,
+        "drift": drift,
+        "num_prefill_steps": n_prefill,
+    }
+
+
 def fit_steps(
     steps: pd.DataFrame, selection: dict[str, Any] | None = None, method: str = "ols"
 ) -> FitReport:
@@ -234,20 +375,26 @@ def fit_steps(
     usable = steps[(steps["end_ns"] >= steps["start_ns"]) & (steps["num_scheduled_tokens"] > 0)]
     if len(usable) < 4:
         raise FitError(f"need at least 4 steps with tokens to fit, the selection has {len(usable)}")
-    works = [
-        StepWork(int(p), int(d), int(a))
-        for p, d, a in zip(
-            usable["prefill_tokens"],
-            usable["decode_tokens"],
-            usable["attention_pairs"],
-            strict=True,
-        )
-    ]
+    works = step_work_list(usable)
     measured = (usable["end_ns"] - usable["start_ns"]).to_numpy(dtype=np.int64) / 1e9
     model, inliers = robust_fit(works, measured, method)
     gaps = busy_gaps_s(steps)
     predicted = model.predict_many(works)
     rel_all = np.abs(predicted - measured) / np.maximum(measured, 1e-9)
+    image = (
+        usable["image_prefill_tokens"].to_numpy(dtype=np.int64)
+        if "image_prefill_tokens" in usable
+        else np.zeros(len(usable), dtype=np.int64)
+    )
+    quality = fit_quality(
+        model,
+        measured,
+        predicted,
+        prefill=usable["prefill_tokens"].to_numpy(dtype=np.int64),
+        decode=usable["decode_tokens"].to_numpy(dtype=np.int64),
+        image_prefill=image,
+        start_ns=usable["start_ns"].to_numpy(dtype=np.int64),
+    )
     report = FitReport(
         model=model,
         num_steps=len(works),
@@ -258,17 +405,21 @@ def fit_steps(
         step_gap_p90_s=float(np.percentile(gaps, 90)) if gaps.size else 0.0,
         selection=dict(selection or {}),
         noise=noise_model(predicted, measured, gaps),
+        quality=quality,
     )
+    if quality["poor"]:
+        logger.warning("poor fit of the step-cost model: %s", "; ".join(quality["reasons"]))
     logger.info(
         "cost model from %d steps (%d outliers left out): const %.3g s, prefill %.3g s/token, "
-        "decode %.3g s/token, attention %.3g s/pair; relative error p50 %.1f%% p95 %.1f%%, "
-        "R^2 %.3f; gap %.3g s",
+        "decode %.3g s/token, attention %.3g s/pair (+ %.3g s/decode pair); relative error p50 "
+        "%.1f%% p95 %.1f%%, R^2 %.3f; gap %.3g s",
         report.num_steps,
         report.num_outliers,
         model.const,
         model.prefill,
         model.decode,
         model.attn,
+        model.attn_decode,
         100 * model.rel_err_p50,
         100 * model.rel_err_p95,
         model.r2,

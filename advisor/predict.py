@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -55,6 +56,8 @@ def predict_from_store(
     client: ClientDelay | str | None = None,
     max_steps: int | None = 2_000_000,
     caps: Sequence[int] = (0,),
+    allow_poor_fit: bool = False,
+    draws: int = 1,
 ) -> dict[str, Any]:
     """Predicted figures per budget (and long-prefill cap, ``caps``) for the traffic of
     [since, until], measured from ``since + warmup_s`` (as a sweep window discards its
@@ -93,6 +96,8 @@ def predict_from_store(
         max_steps=max_steps,
         caps=caps,
         observed=load,
+        allow_poor_fit=allow_poor_fit,
+        draws=draws,
         selection={
             "db": _redact(db_url),
             "engine_id": engine_id,
@@ -121,30 +126,53 @@ def predict_traffic(
     selection: dict[str, Any] | None = None,
     caps: Sequence[int] = (0,),
     observed: WindowLoad | None = None,
+    allow_poor_fit: bool = False,
+    draws: int = 1,
 ) -> dict[str, Any]:
     """Simulate ``traffic`` at each budget with step times from ``report``: its prediction
     times the measured scatter (``noise``, seeded draws) and the measured pauses between steps
     (``step_gap``), or the bare prediction and the median pause. ``caps``: long-prefill caps
     tried beside each budget (0 = off); the recommendation is then a (budget, cap) pair.
     ``observed``: the load of the window the traffic was read from; when it was overloaded
-    (``advisor.overload``) the traffic is not what was offered, and nothing is recommended."""
+    (``advisor.overload``) the traffic is not what was offered, and nothing is recommended.
+    A poor fit (``FitReport.quality``, ``advisor.fit.fit_quality``) recommends nothing either
+    (the figures are still given, flagged) unless ``allow_poor_fit``. ``draws`` > 1 simulates
+    each budget that many times with successive seeds (other draws of the scatter) and gives
+    each figure's median: a simulated window's p99 and max are themselves random, and one draw
+    can land far from what the model says (:func:`median_windows`)."""
     if not traffic.requests:
         raise ValueError("no request arrived in the selected window: nothing to simulate")
     reqs, warm = to_sim_requests(traffic, shape.block_size)
+    if draws < 1:
+        raise ValueError(f"draws must be at least 1, got {draws}")
     t0 = time.perf_counter()
-    windows = predict_budgets(
-        reqs,
-        shape,
-        sorted({int(b) for b in budgets}),
-        timing=lambda: step_timing(report, step_gap=step_gap, noise=noise, seed=seed),
-        warm_prefixes=warm,
-        max_steps=max_steps,
-        window_ns=(round(warmup_s * 1e9), max(round(traffic.duration_s * 1e9), 1)),
-        client=None if client is None else (lambda: ClientDraw(client, seed + 1)),
-        caps=caps,
-    )
+    runs = [
+        predict_budgets(
+            reqs,
+            shape,
+            sorted({int(b) for b in budgets}),
+            timing=lambda k=k: step_timing(report, step_gap=step_gap, noise=noise, seed=seed + k),
+            warm_prefixes=warm,
+            max_steps=max_steps,
+            window_ns=(round(warmup_s * 1e9), max(round(traffic.duration_s * 1e9), 1)),
+            client=None if client is None else (lambda k=k: ClientDraw(client, seed + 1 + k)),
+            caps=caps,
+        )
+        for k in range(draws)
+    ]
+    windows = median_windows(runs)
     sim_s = time.perf_counter() - t0
     rec = recommend(windows, slo, "predicted")
+    if report.poor and not allow_poor_fit:
+        rec = Recommendation(
+            None,
+            "predicted",
+            False,
+            None,
+            "predicted: no recommendation, poor fit of the step-cost model ("
+            + "; ".join(report.quality.get("reasons") or ())
+            + "): a decision it cannot support is not made",
+        )
     if observed is not None and observed.overloaded:
         rec = Recommendation(
             None,
@@ -159,6 +187,7 @@ def predict_traffic(
         "created": time.time(),
         "selection": selection or {},
         "fit": report.to_dict(),
+        "fit_quality": report.quality,
         "engine_shape": shape_dict(shape),
         "traffic": traffic.summary(),
         "slo": slo.to_dict(),
@@ -167,6 +196,7 @@ def predict_traffic(
         "client": None if client is None else client.summary(),
         "figures_seen_by": "engine" if client is None else "client",
         "simulation_s": sim_s,
+        "draws": draws,
         "windows": windows,
         "pareto_budgets": front_budgets(windows),
         "pareto_pairs": front_pairs(windows),
@@ -176,6 +206,33 @@ def predict_traffic(
         "recommendation_source": rec.source,
         "reason": rec.reason,
     }
+
+
+def median_windows(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The windows of several draws of the same simulations, each number the median over the
+    draws (None when any draw has none); everything else (budget, cap, verdicts, per-class
+    dicts) from the first draw, except ``overloaded``, true when most draws say so."""
+    if len(runs) == 1:
+        return [dict(w) for w in runs[0]]
+    out = []
+    for ws in zip(*runs, strict=True):
+        merged = dict(ws[0])
+        for key, v in ws[0].items():
+            if key in ("budget", "cap") or isinstance(v, bool):
+                continue
+            vals = [w.get(key) for w in ws]
+            if all(isinstance(x, int | float) and not isinstance(x, bool) for x in vals):
+                merged[key] = float(statistics.median(vals))
+        votes = sum(bool(w.get("overloaded")) for w in ws)
+        if votes * 2 > len(ws) and not merged.get("overloaded"):
+            first = next(w for w in ws if w.get("overloaded"))
+            merged["overloaded"] = True
+            merged["overload_reason"] = first.get("overload_reason")
+        elif votes * 2 <= len(ws) and merged.get("overloaded"):
+            merged["overloaded"] = False
+            merged["overload_reason"] = None
+        out.append(merged)
+    return out
 
 
 def step_timing(

@@ -1,13 +1,19 @@
-"""`python -m loadgen sweep`: one continuous run of traffic, the engine's token budget changed
-live at each window, the figures of each budget measured on the client.
+"""`python -m loadgen sweep`: one window of traffic per token budget (or (budget, cap) pair),
+the figures of each measured on the client.
 
-The traffic (a profile or a trace) is planned for ``len(budgets) * window_s`` seconds and sent
-without a break; at the start of each window the budget is set through the engine's control API
-(``PUT {url}/v1/scheduler`` with ``{"token_budget": N}``, ``Authorization: Bearer`` the control
-token when given), so nothing restarts. A window runs from the moment its change was
-acknowledged to the next change; its first ``warmup_s`` seconds are discarded (the requests
-started under the previous budget are still draining). Over the rest, with loadgen's own
-definitions (loadgen/README.md) and percentiles (``loadgen.metrics.stats_ms``):
+The traffic (a profile or a trace) is planned for ``len(budgets) * window_s`` seconds (or, with
+``--same-traffic``, one window's plan replayed in each). By default (``--between drain``) each
+window runs on its own, as vLLM's ``benchmark_serving`` runs each request rate: the budget is set
+through the engine's control API (``PUT {url}/v1/scheduler`` with ``{"token_budget": N}``,
+``Authorization: Bearer`` the control token when given), the window's requests are sent over
+``window_s``, then arrivals stop and the sweep waits for every request to finish and for the
+engine's running and waiting sets to empty (bounded by ``--window-drain-s``; a window that does
+not drain is reported overloaded), so no window inherits the previous one's queue and a
+prediction from the window's own traffic (which starts from an idle engine) describes the same
+thing. ``--between continuous`` sends the traffic without a break and changes the budget live
+(a window then starts with what the previous one left queued). A window runs from its first
+possible arrival for ``window_s``; its first ``warmup_s`` seconds are discarded. Over the rest,
+with loadgen's own definitions (loadgen/README.md) and percentiles (``loadgen.metrics.stats_ms``):
 
 - ITL: every gap between consecutive output chunks of a request, counted in the window its
   later chunk arrived in, pooled over the ``chat`` class (over every class when there is no
@@ -98,6 +104,8 @@ class Window:
     applied_at_step: int | None = None
     changes: list[dict[str, Any]] = field(default_factory=list)
     cap: int | None = None  # long_prefill_token_threshold (None: not swept)
+    # drained windows: {"drained", "drain_s", "requests_cut", "engine_busy"} (None: continuous)
+    drain: dict[str, Any] | None = None
 
 
 CAP_KEY = "long_prefill_token_threshold"
@@ -199,19 +207,35 @@ def measured_windows(
     out = []
     for w in windows:
         lo = min(w.start + warmup_s, w.end)
-        out.append(
-            {
-                "budget": w.budget,
-                **({"cap": w.cap} if w.cap is not None else {}),
-                "start": w.start,
-                "end": w.end,
-                "measured_from": lo,
-                "measured_s": w.end - lo,
-                "applied_at_step": w.applied_at_step,
-                **window_figures(records, lo, w.end),
-            }
-        )
+        fig = {
+            "budget": w.budget,
+            **({"cap": w.cap} if w.cap is not None else {}),
+            "start": w.start,
+            "end": w.end,
+            "measured_from": lo,
+            "measured_s": w.end - lo,
+            "applied_at_step": w.applied_at_step,
+            **window_figures(records, lo, w.end),
+        }
+        if w.drain is not None:
+            fig["drain"] = dict(w.drain)
+            if not w.drain.get("drained", True):
+                fig[OVERLOAD_KEY] = True
+                fig[OVERLOAD_REASON_KEY] = "; ".join(
+                    x for x in (fig.get(OVERLOAD_REASON_KEY), undrained_reason(w.drain)) if x
+                )
+        out.append(fig)
     return out
+
+
+def undrained_reason(drain: Mapping[str, Any]) -> str:
+    """Why a drained window counts as overloaded: its requests outlived the drain bound."""
+    parts = []
+    if drain.get("requests_cut"):
+        parts.append(f"{drain['requests_cut']} requests still unfinished at the drain bound")
+    if drain.get("engine_busy"):
+        parts.append(f"the engine still busy after it ({drain['engine_busy']})")
+    return "it did not drain: " + (", ".join(parts) or "unknown")
 
 
 def attach_predictions(
@@ -436,40 +460,24 @@ async def run_sweep(
         tokens = TokenSource((args.seed * 1_000_003 + salt) & 0x7FFFFFFF, lo, hi)
 
         windows: list[Window] = []
-        b0, c0 = pairs[0]
-        first = await _set(control, base, args, b0, c0)
-        t_start = time.time()
-        windows.append(Window(b0, t_start, t_start, first.get("applied_at_step"), [first], c0))
         logger.info(
-            "sweep: %d requests over %.0f s, (budget, cap) %s, %.0f s windows (%.0f s warm-up)",
+            "sweep: %d requests over %.0f s, (budget, cap) %s, %.0f s windows (%.0f s warm-up), %s",
             len(specs),
             total_s,
             pairs,
             args.window_s,
             args.warmup_s,
-        )
-        traffic = asyncio.create_task(
-            execute(
-                specs,
-                cfg,
-                tokens,
-                max_concurrency=args.max_concurrency,
-                drain_timeout_s=args.drain_s,
-            )
+            "drained between windows" if args.between == "drain" else "continuous",
         )
         try:
-            for k, (budget, cap) in enumerate(pairs[1:], start=1):
-                await _sleep_until(t_start + k * args.window_s, traffic)
-                ack = await _set(control, base, args, budget, cap)
-                now = time.time()
-                windows[-1].end = now
-                windows.append(Window(budget, now, now, ack.get("applied_at_step"), [ack], cap))
-            await _sleep_until(t_start + total_s, traffic)
-            windows[-1].end = time.time()
-            outcome = await traffic
-        except BaseException:
-            traffic.cancel()
-            raise
+            if args.between == "drain":
+                records = await _drained_windows(
+                    control, base, args, pairs, specs, cfg, tokens, windows
+                )
+            else:
+                records = await _continuous_windows(
+                    control, base, args, pairs, specs, cfg, tokens, windows
+                )
         finally:
             final = args.apply_budget if args.apply_budget is not None else before["token_budget"]
             final_cap = None if caps is None else before.get(CAP_KEY)
@@ -479,7 +487,7 @@ async def run_sweep(
                 except (SweepError, aiohttp.ClientError, TimeoutError) as exc:
                     logger.warning("could not set the budget back to %s: %s", final, exc)
 
-    measured = measured_windows(outcome.records, windows, args.warmup_s)
+    measured = measured_windows(records, windows, args.warmup_s)
     if predicted:
         attach_predictions(measured, predicted)
     slo = slo_of(args)
@@ -498,7 +506,12 @@ async def run_sweep(
         },
         "server": {"url": base, "models": info.models, "scheduler_before": before},
         "trace": trace_info or None,
-        "run": {"wall_start": t_start, "wall_end": windows[-1].end, "requests": len(specs)},
+        "run": {
+            "wall_start": windows[0].start,
+            "wall_end": windows[-1].end,
+            "requests": len(specs),
+            "between_windows": args.between,
+        },
         "slo": slo.to_dict(),
         "windows": measured,
         "overloaded_windows": [
@@ -519,8 +532,129 @@ async def run_sweep(
         doc["predicted_recommendation"] = prec.to_dict()
         doc["predicted_pareto_budgets"] = front_budgets(predicted_windows(measured))
         doc["prediction_agrees"] = prec.chosen == rec.chosen
-    doc["requests"] = [r.as_dict() for r in outcome.records]
+    doc["requests"] = [r.as_dict() for r in records]
     return doc
+
+
+async def _continuous_windows(
+    control: aiohttp.ClientSession,
+    base: str,
+    args: argparse.Namespace,
+    pairs: Sequence[tuple[int, int | None]],
+    specs: list[RequestSpec],
+    cfg: ClientConfig,
+    tokens: TokenSource,
+    windows: list[Window],
+) -> list[RequestRecord]:
+    """One stream of traffic without a break, the setting changed live at each window: a
+    window starts with whatever the previous one left queued (``--between continuous``)."""
+    b0, c0 = pairs[0]
+    first = await _set(control, base, args, b0, c0)
+    t_start = time.time()
+    windows.append(Window(b0, t_start, t_start, first.get("applied_at_step"), [first], c0))
+    traffic = asyncio.create_task(
+        execute(
+            specs,
+            cfg,
+            tokens,
+            max_concurrency=args.max_concurrency,
+            drain_timeout_s=args.drain_s,
+        )
+    )
+    try:
+        for k, (budget, cap) in enumerate(pairs[1:], start=1):
+            await _sleep_until(t_start + k * args.window_s, traffic)
+            ack = await _set(control, base, args, budget, cap)
+            now = time.time()
+            windows[-1].end = now
+            windows.append(Window(budget, now, now, ack.get("applied_at_step"), [ack], cap))
+        await _sleep_until(t_start + len(pairs) * args.window_s, traffic)
+        windows[-1].end = time.time()
+        outcome = await traffic
+    except BaseException:
+        traffic.cancel()
+        raise
+    return outcome.records
+
+
+def window_specs(specs: Sequence[RequestSpec], k: int, window_s: float) -> list[RequestSpec]:
+    """The requests planned for window ``k`` (offsets in [k * window_s, (k + 1) * window_s)),
+    their offsets made relative to the window's start."""
+    lo, hi = k * window_s, (k + 1) * window_s
+    return [replace(s, offset_s=s.offset_s - lo) for s in specs if lo <= s.offset_s < hi]
+
+
+CUT_PREFIX = "cancelled: not finished within"
+
+
+async def _drained_windows(
+    control: aiohttp.ClientSession,
+    base: str,
+    args: argparse.Namespace,
+    pairs: Sequence[tuple[int, int | None]],
+    specs: list[RequestSpec],
+    cfg: ClientConfig,
+    tokens: TokenSource,
+    windows: list[Window],
+) -> list[RequestRecord]:
+    """Each window on its own (``--between drain``, as vLLM's benchmark_serving runs each rate
+    separately): set the budget, send the window's requests over ``window_s``, stop arrivals,
+    wait for every request to finish (at most ``--window-drain-s``, then cancel the rest) and
+    for the engine's running and waiting sets to empty; so every window starts from an idle
+    engine, as a prediction from the window's own traffic does. A window that does not drain
+    within the bound is reported overloaded (``Window.drain``)."""
+    records: list[RequestRecord] = []
+    for k, (budget, cap) in enumerate(pairs):
+        ack = await _set(control, base, args, budget, cap)
+        start = time.time()
+        w = Window(budget, start, start + args.window_s, ack.get("applied_at_step"), [ack], cap)
+        windows.append(w)
+        mine = window_specs(specs, k, args.window_s)
+        outcome = await execute(
+            mine,
+            cfg,
+            tokens,
+            max_concurrency=args.max_concurrency,
+            drain_timeout_s=args.window_drain_s,
+        )
+        w.start = outcome.wall_start  # the requests' offsets count from here
+        w.end = w.start + args.window_s
+        records += outcome.records
+        await asyncio.sleep(max(0.0, w.end - time.time()))  # a window lasts window_s at least
+        cut = sum((r.error or "").startswith(CUT_PREFIX) for r in outcome.records)
+        busy = await _wait_idle(control, base, args, bound_s=ENGINE_IDLE_S)
+        w.drain = {
+            "drained": cut == 0 and not busy,
+            "drain_s": time.time() - w.end,
+            "requests_cut": cut,
+            "engine_busy": busy,
+        }
+        if not w.drain["drained"]:
+            logger.warning("window %d (budget %d) did not drain: %s", k, budget, w.drain)
+    return records
+
+
+ENGINE_IDLE_S = 10.0  # after the client's last request ended, how long the engine may stay busy
+
+
+async def _wait_idle(
+    control: aiohttp.ClientSession, base: str, args: argparse.Namespace, bound_s: float
+) -> dict[str, int] | None:
+    """Poll the scheduler until it runs and queues nothing (a cancelled request is aborted
+    shortly after its client goes): None when idle, else the last counts seen after
+    ``bound_s``. An engine whose view lacks the counts (through a collector) counts as idle
+    once the client's requests ended."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        view = await _get(control, base, args)
+        counts = {k: view.get(k) for k in ("num_running", "num_waiting")}
+        if not all(isinstance(v, int) for v in counts.values()):
+            return None
+        if not any(counts.values()):
+            return None
+        if time.monotonic() >= deadline:
+            return counts  # type: ignore[return-value]
+        await asyncio.sleep(0.2)
 
 
 async def _sleep_until(wall: float, traffic: asyncio.Task[Any]) -> None:
@@ -584,9 +718,10 @@ def slo_of(args: argparse.Namespace) -> BudgetSlo:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loadgen sweep",
-        description="Drive traffic without a break and change the engine's token budget live at "
-        "each window (PUT /v1/scheduler); measure ITL, TTFT and throughput per budget on the "
-        "client, discard each window's warm-up, recommend a budget.",
+        description="One window of traffic per token budget (PUT /v1/scheduler), the engine "
+        "drained between windows (or, --between continuous, one stream changed live); "
+        "measure ITL, TTFT and throughput per budget on the client, discard each window's "
+        "warm-up, recommend a budget.",
     )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--profile", choices=PROFILES, default="mixed")
@@ -617,6 +752,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every window replays the traffic planned for the first (same arrivals and "
         "lengths, fresh prompt tokens): budgets compared on the same requests",
+    )
+    p.add_argument(
+        "--between",
+        choices=("drain", "continuous"),
+        default="drain",
+        help="drain (default): each window on its own, arrivals stopped and the engine "
+        "drained before the next window (as vLLM's benchmark_serving runs each rate), so a "
+        "window never inherits the previous one's queue; continuous: one stream without a "
+        "break, the setting changed live",
+    )
+    p.add_argument(
+        "--window-drain-s",
+        type=positive(float),
+        default=120.0,
+        metavar="S",
+        help="with --between drain: wait at most S after a window's last arrival for its "
+        "requests to finish; the rest are cancelled and the window reported overloaded",
     )
     p.add_argument(
         "--collector",
@@ -671,7 +823,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-s",
         type=positive(float),
         default=2.0,
-        help="after the last window, wait at most S for in-flight requests, then cancel them",
+        help="with --between continuous: after the last window, wait at most S for in-flight "
+        "requests, then cancel them",
     )
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))

@@ -2,7 +2,7 @@
 
 A step runs one forward over every chunk it scheduled. Its time is modelled as
 
-    t = c0 + c_prefill * P + c_decode * D + c_attn * A
+    t = c0 + c_prefill * P + c_decode * D + c_attn * A + c_attn_decode * Ad
 
 where ``P`` is the number of prefill tokens, ``D`` the number of decode tokens and ``A`` the
 attention pairs: for each chunk of ``n`` new tokens starting at position ``s``, every new token
@@ -11,6 +11,10 @@ attends to its context, so the chunk adds ``n * s + n * (n + 1) / 2`` (query, ke
     positions   0 ........ s-1 | s ... s+n-1
                  cached context | new tokens (causal among themselves)
     pairs       n * s           + 1 + 2 + ... + n
+
+``Ad`` is the decode chunks' share of ``A`` (a decode token's pairs are its context): a decode
+token reads its context from the cache slot by slot, a prefill chunk runs one kernel over
+contiguous keys, so a decode pair costs ``c_attn + c_attn_decode`` (both kept non-negative).
 
 Fitted by ordinary least squares (numpy), it is the instrument's reference for what a step
 should cost: a served step much slower than its prediction is time the engine did not spend
@@ -25,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-FEATURES = ("const", "prefill_tokens", "decode_tokens", "attention_pairs")
+FEATURES = ("const", "prefill_tokens", "decode_tokens", "attention_pairs", "decode_pairs")
 
 
 def chunk_pairs(start: int, num_tokens: int) -> int:
@@ -39,21 +43,28 @@ def chunk_pairs(start: int, num_tokens: int) -> int:
 class StepWork:
     prefill_tokens: int
     decode_tokens: int
-    attention_pairs: int
+    attention_pairs: int  # every chunk's, decode included
+    # the decode chunks' share of ``attention_pairs``: a decode token reads its whole context
+    # from the cache (gathered slot by slot on CPU), a prefill chunk runs one attention kernel
+    # over contiguous keys, so a decode pair costs more than a prefill pair (issue 19: without
+    # it, decode steps of long-context requests came out 10-24% off the fit at other budgets)
+    decode_pairs: int = 0
 
     @classmethod
     def from_chunks(cls, chunks: Iterable[Mapping[str, Any] | Any]) -> StepWork:
         """From chunk records (dicts or objects with ``kind``, ``start``, ``num_tokens``)."""
-        prefill = decode = pairs = 0
+        prefill = decode = pairs = decode_pairs = 0
         for c in chunks:
             get = c.get if isinstance(c, Mapping) else lambda k, c=c: getattr(c, k)
             n, s = int(get("num_tokens")), int(get("start"))
+            p = chunk_pairs(s, n)
             if get("kind") == "decode":
                 decode += n
+                decode_pairs += p
             else:
                 prefill += n
-            pairs += chunk_pairs(s, n)
-        return cls(prefill, decode, pairs)
+            pairs += p
+        return cls(prefill, decode, pairs, decode_pairs)
 
     def row(self) -> list[float]:
         return [
@@ -61,17 +72,21 @@ class StepWork:
             float(self.prefill_tokens),
             float(self.decode_tokens),
             float(self.attention_pairs),
+            float(self.decode_pairs),
         ]
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per step = ``const + prefill*P + decode*D + attn*A``."""
+    """Seconds per step = ``const + prefill*P + decode*D + attn*A + attn_decode*Ad``."""
 
     const: float
     prefill: float
     decode: float
     attn: float
+    # what a decode pair costs beyond ``attn`` (0 in a model fitted before the term existed,
+    # which then predicts as it did)
+    attn_decode: float = 0.0
     # how well it fits the steps it was fitted on: relative error |pred - t| / t
     num_steps: int = 0
     rel_err_p50: float = 0.0
@@ -84,11 +99,12 @@ class CostModel:
             + self.prefill * work.prefill_tokens
             + self.decode * work.decode_tokens
             + self.attn * work.attention_pairs
+            + self.attn_decode * work.decode_pairs
         )
 
     def predict_many(self, works: Sequence[StepWork]) -> np.ndarray:
-        x = np.array([w.row() for w in works], dtype=np.float64).reshape(-1, 4)
-        return x @ np.array([self.const, self.prefill, self.decode, self.attn])
+        x = np.array([w.row() for w in works], dtype=np.float64).reshape(-1, len(FEATURES))
+        return x @ np.array([self.const, self.prefill, self.decode, self.attn, self.attn_decode])
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -151,6 +167,7 @@ def fit(
         prefill=float(coef[1]),
         decode=float(coef[2]),
         attn=float(coef[3]),
+        attn_decode=float(coef[4]),
         num_steps=len(y),
         rel_err_p50=float(np.percentile(rel, 50)),
         rel_err_p95=float(np.percentile(rel, 95)),

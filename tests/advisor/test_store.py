@@ -83,6 +83,8 @@ def test_fit_recovers_known_coefficients(recorded: dict) -> None:
     assert m.attn == pytest.approx(TRUE.attn, rel=1e-2)
     assert m.r2 > 0.9999 and m.rel_err_p95 < 1e-3
     assert report.step_gap_s == pytest.approx(GAP_NS / 1e9, abs=1e-9)
+    assert report.quality["poor"] is False, report.quality["reasons"]  # an exact fit is not poor
+    assert report.quality["by_shape"]["decode"]["ratio_p50"] == pytest.approx(1.0, rel=1e-3)
 
 
 def test_fit_refuses_an_empty_selection(recorded: dict) -> None:

@@ -23,6 +23,7 @@ from loadgen.sweep import (
     predicted_windows,
     repeat_plan,
     window_figures,
+    window_specs,
 )
 from loadgen.tokens import Segment
 from wire.events import ControlEvent, StepEvent
@@ -76,6 +77,29 @@ def test_measured_windows_discard_the_warmup() -> None:
     assert out[0]["output_tokens"] == 4 and out[0]["applied_at_step"] == 5
     # window 2 is [102.5, 104): 102.9, 103.0, 103.2
     assert out[1]["output_tokens"] == 3
+
+
+def test_an_undrained_window_is_reported_overloaded() -> None:
+    """--between drain: a window whose requests outlived the drain bound (or whose engine
+    stayed busy) is overloaded, whatever its figures say; a drained one keeps its verdict."""
+    ok = Window(128, 100.0, 102.0, 5, drain={"drained": True, "requests_cut": 0})
+    cut = {"drained": False, "drain_s": 120.0, "requests_cut": 3, "engine_busy": None}
+    bad = Window(512, 102.0, 104.0, 40, drain=cut)
+    out = measured_windows(RECORDS, [ok, bad], warmup_s=0.5)
+    assert out[0]["overloaded"] is False and out[0]["drain"]["drained"] is True
+    assert out[1]["overloaded"] is True and out[1]["drain"]["requests_cut"] == 3
+    assert "did not drain: 3 requests still unfinished" in out[1]["overload_reason"]
+    busy = Window(512, 102.0, 104.0, 40, drain={"drained": False, "engine_busy": {"n": 1}})
+    assert "engine still busy" in measured_windows(RECORDS, [busy], 0.5)[0]["overload_reason"]
+
+
+def test_window_specs_rebase_each_window_to_its_own_start() -> None:
+    one = [RequestSpec(0, "chat", 0.5, 10), RequestSpec(1, "rag", 9.9, 7)]
+    plan = repeat_plan(one, 3, 10.0)
+    second = window_specs(plan, 1, 10.0)
+    assert [(s.index, s.offset_s) for s in second] == [(2, 0.5), (3, pytest.approx(9.9))]
+    assert [s.index for s in window_specs(plan, 2, 10.0)] == [4, 5]
+    assert window_specs(plan, 3, 10.0) == []
 
 
 def test_predictions_side_by_side() -> None:
@@ -247,7 +271,18 @@ def test_short_sweep_against_the_tiny_engine(server: ServerHandle, tmp_path: Pat
         assert w["tokens_per_s"] > 0 and w["output_tokens"] > 0
         assert w["measured_s"] == pytest.approx(w["end"] - w["start"] - 1.0)
         assert "predicted_itl_p99_ms" in w and "error_itl_p99_ms" in w
-    assert windows[0]["end"] == windows[1]["start"]
+    # drained (the default): the second window starts after the first one's requests ended
+    assert windows[1]["start"] >= windows[0]["end"]
+    assert doc["run"]["between_windows"] == "drain"
+    for w in windows:
+        assert set(w["drain"]) == {"drained", "drain_s", "requests_cut", "engine_busy"}
+        assert w["drain"]["drained"] or w["overloaded"]
+    last_of_first = max(
+        r["send_wall"] + (r["e2e_s"] or 0)
+        for r in doc["requests"]
+        if r["send_wall"] < windows[0]["end"]
+    )
+    assert last_of_first <= windows[1]["start"] + 0.05
     assert doc["recommendation_source"] == "measured"
     for w in windows:  # the overload verdict and the queue it was judged on
         assert isinstance(w["overloaded"], bool) and w["queued_end"] >= 0
@@ -330,9 +365,12 @@ def test_sweep_over_caps_against_the_tiny_engine(server: ServerHandle, tmp_path:
     argv = ["sweep", "--url", server.base_url, "--profile", "chat", "--rate", "6", "--seed", "4"]
     argv += ["--budgets", "64", "--caps", "0,16,64", "--window-s", "2", "--warmup-s", "0.5"]
     argv += ["--control-token", TOKEN, "--apply", "--out", str(out), *SMALL_CHAT]
+    argv += ["--between", "continuous"]  # the live-change path, one stream without a break
     assert main(argv) == 0
     doc = json.loads(out.read_text())
     assert [(w["budget"], w["cap"]) for w in doc["windows"]] == [(64, 0), (64, 16)]
+    assert doc["windows"][0]["end"] == doc["windows"][1]["start"]  # continuous: no gap
+    assert "drain" not in doc["windows"][0]
     if doc["recommended_budget"] is None:  # both 1.5 s windows overloaded on a loaded machine:
         assert "every window overloaded" in doc["reason"]  # said, and nothing applied
         assert "applied_cap" not in doc

@@ -34,6 +34,7 @@ def test_step_work_from_chunk_dicts_and_objects() -> None:
         w = StepWork.from_chunks(chunks)
         assert (w.prefill_tokens, w.decode_tokens) == (512, 1)
         assert w.attention_pairs == 100 + 512 * 513 // 2
+        assert w.decode_pairs == 100  # the decode chunk's share: its context and itself
 
 
 def test_fit_recovers_known_coefficients() -> None:
@@ -93,3 +94,24 @@ def test_weighted_fit_solves_for_relative_error() -> None:
     assert abs(plain.predict(short) - 0.003) >= abs(relative.predict(short) - 0.003)
     with pytest.raises(ValueError, match="weights"):
         fit(works, times, weights=[0.0] * len(works))
+
+
+def test_a_decode_pair_costs_its_own_term() -> None:
+    """Issue 19: a decode token reads its context slot by slot, so its pairs cost more than a
+    prefill chunk's; the fit recovers both, and a model without the term predicts as before."""
+    rng = np.random.default_rng(1)
+    true = CostModel(const=0.005, prefill=3e-4, decode=8e-4, attn=4e-8, attn_decode=1.5e-6)
+    works = []
+    for _ in range(400):
+        dec = int(rng.integers(0, 16))
+        dpairs = dec * int(rng.integers(50, 4000))
+        n, start = int(rng.integers(0, 1024)), int(rng.integers(0, 3000))
+        works.append(StepWork(n, dec, chunk_pairs(start, n) + dpairs, dpairs))
+    times = [true.predict(w) * (1 + rng.normal(0, 0.01)) for w in works]
+    model = fit(works, times)
+    assert model.attn_decode == pytest.approx(true.attn_decode, rel=0.05)
+    assert model.attn == pytest.approx(true.attn, rel=0.1)
+    assert model.predict_many(works) == pytest.approx([model.predict(w) for w in works])
+    old = CostModel.from_dict({"const": 0.005, "prefill": 3e-4, "decode": 8e-4, "attn": 4e-8})
+    assert old.attn_decode == 0.0
+    assert old.predict(StepWork(0, 4, 4000, 4000)) == pytest.approx(0.005 + 4 * 8e-4 + 4000 * 4e-8)
