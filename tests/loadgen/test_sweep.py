@@ -371,8 +371,10 @@ def test_sweep_over_caps_against_the_tiny_engine(server: ServerHandle, tmp_path:
     assert [(w["budget"], w["cap"]) for w in doc["windows"]] == [(64, 0), (64, 16)]
     assert doc["windows"][0]["end"] == doc["windows"][1]["start"]  # continuous: no gap
     assert "drain" not in doc["windows"][0]
-    if doc["recommended_budget"] is None:  # both 1.5 s windows overloaded on a loaded machine:
-        assert "every window overloaded" in doc["reason"]  # said, and nothing applied
+    if doc["recommended_budget"] is None:
+        # on a loaded machine both 1.5 s windows can be overloaded, or miss the default SLO:
+        # either is said, and nothing is applied (CI once saw 0.0 tokens/s at load ~7)
+        assert "every window overloaded" in doc["reason"] or "no budget meets" in doc["reason"]
         assert "applied_cap" not in doc
         return
     assert doc["recommended_cap"] in (0, 16) and doc["pareto_pairs"]
