@@ -120,14 +120,22 @@ def reset() -> None:
 
 
 def usable(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether the kernel can run this call: bf16, head dim 64, one torch thread, kernel built."""
-    return (
-        q.dtype == torch.bfloat16
-        and k.dtype == torch.bfloat16
-        and q.shape[-1] == HEAD_DIM
-        and torch.get_num_threads() == 1
-        and prefix_kernel() is not None
-    )
+    """Whether the kernel can run this call: bf16, head dim 64, one torch thread (the kernel
+    is single-threaded; torch's kernel parallelizes), kernel built. A bf16 call it cannot take
+    logs why, once."""
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
+        return False
+    why = None
+    if q.shape[-1] != HEAD_DIM:
+        why = f"head dim {q.shape[-1]} (the kernel has {HEAD_DIM} only)"
+    elif torch.get_num_threads() != 1:
+        why = f"{torch.get_num_threads()} torch threads (the kernel runs on one)"
+    if why is not None:
+        if why not in _state:
+            _state[why] = True
+            logger.info("AMX bf16 attention kernel not used: %s; torch's flash kernel runs", why)
+        return False
+    return prefix_kernel() is not None
 
 
 def attention_prefix(
@@ -156,3 +164,8 @@ def attention_prefix(
     if rc != 0:
         raise RuntimeError(f"amx_attention_prefix failed ({rc})")
     return out, lse
+
+
+def enabled() -> bool:
+    """False when ``CHUNKSCOPE_AMX_ATTENTION=0`` (read when a backend is built)."""
+    return os.environ.get("CHUNKSCOPE_AMX_ATTENTION", "1") != "0"
