@@ -9,10 +9,11 @@ logging the reason once at INFO, when the kernel cannot be used: not x86-64 Linu
 in the CPU flags, ``CHUNKSCOPE_AMX_ATTENTION=0``, no compiler (``$CC``, else ``cc``) or a failed
 build; the split backend then calls torch's flash kernel as before.
 
-The kernel: for each K/V head and each tile of 16 stacked query rows, pass 1 finds each row's
-max score (S^T = K Q^T on tiles), pass 2 accumulates O^T += V^T exp(S^T - max) with the exact
-max, so no rescaling and O stays in tile registers; fp32 accumulation, P rounded to bf16 for
-the second product (as torch's bf16 flash kernel does). Head dim 64 only; one thread.
+The kernel: for each K/V head, keys in chunks of 512 that stay in L2, and for each tile of 16
+stacked query rows, pass 1 computes the chunk's scores on tiles (S^T = K Q^T, kept in L1) and
+each row's max, pass 2 accumulates O^T += V^T exp(S^T - max) in tile registers; the running
+output is rescaled once per chunk (online softmax). fp32 accumulation, P rounded to bf16 for the
+second product (as torch's bf16 flash kernel does). Head dim 64 only; one thread.
 """
 
 from __future__ import annotations

@@ -1,17 +1,20 @@
 /* bf16 attention of stacked query rows over a key prefix, on AMX tiles (no mask).
  *
  * Built and loaded by engine/model/attention/amx.py (ctypes; no torch headers). For each K/V head
- * h and each tile of 16 query rows of Q[h] (the split backend stacks a K/V head's G query heads
- * as rows), two passes over the keys, 32 at a time:
- *   1. S^T = K . Q^T (K rows straight from the cache as the A tile, Q^T packed once per query
- *      tile in VNNI layout as B): 16 keys x 16 queries per tile, one zmm = one key's scores for
- *      the 16 queries, so the running max per query is an element-wise max of rows;
- *   2. S^T again, P^T = exp(S^T - max) (fp32 sum per query, P^T rounded to bf16 and interleaved
- *      in key pairs: the VNNI B operand), O^T += V^T . P^T with V^T (packed once per call) as A.
- * The exact max of pass 1 means pass 2 never rescales, so O^T (64 dims x 16 queries, fp32)
- * stays in four tile registers for the whole key loop. Tiles: 0-3 O^T, 4-5 Q^T (two 32-dim
- * halves), 6 S^T / P^T, 7 K / V^T. Outputs: O in fp32 and the natural log-sum-exp of the
- * scaled scores per row (what torch's flash kernel returns), for a merge by log-sum-exp.
+ * h (the split backend stacks a K/V head's G query heads as rows of Q[h]), the keys are taken in
+ * chunks of 512 (K and V^T 128 KiB: they stay in L2 while every tile of 16 query rows passes
+ * over them); per tile and chunk, two passes, 32 keys at a time:
+ *   1. S^T = K . Q^T (K rows straight from the cache as the A tile, Q^T packed once per head in
+ *      VNNI layout as B): 16 keys x 16 queries per tile, one zmm = one key's scores for the 16
+ *      queries, so the max per query is an element-wise max of rows (no horizontal reduction);
+ *      the chunk's scores are kept (32 KiB, L1);
+ *   2. P^T = exp(S^T - max) from the kept scores (fp32 sum per query; P^T rounded to bf16 and
+ *      interleaved in key pairs: the VNNI B operand), O^T += V^T . P^T with V^T (packed once
+ *      per call) as A.
+ * Within a chunk the max is exact, so O^T (64 dims x 16 queries, fp32) stays in four tile
+ * registers over the chunk; between chunks it is rescaled once (online softmax). Tiles: 0-3
+ * O^T, 4-5 Q^T (two 32-dim halves), 6 S^T / P^T, 7 K / V^T. Outputs: O in fp32 and the natural
+ * log-sum-exp of the scaled scores per row (what torch's flash kernel returns), for the merge.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -58,13 +61,13 @@ static void load_config(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* 2^x for x <= 0 (x >= -126 after clamping): Taylor polynomial of degree 6 on [-0.5, 0.5]. */
+/* 2^x for x <= 0 (x >= -126 after clamping): Taylor polynomial of degree 5 on [-0.5, 0.5]
+ * (relative error < 3e-6; P is rounded to bf16, 4e-3, anyway). */
 static inline __m512 exp2_neg(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.540353e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
@@ -73,14 +76,36 @@ static inline __m512 exp2_neg(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* V^T of one head in A-tile blocks: vt[block][d][32 keys], keys past n zero. */
+/* V^T of one head in A-tile blocks: vt[block][d][32 keys], keys past n zero. A full block: two
+ * gathers of 16 keys' 32-bit words (dims 2w, 2w+1) split into their even and odd halves. */
 static void pack_vt(const uint16_t *v, long rs, int n, uint16_t *vt) {
-    int nb = (n + KB - 1) / KB;
-    memset(vt, 0, (size_t)nb * HEAD_DIM * KB * sizeof(uint16_t));
-    for (int j = 0; j < n; j++) {
-        const uint16_t *row = v + (long)j * rs;
-        uint16_t *dst = vt + (size_t)(j / KB) * HEAD_DIM * KB + (j % KB);
-        for (int d = 0; d < HEAD_DIM; d++) dst[d * KB] = row[d];
+    int full = n / KB;
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5,
+                                                             4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)(rs / 2)));
+    __m512i even, odd;
+    {
+        uint16_t e[32], o[32];
+        for (int i = 0; i < 32; i++) e[i] = 2 * i, o[i] = 2 * i + 1;
+        even = _mm512_loadu_si512(e);
+        odd = _mm512_loadu_si512(o);
+    }
+    for (int b = 0; b < full; b++) {
+        const uint16_t *src = v + (long)b * KB * rs;
+        uint16_t *dst = vt + (size_t)b * HEAD_DIM * KB;
+        for (int w = 0; w < HEAD_DIM / 2; w++) {
+            __m512i g0 = _mm512_i32gather_epi32(rows, src + 2 * w, 4);
+            __m512i g1 = _mm512_i32gather_epi32(rows, src + 16 * rs + 2 * w, 4);
+            _mm512_store_si512((__m512i *)(dst + (2 * w) * KB), _mm512_permutex2var_epi16(g0, even, g1));
+            _mm512_store_si512((__m512i *)(dst + (2 * w + 1) * KB),
+                               _mm512_permutex2var_epi16(g0, odd, g1));
+        }
+    }
+    if (full * KB < n) {
+        uint16_t *dst = vt + (size_t)full * HEAD_DIM * KB;
+        memset(dst, 0, HEAD_DIM * KB * sizeof(uint16_t));
+        for (int j = full * KB; j < n; j++)
+            for (int d = 0; d < HEAD_DIM; d++) dst[d * KB + j % KB] = v[(long)j * rs + d];
     }
 }
 
@@ -104,12 +129,12 @@ int amx_attention_prefix(const uint16_t *q, long q_hs, long q_rs, int heads, int
     float(*ost)[HEAD_DIM][16] = aligned_alloc(64, (size_t)nt * sizeof(*ost));
     float(*mst)[16] = aligned_alloc(64, (size_t)nt * sizeof(*mst));
     float(*sst)[16] = aligned_alloc(64, (size_t)nt * sizeof(*sst));
-    if (!vt || !qt || !ost || !mst || !sst) {
-        free(vt), free(qt), free(ost), free(mst), free(sst);
+    float(*sbig)[16] = aligned_alloc(64, CHUNK_BLOCKS * KB * sizeof(*sbig)); /* 32 KiB */
+    if (!vt || !qt || !ost || !mst || !sst || !sbig) {
+        free(vt), free(qt), free(ost), free(mst), free(sst), free(sbig);
         return -3;
     }
     uint16_t ktail[KB * HEAD_DIM] __attribute__((aligned(64)));
-    float sbuf[KB][16] __attribute__((aligned(64)));
     uint16_t pbuf[16][32] __attribute__((aligned(64)));
     const float c = scale * 1.44269504088896341f; /* scores to base-2 exponents */
     const __m512 cc = _mm512_set1_ps(c);
@@ -150,8 +175,9 @@ int amx_attention_prefix(const uint16_t *q, long q_hs, long q_rs, int heads, int
                         _tile_dpbf16ps(6, 7, 4);
                         _tile_loadd(7, kb + s * 16 * ks + 32, ks * 2);
                         _tile_dpbf16ps(6, 7, 5);
-                        _tile_stored(6, sbuf[s * 16], 64);
+                        _tile_stored(6, sbig[(b - c0) * KB + s * 16], 64);
                     }
+                    float(*sbuf)[16] = sbig + (b - c0) * KB;
                     for (int j = 0; j < valid; j++)
                         mx = _mm512_max_ps(mx, _mm512_load_ps(sbuf[j]));
                 }
@@ -178,17 +204,8 @@ int amx_attention_prefix(const uint16_t *q, long q_hs, long q_rs, int heads, int
                 /* pass 2: P^T = exp(S^T - max), O^T += V^T P^T */
                 __m512 mc = _mm512_mul_ps(mx, cc);
                 for (int b = c0; b < c1; b++) {
-                    const uint16_t *kb = b < full ? kh + (long)b * KB * kv_rs : ktail;
-                    long ks = b < full ? kv_rs : HEAD_DIM;
                     int valid = b < full ? KB : tail;
-                    for (int s = 0; s < 2; s++) {
-                        _tile_zero(6);
-                        _tile_loadd(7, kb + s * 16 * ks, ks * 2);
-                        _tile_dpbf16ps(6, 7, 4);
-                        _tile_loadd(7, kb + s * 16 * ks + 32, ks * 2);
-                        _tile_dpbf16ps(6, 7, 5);
-                        _tile_stored(6, sbuf[s * 16], 64);
-                    }
+                    float(*sbuf)[16] = sbig + (b - c0) * KB;
                     for (int p = 0; p < 16; p++) {
                         __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
                         if (2 * p < valid)
@@ -230,6 +247,6 @@ int amx_attention_prefix(const uint16_t *q, long q_hs, long q_rs, int heads, int
         }
     }
     _tile_release();
-    free(vt), free(qt), free(ost), free(mst), free(sst);
+    free(vt), free(qt), free(ost), free(mst), free(sst), free(sbig);
     return 0;
 }
