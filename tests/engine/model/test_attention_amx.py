@@ -113,9 +113,7 @@ BACKEND_CASES = [
 
 
 @pytest.mark.parametrize("case", BACKEND_CASES, ids=[c.name for c in BACKEND_CASES])
-def test_split_with_kernel_within_bf16_noise(
-    case: Case, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_split_with_kernel_within_bf16_noise(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real = amx.attention_prefix
 
