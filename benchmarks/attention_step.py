@@ -86,6 +86,17 @@ def build_engine(folder: Path, backend: str, dtype: str, max_len: int):  # type:
     from engine.core.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
+    if backend == "split-noamx":  # the split backend with the AMX prefix kernel switched off
+        saved = os.environ.get("CHUNKSCOPE_AMX_ATTENTION")
+        os.environ["CHUNKSCOPE_AMX_ATTENTION"] = "0"
+        try:
+            engine = build_engine(folder, "split", dtype, max_len)
+        finally:
+            if saved is None:
+                del os.environ["CHUNKSCOPE_AMX_ATTENTION"]
+            else:
+                os.environ["CHUNKSCOPE_AMX_ATTENTION"] = saved
+        return engine
     engine = LLMEngine(
         EngineConfig(
             model=str(folder),
@@ -185,7 +196,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rates_after = {d: gemm_rate(getattr(torch, d), args.gemm_n, 3) for d in args.dtypes}
     rates = {d: max(rates_before[d], rates_after[d]) for d in args.dtypes}
     per_arm: dict[str, Any] = {}
-    for (backend, dtype), reps in runs.items():
+    for (backend, dtype), reps in runs.items():  # backend: split-noamx = split, kernel off
         rate = rates[dtype]
         steps = []
         for i, first in enumerate(reps[0]["chunks"]):
@@ -222,7 +233,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "decode_only_step_ms": statistics.median(r["step_ms"] for r in dec),
             "decode_only_attention_ms": statistics.median(r["attention_ms"] for r in dec),
         }
-    ratios = {}
+    ratios: dict[str, Any] = {}
+    for dtype in args.dtypes:
+        off, on = per_arm.get(f"split-noamx/{dtype}"), per_arm.get(f"split/{dtype}")
+        if off and on:
+            ratios[f"{dtype}: split without AMX kernel over with"] = {
+                "prompt_prefill": off["prompt_prefill_ms"] / on["prompt_prefill_ms"],
+                "last_chunk_step": off["chunk_steps"][-1]["step_ms"]
+                / on["chunk_steps"][-1]["step_ms"],
+                "last_chunk_attention": off["chunk_steps"][-1]["attention_ms"]
+                / on["chunk_steps"][-1]["attention_ms"],
+            }
     for dtype in args.dtypes:
         old, new = per_arm.get(f"sdpa/{dtype}"), per_arm.get(f"split/{dtype}")
         if old and new:
@@ -297,12 +318,17 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_common_args(ap)
-    ap.add_argument("--backends", default="sdpa,split")
+    ap.add_argument(
+        "--backends",
+        default="sdpa,split",
+        help="of sdpa, split, split-noamx (split with CHUNKSCOPE_AMX_ATTENTION=0)",
+    )
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prompt-len", type=int, default=6000)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--decode-steps", type=int, default=12)
     ap.add_argument("--gemm-n", type=int, default=2048)
+    ap.add_argument("--output", default="attention_step.json", help="file in the results folder")
     args = ap.parse_args(argv)
     if args.quick:
         args.prompt_len, args.reps, args.decode_steps, args.gemm_n = 1200, 1, 3, 256
@@ -311,9 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     t0 = time.perf_counter()
     res = bench(args)
-    write_json(
-        out_dir / "attention_step.json", res, script="attention_step.py", config=config_of(args)
-    )
+    write_json(out_dir / args.output, res, script="attention_step.py", config=config_of(args))
     print_result(res)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     return 0

@@ -1,0 +1,172 @@
+"""A bf16 attention kernel on AMX tiles for the prefix of a prefill chunk (CPUs with AMX-BF16).
+
+The C source next to this module (``amx_attention.c``) is compiled at first use with the system
+C compiler into a cache folder keyed by the source's hash (``~/.cache/chunkscope/kernels``, or
+``$CHUNKSCOPE_KERNEL_CACHE``), written under a temporary name and renamed into place so two
+processes never load half a file, then loaded with ctypes and called with tensors' data
+pointers (no torch headers, no build step at install time). ``prefix_kernel()`` returns None,
+logging the reason once at INFO, when the kernel cannot be used: not x86-64 Linux, no AMX-BF16
+in the CPU flags, ``CHUNKSCOPE_AMX_ATTENTION=0``, no compiler (``$CC``, else ``cc``) or a failed
+build; the split backend then calls torch's flash kernel as before.
+
+The kernel: for each K/V head, keys in chunks of 512 that stay in L2, and for each tile of 16
+stacked query rows, pass 1 computes the chunk's scores on tiles (S^T = K Q^T, kept in L1) and
+each row's max, pass 2 accumulates O^T += V^T exp(S^T - max) in tile registers; the running
+output is rescaled once per chunk (online softmax). fp32 accumulation, P rounded to bf16 for the
+second product (as torch's bf16 flash kernel does). Head dim 64 only; one thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("amx_attention.c")
+FLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512bf16"]
+HEAD_DIM = 64
+
+_state: dict[str, object] = {}
+
+
+def _why_not() -> str | None:
+    """Why the AMX kernel cannot be used on this machine, or None."""
+    if os.environ.get("CHUNKSCOPE_AMX_ATTENTION", "1") == "0":
+        return "CHUNKSCOPE_AMX_ATTENTION=0"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"not x86-64 Linux ({platform.system()} {platform.machine()})"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError as e:
+        return f"cannot read /proc/cpuinfo ({e})"
+    missing = [f for f in ("amx_tile", "amx_bf16", "avx512_bf16") if f" {f}" not in flags]
+    if missing:
+        return "the CPU lacks " + ", ".join(missing)
+    return None
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("CHUNKSCOPE_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "chunkscope" / "kernels"
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the kernel (once per source, compiler and flags) and return the library's path.
+    Raises RuntimeError with the compiler's message when the build fails."""
+    cc = compiler or os.environ.get("CC") or "cc"
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    folder = cache_dir()
+    lib = folder / f"amx_attention-{key}.so"
+    if lib.exists():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        cmd = [cc, *FLAGS, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RuntimeError(f"cannot run the C compiler {cc!r}: {e}") from e
+        if run.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {run.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)  # atomic: another process sees no file or the whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    why = _why_not()
+    if why is None:
+        try:
+            dll = ctypes.CDLL(str(build()))
+            dll.amx_attention_prefix.restype = ctypes.c_int
+            dll.amx_attention_prefix.argtypes = [
+                ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int,
+                ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+            ]  # fmt: skip
+            if dll.amx_attention_init() != 0:
+                why = "the kernel refused AMX tile data (arch_prctl XCOMP_PERM)"
+            else:
+                return dll
+        except (RuntimeError, OSError) as e:
+            why = f"build or load failed: {e}"
+    logger.info("AMX bf16 attention kernel not used: %s; torch's flash kernel runs instead", why)
+    return None
+
+
+def prefix_kernel() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (the reason logged once at INFO)."""
+    if "dll" not in _state:
+        _state["dll"] = _load()
+    return _state["dll"]  # type: ignore[return-value]
+
+
+def reset() -> None:
+    """Forget the loaded kernel (tests: re-run the availability check)."""
+    _state.clear()
+
+
+def usable(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the kernel can run this call: bf16, head dim 64, one torch thread (the kernel
+    is single-threaded; torch's kernel parallelizes), kernel built. A bf16 call it cannot take
+    logs why, once."""
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
+        return False
+    why = None
+    if q.shape[-1] != HEAD_DIM:
+        why = f"head dim {q.shape[-1]} (the kernel has {HEAD_DIM} only)"
+    elif torch.get_num_threads() != 1:
+        why = f"{torch.get_num_threads()} torch threads (the kernel runs on one)"
+    if why is not None:
+        if why not in _state:
+            _state[why] = True
+            logger.info("AMX bf16 attention kernel not used: %s; torch's flash kernel runs", why)
+        return False
+    return prefix_kernel() is not None
+
+
+def attention_prefix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention without a mask of ``q`` ``[Hkv, R, 64]`` (rows of a K/V head's stacked query
+    heads) over ``k``, ``v`` ``[N, Hkv, 64]`` (any row stride, the last dim contiguous), all
+    bf16. Returns the output ``[Hkv, R, 64]`` and the natural log-sum-exp of the scaled
+    scores ``[Hkv, R]``, both fp32. Call only when ``usable`` says so."""
+    dll = prefix_kernel()
+    if dll is None:
+        raise RuntimeError("the AMX attention kernel is not available")
+    heads, rows, dim = q.shape
+    n = k.shape[0]
+    if k.shape != v.shape or k.shape[1:] != (heads, dim) or n < 1 or dim != HEAD_DIM:
+        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.stride(2) != 1 or k.stride(2) != 1 or k.stride() != v.stride():
+        raise ValueError("q, k, v need a contiguous last dim and k, v the same strides")
+    out = torch.empty(heads, rows, dim, dtype=torch.float32)
+    lse = torch.empty(heads, rows, dtype=torch.float32)
+    rc = dll.amx_attention_prefix(
+        q.data_ptr(), q.stride(0), q.stride(1), heads, rows,
+        k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), n,
+        dim, dim**-0.5 if scale is None else scale, out.data_ptr(), lse.data_ptr(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"amx_attention_prefix failed ({rc})")
+    return out, lse
+
+
+def enabled() -> bool:
+    """False when ``CHUNKSCOPE_AMX_ATTENTION=0`` (read when a backend is built)."""
+    return os.environ.get("CHUNKSCOPE_AMX_ATTENTION", "1") != "0"
