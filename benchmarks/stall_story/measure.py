@@ -157,7 +157,7 @@ async def stream_completion(
                     rec.chunk_times.append(now)
                 if obj.get("usage"):
                     rec.completion_tokens = obj["usage"].get("completion_tokens")
-                elif "chunkscope" in obj:
+                if "chunkscope" in obj:  # our engine's extension rides on the usage chunk
                     rec.engine_token_times = list(obj["chunkscope"].get("token_times") or [])
     except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
         rec.error = f"{type(exc).__name__}: {exc}"

@@ -3,8 +3,11 @@ window a token gap belongs to, the README table. No timing is asserted."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import json
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -48,3 +51,54 @@ def test_a_gap_belongs_to_the_window_of_its_first_token(stall: ModuleType) -> No
     assert table.count("\n") == 3 and "budget a" in table
     targets = stall.targets(rows, rows)
     assert targets["client_b"]["max_itl_reduction"] == pytest.approx(399, rel=0.01)
+
+
+class _FakeResponse:
+    """An SSE body as aiohttp yields it: one ``bytes`` line at a time."""
+
+    status = 200
+
+    def __init__(self, lines: list[bytes]) -> None:
+        self.content = self._lines(lines)
+
+    @staticmethod
+    async def _lines(lines: list[bytes]) -> Any:
+        for line in lines:
+            yield line
+
+    async def __aenter__(self) -> _FakeResponse:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+class _FakeSession:
+    def __init__(self, lines: list[bytes]) -> None:
+        self.lines = lines
+
+    def post(self, *args: Any, **kwargs: Any) -> _FakeResponse:
+        return _FakeResponse(self.lines)
+
+
+def test_a_stream_records_every_chunk_the_usage_and_the_engine_times() -> None:
+    """Our engine's last chunk carries no choices, the usage and the ``chunkscope`` extension
+    together (engine/server/responses.py): all three are read from it."""
+    from benchmarks.stall_story.measure import stream_completion
+
+    def data(obj: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n"
+
+    lines = [
+        data({"choices": [{"text": "a"}]}),
+        b"\n",
+        data({"choices": [{"text": ""}]}),  # held-back bytes: still a token
+        data({"choices": [], "usage": {"completion_tokens": 3},
+              "chunkscope": {"token_times": [1.0, 2.0, 3.0]}}),
+        b"data: [DONE]\n",
+    ]  # fmt: skip
+    rec = asyncio.run(stream_completion(_FakeSession(lines), "u", "m", [1, 2], 3, "chat"))
+    assert rec.error is None
+    assert len(rec.chunk_times) == 2
+    assert rec.completion_tokens == 3
+    assert rec.engine_token_times == [1.0, 2.0, 3.0]
