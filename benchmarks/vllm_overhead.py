@@ -33,6 +33,7 @@ Writes benchmarks/results/vllm_overhead.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -56,20 +57,27 @@ SCRIPT = "vllm_overhead.py"
 ENGINE_ID = "vllm-overhead"
 WORDS = "the quick brown fox jumps over the lazy dog".split()
 ARMS = ("with", "without")
+# "with-idle": bridged too, but its collector's threads run at SCHED_IDLE: on this 2-CPU machine
+# the collector shares the CPU of vLLM's frontend and this client, and at idle priority it only
+# takes time they leave, as when it runs on another machine; the bridge itself is unchanged
+ALL_ARMS = ("with", "without", "with-idle")
+BRIDGED = ("with", "with-idle")
 
 
 # --- bookkeeping (no server; unit-tested) -------------------------------------------------------
 
 
-def plan_order(pairs: int, seed: int) -> list[tuple[str, str]]:
-    """Each pair's arm order, drawn at random (seeded) but balanced: half the pairs start with
-    the bridge, half without (an odd count gives the extra pair a random order)."""
+def plan_order(pairs: int, seed: int, arms: tuple[str, ...] = ARMS) -> list[tuple[str, ...]]:
+    """Each group's arm order (a group is one window of every arm), drawn at random (seeded) but
+    balanced: the orders of ``arms`` are dealt round-robin, so each arm comes first equally often
+    (two arms: half the pairs start with the bridge), then shuffled."""
     rng = random.Random(seed)
-    firsts = ["with"] * (pairs // 2) + ["without"] * (pairs // 2)
-    if pairs % 2:
-        firsts.append(rng.choice(ARMS))
-    rng.shuffle(firsts)
-    return [(f, "without" if f == "with" else "with") for f in firsts]
+    perms = list(itertools.permutations(arms))
+    rng.shuffle(perms)
+    full, rest = divmod(pairs, len(perms))
+    orders = perms * full + rng.sample(perms, rest)
+    rng.shuffle(orders)
+    return orders
 
 
 def paired_ratio(
@@ -244,10 +252,15 @@ def _prompt(n: int, salt: int) -> str:
 
 
 def load_window(
-    url: str, args: argparse.Namespace, salt0: int, pid: int | None = None
+    url: str,
+    args: argparse.Namespace,
+    salt0: int,
+    pid: int | None = None,
+    collectors: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Closed-loop streams against one server for settle + window seconds; each stream finishes
-    its request in flight after the window's end."""
+    its request in flight after the window's end. ``collectors``: name -> pid of each collector
+    whose CPU time over the window is recorded (beside this client's own)."""
     stop = threading.Event()
     records: list[list[float]] = []
     errors = [0]
@@ -282,10 +295,14 @@ def load_window(
             time.sleep(args.settle_s)
             lo = time.time()
             cpu0 = tree_cpu_s(pid) if pid is not None else None
+            col0 = {name: tree_cpu_s(cpid) for name, cpid in (collectors or {}).items()}
+            me0 = time.process_time()
             before = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
             time.sleep(args.window_s)
             after = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+            me1 = time.process_time()
             cpu1 = tree_cpu_s(pid) if pid is not None else None
+            col1 = {name: tree_cpu_s(cpid) for name, cpid in (collectors or {}).items()}
             hi = time.time()
         finally:
             stop.set()  # an interrupt must not leave the streams looping
@@ -298,19 +315,25 @@ def load_window(
         # what the bridge adds, and much less sensitive than tokens/s to other users' load
         server["cpu_ms_per_token"] = (cpu1 - cpu0) * 1e3 / gen
         server["cpu_cores_busy"] = (cpu1 - cpu0) / (hi - lo)
+    client = client_window(records, lo, hi)
+    client["cpu_cores_busy"] = (me1 - me0) / (hi - lo)
     return {
         "start": start,
         "lo": lo,
         "hi": hi,
         "errors": errors[0],
-        "client": client_window(records, lo, hi),
+        "client": client,
         "server": server,
+        # each collector's CPU in this window, whichever arm's events it was storing: a
+        # collector may still be storing the previous window's
+        "collectors_cores_busy": {name: (col1[name] - col0[name]) / (hi - lo) for name in col0},
     }
 
 
-def summarize(windows: list[dict[str, Any]], n_pairs: int) -> dict[str, Any]:
+def summarize(windows: list[dict[str, Any]], n_pairs: int, arm: str = "with") -> dict[str, Any]:
+    """Paired ratios of ``arm`` against ``without`` over the groups that have both."""
     by = {(w["pair"], w["arm"]): w for w in windows}
-    pairs = [p for p in range(n_pairs) if (p, "with") in by and (p, "without") in by]
+    pairs = [p for p in range(n_pairs) if (p, arm) in by and (p, "without") in by]
 
     def series(arm: str, get: Any) -> list[float]:
         return [get(by[(p, arm)]) for p in pairs]
@@ -325,7 +348,7 @@ def summarize(windows: list[dict[str, Any]], n_pairs: int) -> dict[str, Any]:
         "server_cpu_ms_per_token": lambda w: w["server"].get("cpu_ms_per_token"),
     }
     return {
-        name: paired_ratio(series("with", get), series("without", get), seed=i)
+        name: paired_ratio(series(arm, get), series("without", get), seed=i)
         for i, (name, get) in enumerate(metrics.items())
     }
 
@@ -339,68 +362,147 @@ def bind_threads(pid: int, cpus: set[int]) -> None:
             pass
 
 
+def idle_priority(pid: int) -> None:
+    """Every thread of process ``pid`` to SCHED_IDLE (threads it starts later inherit it): it then
+    runs only on CPU time no normal-priority thread wants."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
+def stored_steps(db: Path) -> dict[str, dict[str, int]]:
+    """Per engine in a collector's SQLite file (read-only), summed over its runs: steps stored,
+    the last step index of each run (indices start at 1 per run) and declared gaps; steps
+    stored = last indices and no gap: nothing was lost."""
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = con.execute(
+            "SELECT engine_id, SUM(num_steps), SUM(last_step), SUM(num_gap_events) FROM runs "
+            "GROUP BY engine_id"
+        ).fetchall()
+    finally:
+        con.close()
+    return {
+        str(e): {"steps": int(n or 0), "last_step": int(last or 0), "gaps": int(g or 0)}
+        for e, n, last, g in rows
+    }
+
+
 def run(args: argparse.Namespace, tmp: Path, model: Path) -> dict[str, Any]:
     py = vllm_python()
     assert py is not None, "no vLLM environment: run scripts/setup_vllm.sh"
-    collector = start_collector(f"sqlite:///{tmp / 'overhead.db'}")
+    arms: tuple[str, ...] = args.arms
     others = set(os.sched_getaffinity(0)) - {args.core} if args.core is not None else set()
-    if others:  # the collector off the worker's CPU (this client too, once the servers are up)
-        bind_threads(collector.process.pid, others)
+    collectors = {}
+    for arm in arms:
+        if arm not in BRIDGED:
+            continue
+        col = start_collector(f"sqlite:///{tmp / f'overhead-{arm}.db'}")
+        collectors[arm] = col
+        if others:  # the collector off the worker's CPU (this client too, once servers are up)
+            bind_threads(col.process.pid, others)
+        if arm == "with-idle":
+            idle_priority(col.process.pid)
+    collector_pids = {arm: c.process.pid for arm, c in collectors.items()}
     extra = ["--max-num-batched-tokens", str(args.budget),
              "--kv-cache-memory-bytes", str(256 << 20)]  # fmt: skip
     servers: dict[str, VllmServer] = {}
     try:
 
         def start(arm: str) -> None:
-            env = {"CHUNKSCOPE_ENGINE_ID": ENGINE_ID}
+            env = {"CHUNKSCOPE_ENGINE_ID": f"{ENGINE_ID}-{arm}"}
             if args.core is not None:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(args.core)
                 env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-            if arm == "with":
-                env["CHUNKSCOPE_COLLECTOR_URL"] = collector.url
+            if arm in BRIDGED:
+                env["CHUNKSCOPE_COLLECTOR_URL"] = collectors[arm].url
                 env["CHUNKSCOPE_BRIDGE_TIMING_EVERY"] = str(args.timing_every)
             servers[arm] = VllmServer(py, model, *extra, env=env, log=tmp / f"vllm-{arm}.log",
-                                      bridge=arm == "with", max_model_len=1024)  # fmt: skip
+                                      bridge=arm in BRIDGED, max_model_len=1024)  # fmt: skip
 
-        with ThreadPoolExecutor(2) as pool:
-            for f in [pool.submit(start, a) for a in ARMS]:
+        with ThreadPoolExecutor(len(arms)) as pool:
+            for f in [pool.submit(start, a) for a in arms]:
                 f.result()
         if others:
             bind_threads(os.getpid(), others)
-        for arm in ARMS:  # warm-up, not recorded
+        for i, arm in enumerate(arms):  # warm-up, not recorded
             w = args.window_s
             args.window_s = args.warmup_s
-            load_window(servers[arm].url, args, 10_000_000 + (arm == "with"))
+            load_window(servers[arm].url, args, 10_000_000 + i)
             args.window_s = w
         windows: list[dict[str, Any]] = []
-        for p, order in enumerate(plan_order(args.pairs, args.seed)):
+        for p, order in enumerate(plan_order(args.pairs, args.seed, arms)):
             for arm in order:
                 srv = servers[arm]
-                w = load_window(srv.url, args, 1000 * (2 * p + (arm == "with")), srv.proc.pid)
+                salt = 1000 * (len(arms) * p + arms.index(arm))
+                w = load_window(srv.url, args, salt, srv.proc.pid, collector_pids)
                 w.update(pair=p, arm=arm)
                 windows.append(w)
                 c = w["client"]
-                print(f"pair {p:>2} {arm:>7}: {c['output_tokens_per_s']:7.1f} tok/s client, "
+                print(f"group {p:>2} {arm:>9}: {c['output_tokens_per_s']:7.1f} tok/s client, "
                       f"{w['server']['output_tokens_per_s']:7.1f} server; ITL p99 "
                       f"{c['itl'].get('p99_ms', float('nan')):.2f} ms; "
                       f"{w['server'].get('cpu_ms_per_token', float('nan')):.3f} CPU ms/token",
                       flush=True)  # fmt: skip
+        time.sleep(args.drain_s)  # let an idle-priority collector store its backlog
     finally:
         for s in servers.values():
             s.stop()
-        collector.stop()
-    timing = self_timing(servers["with"].log_text()) if "with" in servers else {}
-    summary = summarize(windows, args.pairs)
+        for c in collectors.values():
+            c.stop()
+    steps = {arm: stored_steps(tmp / f"overhead-{arm}.db") for arm in collectors}
+    timing = {arm: self_timing(servers[arm].log_text()) for arm in BRIDGED if arm in servers}
+    paired = {arm: summarize(windows, args.pairs, arm) for arm in arms if arm != "without"}
     pooled = {
         arm: {
             "client_tokens_per_s_mean": float(
                 np.mean([w["client"]["output_tokens_per_s"] for w in windows if w["arm"] == arm])
             ),
+            "client_cores_busy_mean": float(
+                np.mean([w["client"]["cpu_cores_busy"] for w in windows if w["arm"] == arm])
+            ),
+            "server_cores_busy_mean": float(
+                np.mean(
+                    [w["server"].get("cpu_cores_busy", 0.0) for w in windows if w["arm"] == arm]
+                )  # fmt: skip
+            ),
+            # each collector's CPU while this arm ran: its own arm's figure is what storing
+            # that arm's events took (plus any backlog of the previous window)
+            "collectors_cores_busy_mean": {
+                name: float(
+                    np.mean([w["collectors_cores_busy"][name] for w in windows if w["arm"] == arm])
+                )  # fmt: skip
+                for name in collector_pids
+            },
             "errors": sum(w["errors"] for w in windows if w["arm"] == arm),
         }
-        for arm in ARMS
+        for arm in arms
     }
-    return {"windows": windows, "paired": summary, "pooled": pooled, "bridge_self_timing": timing}
+    return {
+        "windows": windows,
+        # "with" against "without" under the old key; every bridged arm under paired_by_arm
+        "paired": paired.get("with") or next(iter(paired.values()), {}),
+        "paired_by_arm": paired,
+        "pooled": pooled,
+        "stored_steps": steps,
+        "bridge_self_timing": timing.get("with") or next(iter(timing.values()), {}),
+        "bridge_self_timing_by_arm": timing,
+    }
+
+
+def parse_arms(text: str) -> tuple[str, ...]:
+    arms = tuple(a.strip() for a in text.split(",") if a.strip())
+    bad = [a for a in arms if a not in ALL_ARMS]
+    if bad or "without" not in arms or len(arms) < 2 or len(set(arms)) != len(arms):
+        raise argparse.ArgumentTypeError(
+            f"--arms {text!r}: a comma list of distinct arms from {', '.join(ALL_ARMS)}, "
+            "with 'without' and at least one bridged arm"
+        )
+    return arms
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -418,6 +520,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window-s", type=float, default=4.0)
     ap.add_argument("--warmup-s", type=float, default=6.0)
     ap.add_argument("--timing-every", type=int, default=1000, help="bridge self-timing lines")
+    ap.add_argument(
+        "--arms",
+        type=parse_arms,
+        default=ARMS,
+        help="comma list from with, without, with-idle (bridged, its collector at SCHED_IDLE: "
+        "it takes only CPU time vLLM's frontend and the client leave); default with,without",
+    )
+    ap.add_argument(
+        "--drain-s", type=float, default=5.0, help="wait after the last window (stores catch up)"
+    )
     ap.add_argument(
         "--core",
         type=int,
@@ -444,16 +556,25 @@ def main(argv: list[str] | None = None) -> None:
         model = build_llama_folder(tmp / "model", hidden_size=args.hidden_size,
                                    num_layers=args.layers, max_positions=1024)  # fmt: skip
         payload = run(args, tmp, model)
-    for name, r in payload["paired"].items():
-        if r.get("n_pairs"):
-            lo, hi = r["ci95"]
-            print(f"{name:>24}: with/without {r['ratio']:.4f} "
-                  f"(95% CI {lo:.4f}..{hi:.4f}, {r['n_pairs']} pairs)")  # fmt: skip
-    t = payload["bridge_self_timing"]
-    if t.get("steps"):
-        print(f"bridge self-timing over {t['steps']} steps: core thread {t['mean_us']:.1f} us/step "
-              f"= {t['core_share_pct']:.3f}% of step wall time; publisher thread "
-              f"{t['publisher_cpu_us']} us/step = {t['publisher_share_pct']}%")  # fmt: skip
+    for arm, paired in payload["paired_by_arm"].items():
+        for name, r in paired.items():
+            if r.get("n_pairs"):
+                lo, hi = r["ci95"]
+                print(f"{name:>24}: {arm}/without {r['ratio']:.4f} "
+                      f"(95% CI {lo:.4f}..{hi:.4f}, {r['n_pairs']} groups)")  # fmt: skip
+    for arm, t in payload["bridge_self_timing_by_arm"].items():
+        if t.get("steps"):
+            print(f"{arm}: bridge self-timing over {t['steps']} steps: core thread "
+                  f"{t['mean_us']:.1f} us/step = {t['core_share_pct']:.3f}% of step wall time; "
+                  f"publisher thread {t['publisher_cpu_us']} us/step = "
+                  f"{t['publisher_share_pct']}%")  # fmt: skip
+    for arm, p in payload["pooled"].items():
+        print(
+            f"{arm:>9}: client {p['client_cores_busy_mean']:.2f} cores, vLLM "
+            f"{p['server_cores_busy_mean']:.2f}, collectors "
+            + ", ".join(f"{k} {v:.3f}" for k, v in p["collectors_cores_busy_mean"].items())
+        )
+    print("steps stored:", payload["stored_steps"])
     write_json(out_dir / "vllm_overhead.json", payload, script=SCRIPT, config=config_of(args))
     print(json.dumps(payload["paired"], indent=1))
 

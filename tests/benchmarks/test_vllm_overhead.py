@@ -26,6 +26,69 @@ def test_pair_orders_are_balanced_and_seeded(vo: ModuleType) -> None:
     assert len(vo.plan_order(5, 1)) == 5
 
 
+def test_three_arm_orders_deal_every_permutation(vo: ModuleType) -> None:
+    arms = ("with", "without", "with-idle")
+    order = vo.plan_order(12, 5, arms)
+    assert len(order) == 12 and all(sorted(g) == sorted(arms) for g in order)
+    assert all(sum(g[0] == a for g in order) == 4 for a in arms)  # each arm first equally
+    assert len(set(order)) == 6  # all six orders, twice each
+    assert order == vo.plan_order(12, 5, arms) and order != vo.plan_order(12, 6, arms)
+
+
+def test_arms_option_refuses_what_cannot_be_compared(vo: ModuleType) -> None:
+    import argparse
+
+    assert vo.parse_arms("with, without,with-idle") == ("with", "without", "with-idle")
+    for bad in ("with", "with,with-idle", "with,without,with", "with,without,sidecar", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--arms"):
+            vo.parse_arms(bad)
+
+
+def test_stored_steps_reads_the_collectors_runs(vo: ModuleType, tmp_path) -> None:
+    import sqlalchemy as sa
+
+    from storage.schema import metadata, runs
+
+    db = tmp_path / "c.db"
+    eng = sa.create_engine(f"sqlite:///{db}")
+    metadata.create_all(eng)
+    base = {"clock_wall_ns": 0, "clock_mono_ns": 0, "started": 0.0}
+    with eng.begin() as con:
+        for row in (
+            {"engine_id": "a", "run_id": "r1", "num_steps": 40, "last_step": 40},
+            {"engine_id": "a", "run_id": "r2", "num_steps": 7, "last_step": 9,
+             "num_gap_events": 1},
+            {"engine_id": "b", "run_id": "r3", "num_steps": 0},
+        ):  # fmt: skip
+            con.execute(runs.insert(), {**base, **row})
+    eng.dispose()
+    got = vo.stored_steps(db)
+    assert got == {
+        "a": {"steps": 47, "last_step": 49, "gaps": 1},
+        "b": {"steps": 0, "last_step": 0, "gaps": 0},
+    }
+
+
+def test_idle_priority_reaches_every_thread() -> None:
+    import subprocess
+    import sys
+
+    from benchmarks.vllm_overhead import idle_priority
+
+    code = "import threading, time\nthreading.Thread(target=time.sleep, args=(30,)).start()\n"
+    code += "print('up', flush=True)\ntime.sleep(30)\n"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        idle_priority(child.pid)
+        tids = os.listdir(f"/proc/{child.pid}/task")
+        assert len(tids) == 2
+        assert all(os.sched_getscheduler(int(t)) == os.SCHED_IDLE for t in tids)
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_paired_ratio_is_the_geometric_mean_with_an_interval(vo: ModuleType) -> None:
     with_ = [99.0, 198.0, 49.5, 990.0]
     without = [100.0, 200.0, 50.0, 1000.0]  # every pair 0.99 whatever its level
