@@ -12,6 +12,7 @@ import torch
 
 from engine.model.arch import PRESETS, ModelArch, arch_from_hf_config
 from engine.model.llama import LlamaModel
+from engine.model.packed_linear import pack_linears
 from engine.tokenizer import BYTE_TOKENIZER_MARKER, ByteTokenizer, Tokenizer, make_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ def load_model(
         model.init_synthetic(seed)
     else:
         load_safetensors(model, source.folder)
+    pack_linears(model, dtype, device)  # bf16 on CPU: weights packed once for oneDNN
     tokenizer = make_tokenizer(source.folder, source.arch.vocab_size, source.arch.eos_token_id)
     return LoadedModel(source.name, source.arch, model, tokenizer)
 
