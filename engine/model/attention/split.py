@@ -20,11 +20,14 @@ On CPUs with AMX-BF16, in bf16 with one torch thread and head dim 64, the prefix
 own kernel (``amx.attention_prefix``, ~1.3x the flash kernel's speed measured;
 ``CHUNKSCOPE_AMX_ATTENTION=0`` turns it off); the diagonal stays torch's.
 
-A chunk at position 0 is one causal call. Decodes (one query each) are batched in groups of
-similar context length (padding at most doubles a row's keys), the group's query heads stacked
-the same way (``[B, Hkv, G, D]``), K/V gathered from the flat cache by the step's slot table;
-a group whose lengths differ gets a ``[B, 1, 1, L]`` key-padding mask, built once per step in
-``prepare_metadata`` and shared by every layer. A group of equal lengths has none.
+A chunk at position 0 is one causal call. Decodes (one query each) are served by the paged
+decode kernel (``paged_decode``: C, reads each sequence's K/V in place through its block table,
+fp32 and bf16, one torch thread; ``CHUNKSCOPE_DECODE_KERNEL=0`` turns it off). Where it cannot
+run, they are batched in groups of similar context length (padding at most doubles a row's
+keys), the group's query heads stacked the same way (``[B, Hkv, G, D]``), K/V gathered from the
+flat cache by the step's slot table; a group whose lengths differ gets a ``[B, 1, 1, L]``
+key-padding mask, built once per step and shared by every layer. A group of equal lengths has
+none.
 
 The kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, what
 ``F.scaled_dot_product_attention`` dispatches to on CPU) accumulates in fp32 for bf16 inputs
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import amx
+from engine.model.attention import amx, paged_decode
 from engine.model.attention.common import (
     AttentionMetadata,
     DecodeGroup,
@@ -70,8 +73,24 @@ class SplitPrefill:
 
 
 @dataclass
+class PagedDecodes:
+    """The step's decodes for the in-place kernel (``paged_decode``): query rows, block table
+    rows and context lengths, int64 ``[B]`` / ``[B, W]`` / ``[B]``."""
+
+    rows: torch.Tensor
+    table: torch.Tensor
+    ctx_lens: torch.Tensor
+    seqs: list[tuple[int, SeqSlice]]  # (row in the step's table, slice): the fallback's input
+
+
+@dataclass
 class SplitMetadata(AttentionMetadata):
     split_prefills: list[SplitPrefill] = field(default_factory=list)
+    # decodes for the in-place kernel; when set, ``decode_groups`` is built only if a layer
+    # cannot use the kernel (then once, from ``paged.seqs``)
+    paged: PagedDecodes | None = None
+    block_size: int = 16
+    table: torch.Tensor | None = None
 
 
 def merge(
@@ -100,6 +119,31 @@ def prefix_location(
     return None, context_slots(table_row, block_size, start)[0]
 
 
+def decode_groups(
+    decodes: list[tuple[int, SeqSlice]], table: torch.Tensor, block_size: int
+) -> list[DecodeGroup]:
+    """Decodes in groups of similar context length (padding at most doubles the keys read per
+    sequence), each with its gathered cache slots and, when lengths differ, a padding mask."""
+    decodes = sorted(decodes, key=lambda d: d[1].ctx_len, reverse=True)
+    groups: list[DecodeGroup] = []
+    i = 0
+    while i < len(decodes):
+        longest = decodes[i][1].ctx_len
+        j = i
+        while j < len(decodes) and decodes[j][1].ctx_len * 2 >= longest:
+            j += 1
+        group = decodes[i:j]
+        slots = context_slots(table[[row for row, _ in group]], block_size, longest)
+        lens = torch.tensor([s.ctx_len for _, s in group])
+        mask = None
+        if bool((lens < longest).any()):
+            mask = (torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+        rows = torch.tensor([s.q_start for _, s in group], dtype=torch.long)
+        groups.append(DecodeGroup(rows, slots, mask))
+        i = j
+    return groups
+
+
 class SplitBackend:
     name = "split"
 
@@ -113,6 +157,8 @@ class SplitBackend:
         self._op = op
         # the AMX bf16 kernel for the prefix (engine/model/attention/amx.py) where it can run
         self._amx = amx.enabled()
+        # decodes read in place from the cache (engine/model/attention/paged_decode.py)
+        self._paged = paged_decode.enabled()
 
     def prepare_metadata(
         self, seqs: list[SeqSlice], block_size: int, device: torch.device
@@ -131,23 +177,14 @@ class SplitBackend:
                 continue
             rng, slots = prefix_location(s, block_size, table[row : row + 1])
             meta.split_prefills.append(SplitPrefill(s, rng, slots))
-        # Group decodes so that padding at most doubles the keys read per sequence.
-        decodes.sort(key=lambda d: d[1].ctx_len, reverse=True)
-        i = 0
-        while i < len(decodes):
-            longest = decodes[i][1].ctx_len
-            j = i
-            while j < len(decodes) and decodes[j][1].ctx_len * 2 >= longest:
-                j += 1
-            group = decodes[i:j]
-            slots = context_slots(table[[row for row, _ in group]], block_size, longest)
-            lens = torch.tensor([s.ctx_len for _, s in group])
-            mask = None
-            if bool((lens < longest).any()):
-                mask = (torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-            rows = torch.tensor([s.q_start for _, s in group], dtype=torch.long)
-            meta.decode_groups.append(DecodeGroup(rows, slots, mask))
-            i = j
+        meta.block_size, meta.table = block_size, table
+        if decodes and self._paged and paged_decode.decode_kernel() is not None:
+            rows = torch.tensor([s.q_start for _, s in decodes], dtype=torch.long)
+            sub = table[[row for row, _ in decodes]].contiguous()
+            lens = torch.tensor([s.ctx_len for _, s in decodes], dtype=torch.long)
+            meta.paged = PagedDecodes(rows, sub, lens, decodes)
+        else:
+            meta.decode_groups = decode_groups(decodes, table, block_size)
         return meta
 
     def forward(
@@ -195,6 +232,15 @@ class SplitBackend:
             lse_pre = lse_pre.reshape(num_heads, s.q_len)
             merged = merge(pre, lse_pre, diag.squeeze(0), lse_diag.squeeze(0))
             out[rows] = merged.transpose(0, 1)
+        paged = meta.paged
+        if paged is not None and paged_decode.usable(q, k_cache):
+            paged_decode.paged_decode(
+                q, k_flat, v_flat, paged.rows, paged.table, paged.ctx_lens, meta.block_size, out
+            )
+            return out
+        if paged is not None and not meta.decode_groups:  # a layer the kernel cannot serve
+            assert meta.table is not None
+            meta.decode_groups = decode_groups(paged.seqs, meta.table, meta.block_size)
         for g in meta.decode_groups:
             b = g.rows.numel()
             qd = q.index_select(0, g.rows).view(b, num_kv_heads, groups, head_dim)

@@ -1,0 +1,64 @@
+"""Building a C kernel that ships as source: compiled at first use with the system C compiler.
+
+The library goes into a cache folder (``~/.cache/chunkscope/kernels``, or
+``$CHUNKSCOPE_KERNEL_CACHE``) under a name keyed by the source, the compiler, the flags and, for
+flags that target the host (``-march=native``), the CPU's model and flags, so a cache shared by
+different machines never loads code built for another CPU. It is written under a temporary name
+and renamed into place, so two processes never load half a file. No torch headers, no build step
+at install time; the caller loads it with ctypes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("CHUNKSCOPE_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "chunkscope" / "kernels"
+
+
+def _host_identity() -> bytes:
+    """The CPU's model name and flags (first processor of /proc/cpuinfo), or b"" elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return b""
+    keep = [
+        line
+        for line in text.split("\n\n", 1)[0].splitlines()
+        if line.startswith(("model name", "flags", "Features", "CPU part"))
+    ]
+    return "\n".join(keep).encode()
+
+
+def build(source: Path, flags: list[str], compiler: str | None = None) -> Path:
+    """Compile ``source`` into a shared library (once per source, compiler, flags and host CPU)
+    and return its path. Raises RuntimeError with the compiler's message when the build fails."""
+    cc = compiler or os.environ.get("CC") or "cc"
+    text = source.read_bytes()
+    key = hashlib.sha256(text + " ".join([cc, *flags]).encode() + _host_identity()).hexdigest()[:16]
+    folder = cache_dir()
+    lib = folder / f"{source.stem}-{key}.so"
+    if lib.exists():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        cmd = [cc, *flags, "-shared", "-fPIC", "-o", tmp, str(source), "-lm"]
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RuntimeError(f"cannot run the C compiler {cc!r}: {e}") from e
+        if run.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {run.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)  # atomic: another process sees no file or the whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib

@@ -1,0 +1,162 @@
+/* Decode attention read in place from the paged KV cache (chunkscope; see paged_decode.py).
+ *
+ * One query token per sequence. For sequence b, its context [0, ctx_lens[b]) lies in the blocks
+ * block_table[b, :], slot = block_id * block_size + offset, each slot holding [Hkv, D] keys and
+ * values. For each K/V head the G = Hq / Hkv query heads that share it are served together, so
+ * every key and value is loaded once per K/V head: pass 1 scores (fp32) into a scratch row,
+ * pass 2 exp and sum, pass 3 O = sum_t p_t V_t / sum_t p_t. fp32 accumulation throughout; bf16
+ * inputs are widened exactly (bits << 16) and the output rounded to nearest even.
+ *
+ * Plain C written for the vectorizer (-O3 -fopenmp-simd, the host's ISA): no intrinsics, so it
+ * builds wherever a C compiler does. exp is a Cephes-style polynomial (max rel. error ~2e-7 on
+ * the range it sees, arguments <= 0), vectorizable where libm's expf is not.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } c;
+    c.u = ((uint32_t)h) << 16;
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* NaN */
+    uint32_t rounding = 0x7fffu + ((c.u >> 16) & 1u);
+    return (uint16_t)((c.u + rounding) >> 16);
+}
+
+/* exp(x) for x <= 0 (softmax arguments after the max is subtracted); 0 below -87.3 */
+#pragma omp declare simd
+static inline float exp_neg(float x) {
+    const float lo = -87.33654f;
+    float xc = x < lo ? lo : x;
+    /* x = n ln2 + r, |r| <= ln2/2 */
+    float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float r2 = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r2 + r + 1.0f;
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)((int32_t)n + 127) << 23;
+    float y = p * c.f;
+    return x < lo ? 0.0f : y;
+}
+
+#define MAX_D 256
+#define MAX_G 16
+
+/* dtype: 0 = fp32, 1 = bf16 (q, caches and out alike). Strides in elements. Returns 0, or
+ * -1 for arguments it does not take (head dim, group size), -2 when scratch memory fails. */
+int paged_decode_attention(
+    int dtype,
+    const void *q, long q_row_stride, long q_head_stride, const int64_t *q_rows,
+    int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+    const void *k_cache, const void *v_cache, long slot_stride, long kv_head_stride,
+    const int64_t *block_table, long table_stride, const int64_t *ctx_lens, int block_size,
+    float scale,
+    void *out, long out_row_stride, long out_head_stride)
+{
+    if (head_dim < 1 || head_dim > MAX_D || num_kv_heads < 1 || num_heads % num_kv_heads)
+        return -1;
+    const int G = num_heads / num_kv_heads;
+    if (G > MAX_G) return -1;
+    long max_ctx = 1;
+    for (int b = 0; b < num_seqs; b++)
+        if (ctx_lens[b] > max_ctx) max_ctx = ctx_lens[b];
+    float *scores = (float *)malloc(sizeof(float) * (size_t)G * (size_t)max_ctx);
+    if (!scores) return -2;
+    const int bf16 = dtype == 1;
+    const float *qf = (const float *)q, *kf = (const float *)k_cache, *vf = (const float *)v_cache;
+    const uint16_t *qh = (const uint16_t *)q, *kh = (const uint16_t *)k_cache,
+                   *vh = (const uint16_t *)v_cache;
+    float qs[MAX_G][MAX_D], acc[MAX_G][MAX_D], vrow[MAX_D];
+
+    for (int b = 0; b < num_seqs; b++) {
+        const long n = ctx_lens[b];
+        const int64_t *table = block_table + (long)b * table_stride;
+        const long qrow = q_rows[b];
+        for (int h = 0; h < num_kv_heads; h++) {
+            /* the group's queries, widened and pre-scaled */
+            for (int g = 0; g < G; g++) {
+                long base = qrow * q_row_stride + (long)(h * G + g) * q_head_stride;
+                for (int d = 0; d < head_dim; d++)
+                    qs[g][d] = scale * (bf16 ? bf16_to_f32(qh[base + d]) : qf[base + d]);
+            }
+            /* pass 1: scores, one key row loaded once for the group */
+            float mx[MAX_G];
+            for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+            for (long t = 0; t < n; t++) {
+                long slot = table[t / block_size] * block_size + t % block_size;
+                long base = slot * slot_stride + (long)h * kv_head_stride;
+                for (int g = 0; g < G; g++) {
+                    float s = 0.0f;
+                    if (bf16) {
+#pragma omp simd reduction(+ : s)
+                        for (int d = 0; d < head_dim; d++) s += qs[g][d] * bf16_to_f32(kh[base + d]);
+                    } else {
+#pragma omp simd reduction(+ : s)
+                        for (int d = 0; d < head_dim; d++) s += qs[g][d] * kf[base + d];
+                    }
+                    scores[(long)g * max_ctx + t] = s;
+                    if (s > mx[g]) mx[g] = s;
+                }
+            }
+            /* pass 2: probabilities (unnormalized) and their sums */
+            float sum[MAX_G];
+            for (int g = 0; g < G; g++) {
+                float *row = scores + (long)g * max_ctx;
+                const float m = mx[g];
+                float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+                for (long t = 0; t < n; t++) {
+                    float p = exp_neg(row[t] - m);
+                    row[t] = p;
+                    l += p;
+                }
+                sum[g] = l;
+                memset(acc[g], 0, sizeof(float) * head_dim);
+            }
+            /* pass 3: O = sum_t p_t V_t, one value row widened once for the group */
+            for (long t = 0; t < n; t++) {
+                long slot = table[t / block_size] * block_size + t % block_size;
+                long base = slot * slot_stride + (long)h * kv_head_stride;
+                if (bf16) {
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) vrow[d] = bf16_to_f32(vh[base + d]);
+                } else {
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) vrow[d] = vf[base + d];
+                }
+                for (int g = 0; g < G; g++) {
+                    const float p = scores[(long)g * max_ctx + t];
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) acc[g][d] += p * vrow[d];
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
+                long base = qrow * out_row_stride + (long)(h * G + g) * out_head_stride;
+                if (bf16) {
+                    uint16_t *o = (uint16_t *)out;
+                    for (int d = 0; d < head_dim; d++) o[base + d] = f32_to_bf16(acc[g][d] * inv);
+                } else {
+                    float *o = (float *)out;
+                    for (int d = 0; d < head_dim; d++) o[base + d] = acc[g][d] * inv;
+                }
+            }
+        }
+    }
+    free(scores);
+    return 0;
+}
