@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.attention import ckernel
+from engine.model import ckernel
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ were when it was written (none).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -112,9 +112,22 @@ def _compare(ours: tuple[list[int], torch.Tensor], ref: Reference) -> int | None
     return None
 
 
-@pytest.mark.parametrize("arch_name", list(ARCHES))
+@pytest.fixture
+def restore_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+# one torch thread (the engine's CPU default) runs the C kernels (paged decode attention, the
+# element-wise ops); two threads run torch's ops, checked on the first model only
+CASES = [(name, 1) for name in ARCHES] + [("untied", 2)]
+
+
+@pytest.mark.usefixtures("restore_threads")
+@pytest.mark.parametrize(("arch_name", "threads"), CASES, ids=[f"{a}-{t}t" for a, t in CASES])
 def test_batch_matches_transformers_under_every_budget_and_policy(
-    tmp_path: Path, arch_name: str, record_property: Callable[[str, object], None]
+    tmp_path: Path, arch_name: str, threads: int, record_property: Callable[[str, object], None]
 ) -> None:
     arch = ARCHES[arch_name]
     model = LlamaModel(arch, max_positions=4096)
@@ -130,8 +143,10 @@ def test_batch_matches_transformers_under_every_budget_and_policy(
             max_model_len=2048,
             max_token_budget=2048,
             enable_prefix_caching=False,
+            cpu_threads=threads,
         )
     )
+    assert torch.get_num_threads() == threads
     equal = 0
     near_ties: list[str] = []
     first: list[list[int]] | None = None
