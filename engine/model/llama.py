@@ -13,7 +13,6 @@ from torch import nn
 
 from engine.model.arch import ModelArch
 from engine.model.attention.common import AttentionBackend, AttentionMetadata
-from engine.model.cpu_ops import CpuOps, step_ops
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -51,19 +50,14 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-        ops: CpuOps | None = None,
     ) -> torch.Tensor:
-        """``rope``: the step's cos and sin tables (``RotaryEmbedding.tables``); ``ops``: the
-        step's C kernels (``cpu_ops.step_ops``), None for torch's ops."""
+        """``rope``: the step's cos and sin tables (``RotaryEmbedding.tables``)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if ops is not None:  # in place: q and k are views of this layer's fresh qkv output
-            q, k = ops.rope_(q, *rope), ops.rope_(k, *rope)
-        else:
-            q, k = apply_rotary(q, k, *rope)
+        q, k = apply_rotary(q, k, *rope)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -75,11 +69,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: CpuOps | None = None) -> torch.Tensor:
-        gu = self.gate_up_proj(x)
-        if ops is not None:
-            return self.down_proj(ops.silu_mul(gu))
-        gate, up = gu.split(self.intermediate, dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -123,9 +114,6 @@ class LlamaModel(nn.Module):
         if embed_rows is not None and embed_values is not None:
             h = h.index_copy(0, embed_rows, embed_values.to(h.dtype))
         rope = self.rope.tables(positions, h.dtype)  # once per step, not per layer
-        ops = step_ops(h)
-        if ops is not None:  # one thread on CPU: add + norm, SiLU x up and rotary in C
-            return self._forward_ops(h, rope, kv_caches, meta, backend, ops)
         # the submodules' forward called directly: no hooks are used, and nn.Module.__call__
         # costs a few microseconds each, ~40 times per step (decode steps are ~1 ms of work)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
@@ -134,29 +122,6 @@ class LlamaModel(nn.Module):
             )
             h = h + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
         return self.norm.forward(h)
-
-    def _forward_ops(
-        self,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        ops: CpuOps,
-    ) -> torch.Tensor:
-        """``forward``'s layers with each residual add fused into the norm that follows it
-        (``h`` is this step's own embedding output, updated in place)."""
-        h = h.contiguous()
-        layers = self.layers
-        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
-        first = layers[0].input_layernorm
-        x = ops.add_rms_norm(h, None, first.weight, first.eps)
-        for layer, kv, after in zip(layers, kv_caches, norms, strict=True):
-            a = layer.self_attn.forward(x, rope, kv, meta, backend, ops)
-            post = layer.post_attention_layernorm
-            x = ops.add_rms_norm(h, a, post.weight, post.eps)  # h += a
-            x = ops.add_rms_norm(h, layer.mlp.forward(x, ops), after.weight, after.eps)
-        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
