@@ -98,6 +98,13 @@ def _load() -> ctypes.CDLL | None:
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int,
                 ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
             ]  # fmt: skip
+            dll.amx_attention_paged.restype = ctypes.c_int
+            dll.amx_attention_paged.argtypes = [
+                ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int,
+                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_float,
+                ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+            ]  # fmt: skip
             if dll.amx_attention_init() != 0:
                 why = "the kernel refused AMX tile data (arch_prctl XCOMP_PERM)"
             else:
@@ -165,6 +172,64 @@ def attention_prefix(
     if rc != 0:
         raise RuntimeError(f"amx_attention_prefix failed ({rc})")
     return out, lse
+
+
+def attention_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqs: torch.Tensor,
+    table: torch.Tensor,
+    out: torch.Tensor,
+    scale: float | None = None,
+) -> None:
+    """A step's attention read through the paged cache, written into ``out``: ``q`` and ``out``
+    ``[T, Hq, 64]`` bf16; the caches ``[num_blocks, block_size, Hkv, 64]`` bf16 with the step's
+    K/V already stored; ``seqs`` int32 ``[S, 3]`` (q_start, q_len, ctx_len) and ``table`` int64
+    ``[S, W]`` (each sequence's block ids). Sequence ``s``'s query rows at positions
+    ``[ctx_len - q_len, ctx_len)`` attend causally to its keys ``[0, ctx_len)`` in one online
+    softmax (prefix and the chunk's own keys together; decodes are q_len 1); query head ``h``
+    uses K/V head ``h // (Hq / Hkv)``. Rows of ``out`` not in any sequence are left as they
+    are. Call only when ``usable`` says so."""
+    dll = prefix_kernel()
+    if dll is None:
+        raise RuntimeError("the AMX attention kernel is not available")
+    num_blocks, block_size, kv_heads, dim = k_cache.shape
+    heads = q.shape[1]
+    if (
+        v_cache.shape != k_cache.shape
+        or k_cache.stride() != v_cache.stride()
+        or dim != HEAD_DIM
+        or q.shape[2] != dim
+        or heads % kv_heads
+        or out.shape != q.shape
+        or out.dtype != torch.bfloat16
+        or q.stride(2) != 1
+        or out.stride(2) != 1
+        or k_cache.stride(3) != 1
+        or k_cache.stride(0) != block_size * k_cache.stride(1)
+    ):
+        raise ValueError(
+            f"bad shapes: q {tuple(q.shape)}, out {tuple(out.shape)}, cache {tuple(k_cache.shape)}"
+        )
+    if seqs.dtype != torch.int32 or table.dtype != torch.int64 or seqs.shape[0] != table.shape[0]:
+        raise ValueError("seqs must be int32 [S, 3] and table int64 [S, W]")
+    seqs, table = seqs.contiguous(), table.contiguous()
+    if seqs.numel() and (
+        int(seqs[:, 0].min()) < 0
+        or int((seqs[:, 0] + seqs[:, 1]).max()) > q.shape[0]
+        or int(table.max()) >= num_blocks
+        or int(table.min()) < 0
+    ):
+        raise ValueError("query rows or block ids out of range")
+    rc = dll.amx_attention_paged(
+        q.data_ptr(), q.stride(0), q.stride(1), kv_heads, heads // kv_heads,
+        seqs.shape[0], seqs.data_ptr(), table.data_ptr(), table.shape[1], block_size,
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(1), k_cache.stride(2),
+        dim**-0.5 if scale is None else scale, out.data_ptr(), out.stride(0), out.stride(1),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"amx_attention_paged failed ({rc})")
 
 
 def enabled() -> bool:

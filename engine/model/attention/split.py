@@ -72,6 +72,9 @@ class SplitPrefill:
 @dataclass
 class SplitMetadata(AttentionMetadata):
     split_prefills: list[SplitPrefill] = field(default_factory=list)
+    # for the AMX kernel: int32 [S, 3] (q_start, q_len, ctx_len) of every sequence (its block
+    # ids in ``block_table``)
+    seq_info: torch.Tensor | None = None
 
 
 def merge(
@@ -123,6 +126,10 @@ class SplitBackend:
         meta = SplitMetadata(
             num_tokens=sum(s.q_len for s in seqs),
             slot_mapping=slot_mapping(seqs, table, block_size),
+            block_table=table,
+            seq_info=torch.tensor(
+                [(s.q_start, s.q_len, s.ctx_len) for s in seqs], dtype=torch.int32
+            ).view(-1, 3),
         )
         decodes: list[tuple[int, SeqSlice]] = []
         for row, s in enumerate(seqs):
@@ -165,6 +172,10 @@ class SplitBackend:
         groups = num_heads // num_kv_heads
         k_flat, v_flat = store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
+        if self._amx and meta.seq_info is not None and amx.usable(q, k_cache):
+            # every sequence (chunks and decodes) in one call, K/V read through the block table
+            amx.attention_paged(q, k_cache, v_cache, meta.seq_info, meta.block_table, out)
+            return out
         for p in meta.split_prefills:
             s = p.seq
             rows = slice(s.q_start, s.q_start + s.q_len)
