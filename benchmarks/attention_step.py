@@ -86,6 +86,10 @@ def build_engine(folder: Path, backend: str, dtype: str, max_len: int):  # type:
     from engine.core.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
+    if backend == "split-prefix":  # the AMX kernel on the prefix call only (before issue 20d)
+        engine = build_engine(folder, "split", dtype, max_len)
+        engine.runner.backend.inner.amx_paged = False
+        return engine
     if backend == "split-noamx":  # the split backend with the AMX prefix kernel switched off
         saved = os.environ.get("CHUNKSCOPE_AMX_ATTENTION")
         os.environ["CHUNKSCOPE_AMX_ATTENTION"] = "0"
@@ -196,7 +200,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rates_after = {d: gemm_rate(getattr(torch, d), args.gemm_n, 3) for d in args.dtypes}
     rates = {d: max(rates_before[d], rates_after[d]) for d in args.dtypes}
     per_arm: dict[str, Any] = {}
-    for (backend, dtype), reps in runs.items():  # backend: split-noamx = split, kernel off
+    for (backend, dtype), reps in runs.items():  # split-noamx / split-prefix: split variants
         rate = rates[dtype]
         steps = []
         for i, first in enumerate(reps[0]["chunks"]):
@@ -235,14 +239,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         }
     ratios: dict[str, Any] = {}
     for dtype in args.dtypes:
-        off, on = per_arm.get(f"split-noamx/{dtype}"), per_arm.get(f"split/{dtype}")
-        if off and on:
-            ratios[f"{dtype}: split without AMX kernel over with"] = {
+        for base, label in (("split-noamx", "without AMX kernel"), ("split-prefix", "prefix-only")):
+            off, on = per_arm.get(f"{base}/{dtype}"), per_arm.get(f"split/{dtype}")
+            if not (off and on):
+                continue
+            ratios[f"{dtype}: split {label} over split"] = {
                 "prompt_prefill": off["prompt_prefill_ms"] / on["prompt_prefill_ms"],
                 "last_chunk_step": off["chunk_steps"][-1]["step_ms"]
                 / on["chunk_steps"][-1]["step_ms"],
                 "last_chunk_attention": off["chunk_steps"][-1]["attention_ms"]
                 / on["chunk_steps"][-1]["attention_ms"],
+                "decode_only_step": off["decode_only_step_ms"] / on["decode_only_step_ms"],
             }
     for dtype in args.dtypes:
         old, new = per_arm.get(f"sdpa/{dtype}"), per_arm.get(f"split/{dtype}")
@@ -321,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--backends",
         default="sdpa,split",
-        help="of sdpa, split, split-noamx (split with CHUNKSCOPE_AMX_ATTENTION=0)",
+        help="of sdpa, split, split-noamx (split with CHUNKSCOPE_AMX_ATTENTION=0), "
+        "split-prefix (the AMX kernel on the prefix call only)",
     )
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prompt-len", type=int, default=6000)

@@ -116,6 +116,9 @@ class SplitBackend:
         self._op = op
         # the AMX bf16 kernel for the prefix (engine/model/attention/amx.py) where it can run
         self._amx = amx.enabled()
+        # the whole step in one paged kernel call (False: the kernel serves only the prefix
+        # call, as before; benchmarks/attention_step.py's split-prefix arm)
+        self.amx_paged = True
 
     def prepare_metadata(
         self, seqs: list[SeqSlice], block_size: int, device: torch.device
@@ -172,7 +175,7 @@ class SplitBackend:
         groups = num_heads // num_kv_heads
         k_flat, v_flat = store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        if self._amx and meta.seq_info is not None and amx.usable(q, k_cache):
+        if self._amx and self.amx_paged and meta.seq_info is not None and amx.usable(q, k_cache):
             # every sequence (chunks and decodes) in one call, K/V read through the block table
             amx.attention_paged(q, k_cache, v_cache, meta.seq_info, meta.block_table, out)
             return out
