@@ -69,14 +69,19 @@ def context_slots(table: torch.Tensor, block_size: int, length: int) -> torch.Te
     return (table[:, :, None] * block_size + offsets).flatten(1)[:, :length]
 
 
-def slot_mapping(seqs: list[SeqSlice], table: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slot of every new token of the step, in batch order: ``[T]``."""
-    q_lens = torch.tensor([s.q_len for s in seqs])
-    starts = torch.tensor([s.ctx_len - s.q_len for s in seqs])
-    rows = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-    first_row = torch.cumsum(q_lens, 0) - q_lens
-    pos = torch.arange(int(q_lens.sum())) - first_row[rows] + starts[rows]
-    return table[rows, pos // block_size] * block_size + pos % block_size
+def slot_mapping(seqs: list[SeqSlice], block_size: int) -> torch.Tensor:
+    """Cache slot of every new token of the step, in batch order: ``[T]`` (one ``range`` per
+    block a chunk touches: a decode step's handful of slots costs no tensor ops)."""
+    out: list[int] = []
+    for s in seqs:
+        pos = s.ctx_len - s.q_len
+        while pos < s.ctx_len:
+            blk = pos // block_size
+            end = min(s.ctx_len, (blk + 1) * block_size)
+            shift = (s.block_ids[blk] - blk) * block_size  # position -> slot within this block
+            out.extend(range(pos + shift, end + shift))
+            pos = end
+    return torch.tensor(out, dtype=torch.long)
 
 
 def store_kv(

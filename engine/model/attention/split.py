@@ -75,6 +75,43 @@ class SplitMetadata(AttentionMetadata):
     # for the AMX kernel: int32 [S, 3] (q_start, q_len, ctx_len) of every sequence (its block
     # ids in ``block_table``)
     seq_info: torch.Tensor | None = None
+    seqs: list[SeqSlice] = field(default_factory=list)
+    block_size: int = 16
+    torch_built: bool = False
+
+    def torch_parts(self) -> SplitMetadata:
+        """Build (once) what the torch path needs: each chunk's prefix location, the decode
+        groups' slots and masks. Not built when the AMX kernel takes the whole step."""
+        if self.torch_built:
+            return self
+        self.torch_built = True
+        seqs, block_size, table = self.seqs, self.block_size, self.block_table
+        assert table is not None
+        decodes: list[tuple[int, SeqSlice]] = []
+        for row, s in enumerate(seqs):
+            if s.q_len == 1:
+                decodes.append((row, s))
+                continue
+            rng, slots = prefix_location(s, block_size, table[row : row + 1])
+            self.split_prefills.append(SplitPrefill(s, rng, slots))
+        # Group decodes so that padding at most doubles the keys read per sequence.
+        decodes.sort(key=lambda d: d[1].ctx_len, reverse=True)
+        i = 0
+        while i < len(decodes):
+            longest = decodes[i][1].ctx_len
+            j = i
+            while j < len(decodes) and decodes[j][1].ctx_len * 2 >= longest:
+                j += 1
+            group = decodes[i:j]
+            slots = context_slots(table[[row for row, _ in group]], block_size, longest)
+            lens = torch.tensor([s.ctx_len for _, s in group])
+            mask = None
+            if bool((lens < longest).any()):
+                mask = (torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            rows = torch.tensor([s.q_start for _, s in group], dtype=torch.long)
+            self.decode_groups.append(DecodeGroup(rows, slots, mask))
+            i = j
+        return self
 
 
 def merge(
@@ -120,6 +157,16 @@ class SplitBackend:
         # call, as before; benchmarks/attention_step.py's split-prefix arm)
         self.amx_paged = True
 
+    def _paged_ready(self) -> bool:
+        """Whether a bf16 step will go to the paged AMX kernel (then the torch path's metadata
+        is built only if a layer falls back to it)."""
+        return (
+            self._amx
+            and self.amx_paged
+            and torch.get_num_threads() == 1
+            and amx.prefix_kernel() is not None
+        )
+
     def prepare_metadata(
         self, seqs: list[SeqSlice], block_size: int, device: torch.device
     ) -> SplitMetadata:
@@ -128,36 +175,16 @@ class SplitBackend:
         table = block_table(seqs, block_size)
         meta = SplitMetadata(
             num_tokens=sum(s.q_len for s in seqs),
-            slot_mapping=slot_mapping(seqs, table, block_size),
+            slot_mapping=slot_mapping(seqs, block_size),
             block_table=table,
             seq_info=torch.tensor(
                 [(s.q_start, s.q_len, s.ctx_len) for s in seqs], dtype=torch.int32
             ).view(-1, 3),
+            seqs=seqs,
+            block_size=block_size,
         )
-        decodes: list[tuple[int, SeqSlice]] = []
-        for row, s in enumerate(seqs):
-            if s.q_len == 1:
-                decodes.append((row, s))
-                continue
-            rng, slots = prefix_location(s, block_size, table[row : row + 1])
-            meta.split_prefills.append(SplitPrefill(s, rng, slots))
-        # Group decodes so that padding at most doubles the keys read per sequence.
-        decodes.sort(key=lambda d: d[1].ctx_len, reverse=True)
-        i = 0
-        while i < len(decodes):
-            longest = decodes[i][1].ctx_len
-            j = i
-            while j < len(decodes) and decodes[j][1].ctx_len * 2 >= longest:
-                j += 1
-            group = decodes[i:j]
-            slots = context_slots(table[[row for row, _ in group]], block_size, longest)
-            lens = torch.tensor([s.ctx_len for _, s in group])
-            mask = None
-            if bool((lens < longest).any()):
-                mask = (torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-            rows = torch.tensor([s.q_start for _, s in group], dtype=torch.long)
-            meta.decode_groups.append(DecodeGroup(rows, slots, mask))
-            i = j
+        if not self._paged_ready():
+            meta.torch_parts()
         return meta
 
     def forward(
@@ -179,6 +206,7 @@ class SplitBackend:
             # every sequence (chunks and decodes) in one call, K/V read through the block table
             amx.attention_paged(q, k_cache, v_cache, meta.seq_info, meta.block_table, out)
             return out
+        meta.torch_parts()
         for p in meta.split_prefills:
             s = p.seq
             rows = slice(s.q_start, s.q_start + s.q_len)
