@@ -59,21 +59,24 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "chunkscope" / "kernels"
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile the kernel (once per source, compiler and flags) and return the library's path.
-    Raises RuntimeError with the compiler's message when the build fails."""
+def build(
+    compiler: str | None = None, source_path: Path = SOURCE, flags: list[str] = FLAGS
+) -> Path:
+    """Compile a C source (by default this kernel's; once per source, compiler and flags) into
+    the cache folder and return the library's path. Raises RuntimeError with the compiler's
+    message when the build fails."""
     cc = compiler or os.environ.get("CC") or "cc"
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    source = source_path.read_bytes()
+    key = hashlib.sha256(source + " ".join([cc, *flags]).encode()).hexdigest()[:16]
     folder = cache_dir()
-    lib = folder / f"amx_attention-{key}.so"
+    lib = folder / f"{source_path.stem}-{key}.so"
     if lib.exists():
         return lib
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=folder)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
+        cmd = [cc, *flags, "-shared", "-fPIC", "-o", tmp, str(source_path), "-lm"]
         try:
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
