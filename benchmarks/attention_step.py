@@ -86,6 +86,8 @@ def build_engine(folder: Path, backend: str, dtype: str, max_len: int):  # type:
     from engine.core.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
+    if backend == "split-nofused":  # split with torch's row ops (fused off while it runs)
+        return build_engine(folder, "split", dtype, max_len)
     if backend == "split-prefix":  # the AMX kernel on the prefix call only (before issue 20d)
         engine = build_engine(folder, "split", dtype, max_len)
         engine.runner.backend.inner.amx_paged = False
@@ -175,6 +177,7 @@ def run_once(engine, rng: random.Random, prompt_len: int, decode_steps: int) -> 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from engine.model import fused
     from tests.chunkscope.integrations.vllm_helpers import build_llama_folder
 
     torch.set_num_threads(1)
@@ -189,12 +192,16 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         arch = next(iter(engines.values())).arch
         rng = random.Random(0)
         for arm in arms:  # warm-up: every shape once
+            fused.set_enabled(arm[0] != "split-nofused")
             run_once(engines[arm], rng, args.prompt_len, 2)
+        fused.set_enabled(True)
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {arm: [] for arm in arms}
         for rep in range(args.reps):
             order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
             for arm in order:
+                fused.set_enabled(arm[0] != "split-nofused")
                 runs[arm].append(run_once(engines[arm], rng, args.prompt_len, args.decode_steps))
+                fused.set_enabled(True)
                 print(f"  rep {rep} {arm}: done, load {os.getloadavg()[0]:.2f}", flush=True)
         del engines
     rates_after = {d: gemm_rate(getattr(torch, d), args.gemm_n, 3) for d in args.dtypes}
@@ -239,7 +246,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         }
     ratios: dict[str, Any] = {}
     for dtype in args.dtypes:
-        for base, label in (("split-noamx", "without AMX kernel"), ("split-prefix", "prefix-only")):
+        for base, label in (
+            ("split-noamx", "without AMX kernel"),
+            ("split-prefix", "prefix-only"),
+            ("split-nofused", "without fused row ops"),
+        ):
             off, on = per_arm.get(f"{base}/{dtype}"), per_arm.get(f"split/{dtype}")
             if not (off and on):
                 continue
@@ -329,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         "--backends",
         default="sdpa,split",
         help="of sdpa, split, split-noamx (split with CHUNKSCOPE_AMX_ATTENTION=0), "
-        "split-prefix (the AMX kernel on the prefix call only)",
+        "split-prefix (the AMX kernel on the prefix call only), split-nofused (torch's row ops "
+        "instead of engine/model/fused.py's)",
     )
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prompt-len", type=int, default=6000)

@@ -32,6 +32,7 @@ SOURCE = Path(__file__).with_name("fused_ops.c")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 
 _state: dict[str, object] = {}
+_switch = {"on": True}
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
 
@@ -79,11 +80,17 @@ def reset() -> None:
     _state.clear()
 
 
+def set_enabled(on: bool) -> None:
+    """Turn the fused ops off or on again in this process (benchmarks alternate arms)."""
+    _switch["on"] = on
+
+
 def usable(x: torch.Tensor) -> bool:
     """Whether ``x`` (the step's activations) goes to the fused ops: bf16 on CPU, one torch
     thread, the library built."""
     return (
-        x.dtype == torch.bfloat16
+        _switch["on"]
+        and x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and torch.get_num_threads() == 1
         and library() is not None
