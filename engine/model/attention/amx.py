@@ -185,6 +185,7 @@ def attention_paged(
     table: torch.Tensor,
     out: torch.Tensor,
     scale: float | None = None,
+    check_ranges: bool = True,
 ) -> None:
     """A step's attention read through the paged cache, written into ``out``: ``q`` and ``out``
     ``[T, Hq, 64]`` bf16; the caches ``[num_blocks, block_size, Hkv, 64]`` bf16 with the step's
@@ -193,7 +194,9 @@ def attention_paged(
     ``[ctx_len - q_len, ctx_len)`` attend causally to its keys ``[0, ctx_len)`` in one online
     softmax (prefix and the chunk's own keys together; decodes are q_len 1); query head ``h``
     uses K/V head ``h // (Hq / Hkv)``. Rows of ``out`` not in any sequence are left as they
-    are. Call only when ``usable`` says so."""
+    are. Call only when ``usable`` says so. ``check_ranges=False`` skips the check of the rows
+    and block ids against ``q`` and the cache (the split backend checks once per step, not once
+    per layer: ~15 us a call)."""
     dll = prefix_kernel()
     if dll is None:
         raise RuntimeError("the AMX attention kernel is not available")
@@ -218,11 +221,15 @@ def attention_paged(
     if seqs.dtype != torch.int32 or table.dtype != torch.int64 or seqs.shape[0] != table.shape[0]:
         raise ValueError("seqs must be int32 [S, 3] and table int64 [S, W]")
     seqs, table = seqs.contiguous(), table.contiguous()
-    if seqs.numel() and (
-        int(seqs[:, 0].min()) < 0
-        or int((seqs[:, 0] + seqs[:, 1]).max()) > q.shape[0]
-        or int(table.max()) >= num_blocks
-        or int(table.min()) < 0
+    if (
+        check_ranges
+        and seqs.numel()
+        and (
+            int(seqs[:, 0].min()) < 0
+            or int((seqs[:, 0] + seqs[:, 1]).max()) > q.shape[0]
+            or int(table.max()) >= num_blocks
+            or int(table.min()) < 0
+        )
     ):
         raise ValueError("query rows or block ids out of range")
     rc = dll.amx_attention_paged(

@@ -78,6 +78,7 @@ class SplitMetadata(AttentionMetadata):
     seqs: list[SeqSlice] = field(default_factory=list)
     block_size: int = 16
     torch_built: bool = False
+    ranges_checked: bool = False  # the AMX call's rows and block ids (once per step)
 
     def torch_parts(self) -> SplitMetadata:
         """Build (once) what the torch path needs: each chunk's prefix location, the decode
@@ -204,7 +205,11 @@ class SplitBackend:
         out = torch.empty_like(q)
         if self._amx and self.amx_paged and meta.seq_info is not None and amx.usable(q, k_cache):
             # every sequence (chunks and decodes) in one call, K/V read through the block table
-            amx.attention_paged(q, k_cache, v_cache, meta.seq_info, meta.block_table, out)
+            amx.attention_paged(
+                q, k_cache, v_cache, meta.seq_info, meta.block_table, out,
+                check_ranges=not meta.ranges_checked,
+            )  # fmt: skip
+            meta.ranges_checked = True  # every layer's cache has the same shape
             return out
         meta.torch_parts()
         for p in meta.split_prefills:

@@ -126,9 +126,9 @@ def test_split_with_kernel_within_bf16_noise(case: Case, monkeypatch: pytest.Mon
     calls = []
     real = amx.attention_paged
 
-    def spy(*args):  # type: ignore[no-untyped-def]
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
         calls.append(args[0].shape)
-        return real(*args)
+        return real(*args, **kw)
 
     monkeypatch.setattr(amx, "attention_paged", spy)
     seqs, cache, qkv = _setup(case)
@@ -168,7 +168,7 @@ def test_engine_tokens_unchanged_bf16(tmp_path: Path, monkeypatch: pytest.Monkey
 
     calls = []
     real = amx.attention_paged
-    monkeypatch.setattr(amx, "attention_paged", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(amx, "attention_paged", lambda *a, **k: calls.append(1) or real(*a, **k))
     got = run()
     assert calls
     monkeypatch.setenv("CHUNKSCOPE_AMX_ATTENTION", "0")
