@@ -11,9 +11,12 @@ FLOPs (QK^T and PV of every query against the keys it sees, all layers) and its 
 (2 x non-embedding parameters x tokens, plus the sampled rows' lm_head) over the GEMM rate of
 the step's dtype, timed here. Then 12 decode-only steps of the six streams.
 
-Arms: (sdpa, split) x (float32, bfloat16), four engines built up front; each repetition runs the
-whole workload once per arm, arms in a rotating order, so other processes' noise hits every arm.
-GEMM rates are timed before and after the arms (best of both).  -> results/attention_step.json
+Arms: (sdpa, split) x (float32, bfloat16) by default, or any of sdpa, split, split-noamx (the
+AMX kernel off), split-prefix (the AMX kernel on the prefix call only, as before issue 20d),
+split-nofused (torch's row ops instead of engine/model/fused.py's), engines built up front;
+each repetition runs the whole workload once per arm, arms in a rotating order, so other
+processes' noise hits every arm. GEMM rates are timed before and after the arms (best of
+both).  -> results/attention_step.json (or --output)
 
     flock /work/notes/bench.lock .venv/bin/python -m benchmarks.attention_step [--quick]
 """

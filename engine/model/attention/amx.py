@@ -1,19 +1,25 @@
-"""A bf16 attention kernel on AMX tiles for the prefix of a prefill chunk (CPUs with AMX-BF16).
+"""A bf16 attention kernel on AMX tiles for the paged cache (CPUs with AMX-BF16).
 
-The C source next to this module (``amx_attention.c``) is compiled at first use with the system
-C compiler into a cache folder keyed by the source's hash (``~/.cache/chunkscope/kernels``, or
+The C source next to this module (``amx_attention.c``) is compiled at first use with the system C
+compiler into a cache folder keyed by the source's hash (``~/.cache/chunkscope/kernels``, or
 ``$CHUNKSCOPE_KERNEL_CACHE``), written under a temporary name and renamed into place so two
 processes never load half a file, then loaded with ctypes and called with tensors' data
 pointers (no torch headers, no build step at install time). ``prefix_kernel()`` returns None,
 logging the reason once at INFO, when the kernel cannot be used: not x86-64 Linux, no AMX-BF16
 in the CPU flags, ``CHUNKSCOPE_AMX_ATTENTION=0``, no compiler (``$CC``, else ``cc``) or a failed
-build; the split backend then calls torch's flash kernel as before.
+build; the split backend then runs torch's flash kernel.
 
-The kernel: for each K/V head, keys in chunks of 512 that stay in L2, and for each tile of 16
+Two entry points on one core: ``attention_paged`` (what the split backend calls, once per layer)
+takes a whole step, each sequence's query rows causally over its keys read through its block
+table (16-key groups read in place when one stride apart, else copied); ``attention_prefix``
+takes unmasked attention over a strided key range and returns the log-sum-exp too (benchmarks).
+The core: for each K/V head, keys in chunks of 512 that stay in L2, and for each tile of 16
 stacked query rows, pass 1 computes the chunk's scores on tiles (S^T = K Q^T, kept in L1) and
 each row's max, pass 2 accumulates O^T += V^T exp(S^T - max) in tile registers; the running
-output is rescaled once per chunk (online softmax). fp32 accumulation, P rounded to bf16 for the
-second product (as torch's bf16 flash kernel does). Head dim 64 only; one thread.
+output is rescaled once per chunk (online softmax). Causal: key blocks past a tile's last
+position are skipped, only blocks that reach past its first position are masked. fp32
+accumulation, P rounded to bf16 for the second product (as torch's bf16 flash kernel does).
+Head dim 64 only; one thread.
 """
 
 from __future__ import annotations

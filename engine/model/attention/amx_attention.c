@@ -1,20 +1,24 @@
-/* bf16 attention of stacked query rows over a key prefix, on AMX tiles (no mask).
+/* bf16 attention of stacked query rows on AMX tiles: a step over the paged cache (causal, K/V
+ * read through the block table), or unmasked over a key range.
  *
- * Built and loaded by engine/model/attention/amx.py (ctypes; no torch headers). For each K/V head
- * h (the split backend stacks a K/V head's G query heads as rows of Q[h]), the keys are taken in
- * chunks of 512 (K and V^T 128 KiB: they stay in L2 while every tile of 16 query rows passes
- * over them); per tile and chunk, two passes, 32 keys at a time:
- *   1. S^T = K . Q^T (K rows straight from the cache as the A tile, Q^T packed once per head in
- *      VNNI layout as B): 16 keys x 16 queries per tile, one zmm = one key's scores for the 16
- *      queries, so the max per query is an element-wise max of rows (no horizontal reduction);
- *      the chunk's scores are kept (32 KiB, L1);
+ * Built and loaded by engine/model/attention/amx.py (ctypes; no torch headers). A job is the
+ * stacked query rows of one K/V head (the G query heads that share it, each with its positions)
+ * over that head's keys, given as 16-key groups (a pointer and a row stride each: read in place
+ * from the cache, or staged when a group is not one stride apart). Keys are taken in chunks of
+ * 512 (K and V^T 128 KiB: they stay in L2 while every tile of 16 query rows passes over them);
+ * per tile and chunk, two passes, 32 keys at a time:
+ *   1. S^T = K . Q^T (K rows as the A tile, Q^T packed once per job in VNNI layout as B): 16 keys
+ *      x 16 queries per tile, one zmm = one key's scores for the 16 queries, so the max per query
+ *      is an element-wise max of rows (no horizontal reduction); the chunk's scores are kept
+ *      (32 KiB, L1); keys past a row's position get -inf;
  *   2. P^T = exp(S^T - max) from the kept scores (fp32 sum per query; P^T rounded to bf16 and
- *      interleaved in key pairs: the VNNI B operand), O^T += V^T . P^T with V^T (packed once
- *      per call) as A.
+ *      interleaved in key pairs: the VNNI B operand; masked keys 0), O^T += V^T . P^T with V^T
+ *      (packed once per job) as A.
+ * Key blocks past a tile's last position are skipped; only blocks past its first are masked.
  * Within a chunk the max is exact, so O^T (64 dims x 16 queries, fp32) stays in four tile
  * registers over the chunk; between chunks it is rescaled once (online softmax). Tiles: 0-3
- * O^T, 4-5 Q^T (two 32-dim halves), 6 S^T / P^T, 7 K / V^T. Outputs: O in fp32 and the natural
- * log-sum-exp of the scaled scores per row (what torch's flash kernel returns), for the merge.
+ * O^T, 4-5 Q^T (two 32-dim halves), 6 S^T / P^T, 7 K / V^T. Output: bf16 rows written in place
+ * (paged), or fp32 rows and the natural log-sum-exp (prefix).
  */
 #include <immintrin.h>
 #include <math.h>

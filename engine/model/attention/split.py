@@ -16,9 +16,12 @@ two partial outputs are merged exactly (``merge``):
 * diagonal: ``is_causal=True`` against the chunk's own K/V (the step's inputs: the very values
   just written to the cache), its K/V heads repeated for their query heads (``q_len`` rows).
 
-On CPUs with AMX-BF16, in bf16 with one torch thread and head dim 64, the prefix call is our
-own kernel (``amx.attention_prefix``, ~1.3x the flash kernel's speed measured;
-``CHUNKSCOPE_AMX_ATTENTION=0`` turns it off); the diagonal stays torch's.
+On CPUs with AMX-BF16, in bf16 with one torch thread and head dim 64, none of the above runs:
+one call of our kernel per layer (``amx.attention_paged``) takes the whole step, every chunk
+causally over its prefix and its own keys in one online softmax (no merge) and every decode,
+reading K/V through the block table (no gather, no mask); the torch path's metadata is then not
+built (``SplitMetadata.torch_parts``, built on first use). ``CHUNKSCOPE_AMX_ATTENTION=0`` turns
+the kernel off.
 
 A chunk at position 0 is one causal call. Decodes (one query each) are batched in groups of
 similar context length (padding at most doubles a row's keys), the group's query heads stacked
