@@ -11,9 +11,12 @@ FLOPs (QK^T and PV of every query against the keys it sees, all layers) and its 
 (2 x non-embedding parameters x tokens, plus the sampled rows' lm_head) over the GEMM rate of
 the step's dtype, timed here. Then 12 decode-only steps of the six streams.
 
-Arms: (sdpa, split) x (float32, bfloat16), four engines built up front; each repetition runs the
-whole workload once per arm, arms in a rotating order, so other processes' noise hits every arm.
-GEMM rates are timed before and after the arms (best of both).  -> results/attention_step.json
+Arms: (sdpa, split) x (float32, bfloat16) by default, or any of sdpa, split, split-noamx (the
+AMX kernel off), split-prefix (the AMX kernel on the prefix call only, as before issue 20d),
+split-nofused (torch's row ops instead of engine/model/fused.py's), engines built up front;
+each repetition runs the whole workload once per arm, arms in a rotating order, so other
+processes' noise hits every arm. GEMM rates are timed before and after the arms (best of
+both).  -> results/attention_step.json (or --output)
 
     flock /work/notes/bench.lock .venv/bin/python -m benchmarks.attention_step [--quick]
 """
@@ -86,6 +89,12 @@ def build_engine(folder: Path, backend: str, dtype: str, max_len: int):  # type:
     from engine.core.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
+    if backend == "split-nofused":  # split with torch's row ops (fused off while it runs)
+        return build_engine(folder, "split", dtype, max_len)
+    if backend == "split-prefix":  # the AMX kernel on the prefix call only (before issue 20d)
+        engine = build_engine(folder, "split", dtype, max_len)
+        engine.runner.backend.inner.amx_paged = False
+        return engine
     if backend == "split-noamx":  # the split backend with the AMX prefix kernel switched off
         saved = os.environ.get("CHUNKSCOPE_AMX_ATTENTION")
         os.environ["CHUNKSCOPE_AMX_ATTENTION"] = "0"
@@ -171,6 +180,7 @@ def run_once(engine, rng: random.Random, prompt_len: int, decode_steps: int) -> 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from engine.model import fused
     from tests.chunkscope.integrations.vllm_helpers import build_llama_folder
 
     torch.set_num_threads(1)
@@ -185,18 +195,22 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         arch = next(iter(engines.values())).arch
         rng = random.Random(0)
         for arm in arms:  # warm-up: every shape once
+            fused.set_enabled(arm[0] != "split-nofused")
             run_once(engines[arm], rng, args.prompt_len, 2)
+        fused.set_enabled(True)
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {arm: [] for arm in arms}
         for rep in range(args.reps):
             order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
             for arm in order:
+                fused.set_enabled(arm[0] != "split-nofused")
                 runs[arm].append(run_once(engines[arm], rng, args.prompt_len, args.decode_steps))
+                fused.set_enabled(True)
                 print(f"  rep {rep} {arm}: done, load {os.getloadavg()[0]:.2f}", flush=True)
         del engines
     rates_after = {d: gemm_rate(getattr(torch, d), args.gemm_n, 3) for d in args.dtypes}
     rates = {d: max(rates_before[d], rates_after[d]) for d in args.dtypes}
     per_arm: dict[str, Any] = {}
-    for (backend, dtype), reps in runs.items():  # backend: split-noamx = split, kernel off
+    for (backend, dtype), reps in runs.items():  # split-noamx / split-prefix: split variants
         rate = rates[dtype]
         steps = []
         for i, first in enumerate(reps[0]["chunks"]):
@@ -235,14 +249,21 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         }
     ratios: dict[str, Any] = {}
     for dtype in args.dtypes:
-        off, on = per_arm.get(f"split-noamx/{dtype}"), per_arm.get(f"split/{dtype}")
-        if off and on:
-            ratios[f"{dtype}: split without AMX kernel over with"] = {
+        for base, label in (
+            ("split-noamx", "without AMX kernel"),
+            ("split-prefix", "prefix-only"),
+            ("split-nofused", "without fused row ops"),
+        ):
+            off, on = per_arm.get(f"{base}/{dtype}"), per_arm.get(f"split/{dtype}")
+            if not (off and on):
+                continue
+            ratios[f"{dtype}: split {label} over split"] = {
                 "prompt_prefill": off["prompt_prefill_ms"] / on["prompt_prefill_ms"],
                 "last_chunk_step": off["chunk_steps"][-1]["step_ms"]
                 / on["chunk_steps"][-1]["step_ms"],
                 "last_chunk_attention": off["chunk_steps"][-1]["attention_ms"]
                 / on["chunk_steps"][-1]["attention_ms"],
+                "decode_only_step": off["decode_only_step_ms"] / on["decode_only_step_ms"],
             }
     for dtype in args.dtypes:
         old, new = per_arm.get(f"sdpa/{dtype}"), per_arm.get(f"split/{dtype}")
@@ -321,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--backends",
         default="sdpa,split",
-        help="of sdpa, split, split-noamx (split with CHUNKSCOPE_AMX_ATTENTION=0)",
+        help="of sdpa, split, split-noamx (split with CHUNKSCOPE_AMX_ATTENTION=0), "
+        "split-prefix (the AMX kernel on the prefix call only), split-nofused (torch's row ops "
+        "instead of engine/model/fused.py's)",
     )
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prompt-len", type=int, default=6000)

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from engine.model import fused
 from engine.model.arch import ModelArch
 from engine.model.attention.common import AttentionBackend, AttentionMetadata
 from engine.model.rope import RotaryEmbedding, apply_rotary
@@ -27,6 +28,13 @@ class RMSNorm(nn.Module):
         # the same bits as weight * (x * rsqrt(mean(x^2) + eps)), in one op
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if (
+            x.dim() == 2
+            and x.shape[1] % 16 == 0
+            and self.weight.dtype == torch.bfloat16
+            and fused.usable(x)
+        ):
+            return fused.rms_norm(x, self.weight, self.eps)  # the same in one pass
         normed = nn.functional.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -57,7 +65,11 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
+        if self.head_dim % 32 == 0 and fused.usable(q):  # in place on the fresh q, k views
+            fused.rope_(q, *rope)
+            fused.rope_(k, *rope)
+        else:
+            q, k = apply_rotary(q, k, *rope)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -70,7 +82,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.intermediate % 16 == 0 and gate_up.dim() == 2 and fused.usable(gate_up):
+            return self.down_proj(fused.silu_mul(gate_up, self.intermediate))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 

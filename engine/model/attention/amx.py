@@ -1,19 +1,25 @@
-"""A bf16 attention kernel on AMX tiles for the prefix of a prefill chunk (CPUs with AMX-BF16).
+"""A bf16 attention kernel on AMX tiles for the paged cache (CPUs with AMX-BF16).
 
-The C source next to this module (``amx_attention.c``) is compiled at first use with the system
-C compiler into a cache folder keyed by the source's hash (``~/.cache/chunkscope/kernels``, or
+The C source next to this module (``amx_attention.c``) is compiled at first use with the system C
+compiler into a cache folder keyed by the source's hash (``~/.cache/chunkscope/kernels``, or
 ``$CHUNKSCOPE_KERNEL_CACHE``), written under a temporary name and renamed into place so two
 processes never load half a file, then loaded with ctypes and called with tensors' data
 pointers (no torch headers, no build step at install time). ``prefix_kernel()`` returns None,
 logging the reason once at INFO, when the kernel cannot be used: not x86-64 Linux, no AMX-BF16
 in the CPU flags, ``CHUNKSCOPE_AMX_ATTENTION=0``, no compiler (``$CC``, else ``cc``) or a failed
-build; the split backend then calls torch's flash kernel as before.
+build; the split backend then runs torch's flash kernel.
 
-The kernel: for each K/V head, keys in chunks of 512 that stay in L2, and for each tile of 16
+Two entry points on one core: ``attention_paged`` (what the split backend calls, once per layer)
+takes a whole step, each sequence's query rows causally over its keys read through its block
+table (16-key groups read in place when one stride apart, else copied); ``attention_prefix``
+takes unmasked attention over a strided key range and returns the log-sum-exp too (benchmarks).
+The core: for each K/V head, keys in chunks of 512 that stay in L2, and for each tile of 16
 stacked query rows, pass 1 computes the chunk's scores on tiles (S^T = K Q^T, kept in L1) and
 each row's max, pass 2 accumulates O^T += V^T exp(S^T - max) in tile registers; the running
-output is rescaled once per chunk (online softmax). fp32 accumulation, P rounded to bf16 for the
-second product (as torch's bf16 flash kernel does). Head dim 64 only; one thread.
+output is rescaled once per chunk (online softmax). Causal: key blocks past a tile's last
+position are skipped, only blocks that reach past its first position are masked. fp32
+accumulation, P rounded to bf16 for the second product (as torch's bf16 flash kernel does).
+Head dim 64 only; one thread.
 """
 
 from __future__ import annotations
@@ -59,21 +65,24 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "chunkscope" / "kernels"
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile the kernel (once per source, compiler and flags) and return the library's path.
-    Raises RuntimeError with the compiler's message when the build fails."""
+def build(
+    compiler: str | None = None, source_path: Path = SOURCE, flags: list[str] = FLAGS
+) -> Path:
+    """Compile a C source (by default this kernel's; once per source, compiler and flags) into
+    the cache folder and return the library's path. Raises RuntimeError with the compiler's
+    message when the build fails."""
     cc = compiler or os.environ.get("CC") or "cc"
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    source = source_path.read_bytes()
+    key = hashlib.sha256(source + " ".join([cc, *flags]).encode()).hexdigest()[:16]
     folder = cache_dir()
-    lib = folder / f"amx_attention-{key}.so"
+    lib = folder / f"{source_path.stem}-{key}.so"
     if lib.exists():
         return lib
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=folder)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
+        cmd = [cc, *flags, "-shared", "-fPIC", "-o", tmp, str(source_path), "-lm"]
         try:
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -97,6 +106,13 @@ def _load() -> ctypes.CDLL | None:
                 ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int,
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int,
                 ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+            ]  # fmt: skip
+            dll.amx_attention_paged.restype = ctypes.c_int
+            dll.amx_attention_paged.argtypes = [
+                ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int,
+                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_float,
+                ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
             ]  # fmt: skip
             if dll.amx_attention_init() != 0:
                 why = "the kernel refused AMX tile data (arch_prctl XCOMP_PERM)"
@@ -165,6 +181,71 @@ def attention_prefix(
     if rc != 0:
         raise RuntimeError(f"amx_attention_prefix failed ({rc})")
     return out, lse
+
+
+def attention_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqs: torch.Tensor,
+    table: torch.Tensor,
+    out: torch.Tensor,
+    scale: float | None = None,
+    check_ranges: bool = True,
+) -> None:
+    """A step's attention read through the paged cache, written into ``out``: ``q`` and ``out``
+    ``[T, Hq, 64]`` bf16; the caches ``[num_blocks, block_size, Hkv, 64]`` bf16 with the step's
+    K/V already stored; ``seqs`` int32 ``[S, 3]`` (q_start, q_len, ctx_len) and ``table`` int64
+    ``[S, W]`` (each sequence's block ids). Sequence ``s``'s query rows at positions
+    ``[ctx_len - q_len, ctx_len)`` attend causally to its keys ``[0, ctx_len)`` in one online
+    softmax (prefix and the chunk's own keys together; decodes are q_len 1); query head ``h``
+    uses K/V head ``h // (Hq / Hkv)``. Rows of ``out`` not in any sequence are left as they
+    are. Call only when ``usable`` says so. ``check_ranges=False`` skips the check of the rows
+    and block ids against ``q`` and the cache (the split backend checks once per step, not once
+    per layer: ~15 us a call)."""
+    dll = prefix_kernel()
+    if dll is None:
+        raise RuntimeError("the AMX attention kernel is not available")
+    num_blocks, block_size, kv_heads, dim = k_cache.shape
+    heads = q.shape[1]
+    if (
+        v_cache.shape != k_cache.shape
+        or k_cache.stride() != v_cache.stride()
+        or dim != HEAD_DIM
+        or q.shape[2] != dim
+        or heads % kv_heads
+        or out.shape != q.shape
+        or out.dtype != torch.bfloat16
+        or q.stride(2) != 1
+        or out.stride(2) != 1
+        or k_cache.stride(3) != 1
+        or k_cache.stride(0) != block_size * k_cache.stride(1)
+    ):
+        raise ValueError(
+            f"bad shapes: q {tuple(q.shape)}, out {tuple(out.shape)}, cache {tuple(k_cache.shape)}"
+        )
+    if seqs.dtype != torch.int32 or table.dtype != torch.int64 or seqs.shape[0] != table.shape[0]:
+        raise ValueError("seqs must be int32 [S, 3] and table int64 [S, W]")
+    seqs, table = seqs.contiguous(), table.contiguous()
+    if (
+        check_ranges
+        and seqs.numel()
+        and (
+            int(seqs[:, 0].min()) < 0
+            or int((seqs[:, 0] + seqs[:, 1]).max()) > q.shape[0]
+            or int(table.max()) >= num_blocks
+            or int(table.min()) < 0
+        )
+    ):
+        raise ValueError("query rows or block ids out of range")
+    rc = dll.amx_attention_paged(
+        q.data_ptr(), q.stride(0), q.stride(1), kv_heads, heads // kv_heads,
+        seqs.shape[0], seqs.data_ptr(), table.data_ptr(), table.shape[1], block_size,
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(1), k_cache.stride(2),
+        dim**-0.5 if scale is None else scale, out.data_ptr(), out.stride(0), out.stride(1),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"amx_attention_paged failed ({rc})")
 
 
 def enabled() -> bool:

@@ -12,6 +12,7 @@ scheduling. Every backend computes exactly what a one-shot prefill computes.
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,11 +57,23 @@ class AttentionMetadata:
     block_table: torch.Tensor | None = None
 
 
+def _long_tensor(values: array) -> torch.Tensor:
+    """An int64 tensor over an ``array('q')`` (no copy: ~4x faster than ``torch.tensor`` of a
+    list of a few hundred ints, which is per-step overhead here)."""
+    if not values:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(values, dtype=torch.long)
+
+
 def block_table(seqs: list[SeqSlice], block_size: int) -> torch.Tensor:
     """``[num_seqs, max_blocks]`` block ids of each sequence's context (padded with 0)."""
     width = max(-(-s.ctx_len // block_size) for s in seqs)
-    rows = [s.block_ids[: -(-s.ctx_len // block_size)] for s in seqs]
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    flat = array("q")
+    for s in seqs:
+        n = -(-s.ctx_len // block_size)
+        flat.extend(s.block_ids[:n])
+        flat.extend([0] * (width - n))
+    return _long_tensor(flat).view(len(seqs), width)
 
 
 def context_slots(table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
@@ -69,14 +82,19 @@ def context_slots(table: torch.Tensor, block_size: int, length: int) -> torch.Te
     return (table[:, :, None] * block_size + offsets).flatten(1)[:, :length]
 
 
-def slot_mapping(seqs: list[SeqSlice], table: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slot of every new token of the step, in batch order: ``[T]``."""
-    q_lens = torch.tensor([s.q_len for s in seqs])
-    starts = torch.tensor([s.ctx_len - s.q_len for s in seqs])
-    rows = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-    first_row = torch.cumsum(q_lens, 0) - q_lens
-    pos = torch.arange(int(q_lens.sum())) - first_row[rows] + starts[rows]
-    return table[rows, pos // block_size] * block_size + pos % block_size
+def slot_mapping(seqs: list[SeqSlice], block_size: int) -> torch.Tensor:
+    """Cache slot of every new token of the step, in batch order: ``[T]`` (one ``range`` per
+    block a chunk touches: a decode step's handful of slots costs no tensor ops)."""
+    out = array("q")
+    for s in seqs:
+        pos = s.ctx_len - s.q_len
+        while pos < s.ctx_len:
+            blk = pos // block_size
+            end = min(s.ctx_len, (blk + 1) * block_size)
+            shift = (s.block_ids[blk] - blk) * block_size  # position -> slot within this block
+            out.extend(range(pos + shift, end + shift))
+            pos = end
+    return _long_tensor(out)
 
 
 def store_kv(

@@ -26,7 +26,7 @@ class FlashAttnBackend:
         self, seqs: list[SeqSlice], block_size: int, device: torch.device
     ) -> AttentionMetadata:
         table = block_table(seqs, block_size)
-        slots = slot_mapping(seqs, table, block_size)
+        slots = slot_mapping(seqs, block_size)
         cu_q = torch.tensor([0] + [s.q_len for s in seqs], dtype=torch.int32).cumsum(0)
         return AttentionMetadata(
             num_tokens=int(cu_q[-1]),

@@ -275,7 +275,7 @@ class FlexBackend:
         _check_shared_blocks(touched, logical)
         meta = FlexMetadata(
             num_tokens=sum(s.q_len for s in seqs),
-            slot_mapping=slot_mapping(seqs, table0, bs).to(device),
+            slot_mapping=slot_mapping(seqs, bs).to(device),
             block_size=bs,
             width=width,
             touched_blocks=touched,

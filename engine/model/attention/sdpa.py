@@ -42,7 +42,7 @@ class SdpaBackend:
         table = block_table(seqs, block_size)
         meta = AttentionMetadata(
             num_tokens=sum(s.q_len for s in seqs),
-            slot_mapping=slot_mapping(seqs, table, block_size).to(device),
+            slot_mapping=slot_mapping(seqs, block_size).to(device),
         )
         decodes: list[tuple[int, SeqSlice]] = []
         for row, s in enumerate(seqs):

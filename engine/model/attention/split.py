@@ -16,9 +16,12 @@ two partial outputs are merged exactly (``merge``):
 * diagonal: ``is_causal=True`` against the chunk's own K/V (the step's inputs: the very values
   just written to the cache), its K/V heads repeated for their query heads (``q_len`` rows).
 
-On CPUs with AMX-BF16, in bf16 with one torch thread and head dim 64, the prefix call is our
-own kernel (``amx.attention_prefix``, ~1.3x the flash kernel's speed measured;
-``CHUNKSCOPE_AMX_ATTENTION=0`` turns it off); the diagonal stays torch's.
+On CPUs with AMX-BF16, in bf16 with one torch thread and head dim 64, none of the above runs:
+one call of our kernel per layer (``amx.attention_paged``) takes the whole step, every chunk
+causally over its prefix and its own keys in one online softmax (no merge) and every decode,
+reading K/V through the block table (no gather, no mask); the torch path's metadata is then not
+built (``SplitMetadata.torch_parts``, built on first use). ``CHUNKSCOPE_AMX_ATTENTION=0`` turns
+the kernel off.
 
 A chunk at position 0 is one causal call. Decodes (one query each) are served by the paged
 decode kernel (``paged_decode``: C, reads each sequence's K/V in place through its block table,
@@ -83,14 +86,97 @@ class PagedDecodes:
     seqs: list[tuple[int, SeqSlice]]  # (row in the step's table, slice): the fallback's input
 
 
+def decode_groups(
+    decodes: list[tuple[int, SeqSlice]], table: torch.Tensor, block_size: int
+) -> list[DecodeGroup]:
+    """Decodes in groups of similar context length (padding at most doubles the keys read per
+    sequence), each with its gathered cache slots and, when lengths differ, a padding mask."""
+    decodes = sorted(decodes, key=lambda d: d[1].ctx_len, reverse=True)
+    groups: list[DecodeGroup] = []
+    i = 0
+    while i < len(decodes):
+        longest = decodes[i][1].ctx_len
+        j = i
+        while j < len(decodes) and decodes[j][1].ctx_len * 2 >= longest:
+            j += 1
+        group = decodes[i:j]
+        slots = context_slots(table[[row for row, _ in group]], block_size, longest)
+        lens = torch.tensor([s.ctx_len for _, s in group])
+        mask = None
+        if bool((lens < longest).any()):
+            mask = (torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+        rows = torch.tensor([s.q_start for _, s in group], dtype=torch.long)
+        groups.append(DecodeGroup(rows, slots, mask))
+        i = j
+    return groups
+
+
 @dataclass
 class SplitMetadata(AttentionMetadata):
     split_prefills: list[SplitPrefill] = field(default_factory=list)
-    # decodes for the in-place kernel; when set, ``decode_groups`` is built only if a layer
-    # cannot use the kernel (then once, from ``paged.seqs``)
-    paged: PagedDecodes | None = None
+    # for the AMX kernel: int32 [S, 3] (q_start, q_len, ctx_len) of every sequence (its block
+    # ids in ``block_table``)
+    seq_info: torch.Tensor | None = None
+    seqs: list[SeqSlice] = field(default_factory=list)
     block_size: int = 16
-    table: torch.Tensor | None = None
+    torch_built: bool = False
+    ranges_checked: bool = False  # the AMX call's rows and block ids (once per step)
+    # the torch path's decodes for the in-place kernel; ``decode_groups`` is then built only if
+    # a layer cannot use it (once, from ``paged.seqs``)
+    paged: PagedDecodes | None = None
+
+    def torch_parts(self, decode_kernel: bool = False) -> SplitMetadata:
+        """Build (once) what the torch path needs: each chunk's prefix location, and the
+        decodes for the in-place kernel (``decode_kernel``) or else their groups' slots and
+        masks. Not built when the AMX kernel takes the whole step."""
+        if self.torch_built:
+            return self
+        self.torch_built = True
+        seqs, block_size, table = self.seqs, self.block_size, self.block_table
+        assert table is not None
+        decodes: list[tuple[int, SeqSlice]] = []
+        for row, s in enumerate(seqs):
+            if s.q_len == 1:
+                decodes.append((row, s))
+                continue
+            rng, slots = prefix_location(s, block_size, table[row : row + 1])
+            self.split_prefills.append(SplitPrefill(s, rng, slots))
+        if decodes and decode_kernel:
+            rows = torch.tensor([s.q_start for _, s in decodes], dtype=torch.long)
+            sub = table[[row for row, _ in decodes]].contiguous()
+            lens = torch.tensor([s.ctx_len for _, s in decodes], dtype=torch.long)
+            self.paged = PagedDecodes(rows, sub, lens, decodes)
+        else:
+            self.decode_groups = decode_groups(decodes, table, block_size)
+        return self
+        self.torch_built = True
+        seqs, block_size, table = self.seqs, self.block_size, self.block_table
+        assert table is not None
+        decodes: list[tuple[int, SeqSlice]] = []
+        for row, s in enumerate(seqs):
+            if s.q_len == 1:
+                decodes.append((row, s))
+                continue
+            rng, slots = prefix_location(s, block_size, table[row : row + 1])
+            self.split_prefills.append(SplitPrefill(s, rng, slots))
+        # Group decodes so that padding at most doubles the keys read per sequence.
+        decodes.sort(key=lambda d: d[1].ctx_len, reverse=True)
+        i = 0
+        while i < len(decodes):
+            longest = decodes[i][1].ctx_len
+            j = i
+            while j < len(decodes) and decodes[j][1].ctx_len * 2 >= longest:
+                j += 1
+            group = decodes[i:j]
+            slots = context_slots(table[[row for row, _ in group]], block_size, longest)
+            lens = torch.tensor([s.ctx_len for _, s in group])
+            mask = None
+            if bool((lens < longest).any()):
+                mask = (torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            rows = torch.tensor([s.q_start for _, s in group], dtype=torch.long)
+            self.decode_groups.append(DecodeGroup(rows, slots, mask))
+            i = j
+        return self
 
 
 def merge(
@@ -119,31 +205,6 @@ def prefix_location(
     return None, context_slots(table_row, block_size, start)[0]
 
 
-def decode_groups(
-    decodes: list[tuple[int, SeqSlice]], table: torch.Tensor, block_size: int
-) -> list[DecodeGroup]:
-    """Decodes in groups of similar context length (padding at most doubles the keys read per
-    sequence), each with its gathered cache slots and, when lengths differ, a padding mask."""
-    decodes = sorted(decodes, key=lambda d: d[1].ctx_len, reverse=True)
-    groups: list[DecodeGroup] = []
-    i = 0
-    while i < len(decodes):
-        longest = decodes[i][1].ctx_len
-        j = i
-        while j < len(decodes) and decodes[j][1].ctx_len * 2 >= longest:
-            j += 1
-        group = decodes[i:j]
-        slots = context_slots(table[[row for row, _ in group]], block_size, longest)
-        lens = torch.tensor([s.ctx_len for _, s in group])
-        mask = None
-        if bool((lens < longest).any()):
-            mask = (torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-        rows = torch.tensor([s.q_start for _, s in group], dtype=torch.long)
-        groups.append(DecodeGroup(rows, slots, mask))
-        i = j
-    return groups
-
-
 class SplitBackend:
     name = "split"
 
@@ -157,8 +218,21 @@ class SplitBackend:
         self._op = op
         # the AMX bf16 kernel for the prefix (engine/model/attention/amx.py) where it can run
         self._amx = amx.enabled()
-        # decodes read in place from the cache (engine/model/attention/paged_decode.py)
-        self._paged = paged_decode.enabled()
+        # the whole step in one paged kernel call (False: the kernel serves only the prefix
+        # call, as before; benchmarks/attention_step.py's split-prefix arm)
+        self.amx_paged = True
+        # the torch path's decodes read in place from the cache (attention/paged_decode.py)
+        self._decode_kernel = paged_decode.enabled()
+
+    def _paged_ready(self) -> bool:
+        """Whether a bf16 step will go to the paged AMX kernel (then the torch path's metadata
+        is built only if a layer falls back to it)."""
+        return (
+            self._amx
+            and self.amx_paged
+            and torch.get_num_threads() == 1
+            and amx.prefix_kernel() is not None
+        )
 
     def prepare_metadata(
         self, seqs: list[SeqSlice], block_size: int, device: torch.device
@@ -168,24 +242,25 @@ class SplitBackend:
         table = block_table(seqs, block_size)
         meta = SplitMetadata(
             num_tokens=sum(s.q_len for s in seqs),
-            slot_mapping=slot_mapping(seqs, table, block_size),
+            slot_mapping=slot_mapping(seqs, block_size),
+            block_table=table,
+            seq_info=torch.tensor(
+                [(s.q_start, s.q_len, s.ctx_len) for s in seqs], dtype=torch.int32
+            ).view(-1, 3),
+            seqs=seqs,
+            block_size=block_size,
         )
-        decodes: list[tuple[int, SeqSlice]] = []
-        for row, s in enumerate(seqs):
-            if s.q_len == 1:
-                decodes.append((row, s))
-                continue
-            rng, slots = prefix_location(s, block_size, table[row : row + 1])
-            meta.split_prefills.append(SplitPrefill(s, rng, slots))
-        meta.block_size, meta.table = block_size, table
-        if decodes and self._paged and paged_decode.decode_kernel() is not None:
-            rows = torch.tensor([s.q_start for _, s in decodes], dtype=torch.long)
-            sub = table[[row for row, _ in decodes]].contiguous()
-            lens = torch.tensor([s.ctx_len for _, s in decodes], dtype=torch.long)
-            meta.paged = PagedDecodes(rows, sub, lens, decodes)
-        else:
-            meta.decode_groups = decode_groups(decodes, table, block_size)
+        if not self._paged_ready():
+            meta.torch_parts(self._decode_ready())
         return meta
+
+    def _decode_ready(self) -> bool:
+        """Whether the torch path's decodes go to the in-place decode kernel."""
+        return (
+            self._decode_kernel
+            and torch.get_num_threads() == 1
+            and paged_decode.decode_kernel() is not None
+        )
 
     def forward(
         self,
@@ -202,6 +277,15 @@ class SplitBackend:
         groups = num_heads // num_kv_heads
         k_flat, v_flat = store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
+        if self._amx and self.amx_paged and meta.seq_info is not None and amx.usable(q, k_cache):
+            # every sequence (chunks and decodes) in one call, K/V read through the block table
+            amx.attention_paged(
+                q, k_cache, v_cache, meta.seq_info, meta.block_table, out,
+                check_ranges=not meta.ranges_checked,
+            )  # fmt: skip
+            meta.ranges_checked = True  # every layer's cache has the same shape
+            return out
+        meta.torch_parts(self._decode_ready())
         for p in meta.split_prefills:
             s = p.seq
             rows = slice(s.q_start, s.q_start + s.q_len)
@@ -239,8 +323,7 @@ class SplitBackend:
             )
             return out
         if paged is not None and not meta.decode_groups:  # a layer the kernel cannot serve
-            assert meta.table is not None
-            meta.decode_groups = decode_groups(paged.seqs, meta.table, meta.block_size)
+            meta.decode_groups = decode_groups(paged.seqs, meta.block_table, meta.block_size)
         for g in meta.decode_groups:
             b = g.rows.numel()
             qd = q.index_select(0, g.rows).view(b, num_kv_heads, groups, head_dim)

@@ -109,19 +109,28 @@ BACKEND_CASES = [
     Case("scattered blocks, GQA", [(64, 700, "a"), (1, 90, "b"), (20, 60, "c")], head_dim=64),
     Case("consecutive, GQA 4", [(37, 1003, "a"), (3, 29, "b")], heads=(8, 2), head_dim=64),
     Case("consecutive, block size 7", [(19, 200, "a")], 7, head_dim=64, consecutive=True),
+    # a 512-token chunk whose own keys span two 512-key kernel chunks, beside six decodes
+    Case(
+        "chunk of 512 over 1,600, decodes",
+        [(512, 1600, "a")] + [(1, 200 + 13 * i, f"d{i}") for i in range(6)],
+        head_dim=64,
+    ),
+    Case("scattered, block size 7, GQA 4", [(45, 300, "a"), (1, 7, "b")], 7, 64, (8, 2)),
+    Case("scattered, block size 48", [(100, 1100, "a"), (1, 49, "b")], 48, head_dim=64),
+    Case("whole prompt in one chunk, no GQA", [(70, 70, "a")], heads=(2, 2), head_dim=64),
 ]
 
 
 @pytest.mark.parametrize("case", BACKEND_CASES, ids=[c.name for c in BACKEND_CASES])
 def test_split_with_kernel_within_bf16_noise(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = amx.attention_prefix
+    real = amx.attention_paged
 
-    def spy(*args):  # type: ignore[no-untyped-def]
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
         calls.append(args[0].shape)
-        return real(*args)
+        return real(*args, **kw)
 
-    monkeypatch.setattr(amx, "attention_prefix", spy)
+    monkeypatch.setattr(amx, "attention_paged", spy)
     seqs, cache, qkv = _setup(case)
     ref32 = _forward(SplitBackend(), case, seqs, cache, qkv)
     monkeypatch.setenv("CHUNKSCOPE_AMX_ATTENTION", "0")
@@ -158,14 +167,75 @@ def test_engine_tokens_unchanged_bf16(tmp_path: Path, monkeypatch: pytest.Monkey
         return tokens
 
     calls = []
-    real = amx.attention_prefix
-    monkeypatch.setattr(amx, "attention_prefix", lambda *a: calls.append(1) or real(*a))
+    real = amx.attention_paged
+    monkeypatch.setattr(amx, "attention_paged", lambda *a, **k: calls.append(1) or real(*a, **k))
     got = run()
     assert calls
     monkeypatch.setenv("CHUNKSCOPE_AMX_ATTENTION", "0")
     n = len(calls)
     ref = run()
     assert len(calls) == n and got == ref and len(ref) > 1
+
+
+# --- the paged kernel called directly -------------------------------------------------------------
+def _paged_setup(block_size: int, ctx: int, q_len: int, seed: int = 0):
+    """One sequence over shuffled blocks of a bf16 cache ``[nb, bs, 2, 64]``; q ``[q_len, 4, 64]``
+    (GQA 2) at positions ``[ctx - q_len, ctx)``."""
+    g = torch.Generator().manual_seed(seed)
+    need = -(-ctx // block_size)
+    nb = need + 5
+    blocks = torch.randperm(nb, generator=g)[:need]
+    kc = torch.randn(nb, block_size, 2, 64, generator=g).bfloat16()
+    vc = torch.randn(nb, block_size, 2, 64, generator=g).bfloat16()
+    q = (torch.randn(q_len, 4, 64, generator=g) * 0.6).bfloat16()
+    seqs = torch.tensor([[0, q_len, ctx]], dtype=torch.int32)
+    return q, kc, vc, seqs, blocks[None].long()
+
+
+def _keys(cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> torch.Tensor:
+    return cache[blocks[0]].flatten(0, 1)[:ctx]  # [ctx, 2, 64] in position order
+
+
+def test_paged_future_key_is_unseen_and_each_past_key_counts() -> None:
+    """A key made to dominate row i's scores (the row at position p = start + i): at p itself or
+    any earlier position (block edges, the first and the last key) the row's output is that
+    key's value; one position later it must not move the row at all (causal)."""
+    q, kc, vc, seqs, table = _paged_setup(16, 90, 40)
+    start, heads = 50, (0, 2)  # query heads 0 and 2: one of each K/V head
+    for i, j in [(0, 50), (0, 0), (5, 31), (5, 32), (20, 47), (39, 89), (13, 63)]:
+        k2 = kc.clone()
+        flat = k2[table[0]].flatten(0, 1)
+        flat[j] = torch.stack([q[i, 0] * 8, q[i, 2] * 8]).bfloat16()
+        k2[table[0]] = flat.view(-1, 16, 2, 64)
+        out = torch.zeros_like(q)
+        amx.attention_paged(q, k2, vc, seqs, table, out)
+        want = _keys(vc, table, 90)[j].float()
+        assert float((out[i, list(heads)].float() - want).abs().max()) < 0.05, (i, j)
+        if j == start + i and i + 1 < 40:  # the next key, one past the row's position
+            k3 = kc.clone()
+            f3 = k3[table[0]].flatten(0, 1)
+            f3[j + 1] = flat[j]
+            k3[table[0]] = f3.view(-1, 16, 2, 64)
+            base, moved = torch.zeros_like(q), torch.zeros_like(q)
+            amx.attention_paged(q, kc, vc, seqs, table, base)
+            amx.attention_paged(q, k3, vc, seqs, table, moved)
+            assert torch.equal(moved[: i + 1], base[: i + 1])
+
+
+def test_paged_refuses_bad_input() -> None:
+    q, kc, vc, seqs, table = _paged_setup(16, 90, 40)
+    out = torch.zeros_like(q)
+    with pytest.raises(ValueError, match="out of range"):
+        amx.attention_paged(q, kc, vc, seqs, table + 100, out)
+    with pytest.raises(ValueError, match="out of range"):
+        amx.attention_paged(q[:10], kc, vc, seqs, table, out[:10])
+    with pytest.raises(ValueError, match="int32"):
+        amx.attention_paged(q, kc, vc, seqs.long(), table, out)
+    with pytest.raises(ValueError, match="bad shapes"):
+        amx.attention_paged(q, kc, vc, seqs, table, out.float())
+    with pytest.raises(RuntimeError, match="failed"):  # ctx_len past the table's blocks
+        amx.attention_paged(q, kc, vc, torch.tensor([[0, 40, 900]], dtype=torch.int32), table, out)
+    assert not out.any()  # nothing written
 
 
 # --- availability ---------------------------------------------------------------------------------

@@ -135,14 +135,14 @@ def test_split_bf16_within_bf16_noise(case: Case) -> None:
 def test_prefix_is_read_in_place_when_blocks_are_consecutive() -> None:
     case = next(c for c in CASES if c.name == "consecutive blocks")
     seqs, _, _ = _setup(case)
-    meta = SplitBackend().prepare_metadata(seqs, case.block_size, CPU)
+    meta = SplitBackend().prepare_metadata(seqs, case.block_size, CPU).torch_parts()
     assert isinstance(meta, SplitMetadata)
     (p,) = meta.split_prefills
     first = seqs[0].block_ids[0] * case.block_size
     assert p.prefix_range == (first, first + 517 - 100) and p.prefix_slots is None
     scattered = next(c for c in CASES if c.name == "long context, many blocks")
     seqs, _, _ = _setup(scattered)
-    (p,) = SplitBackend().prepare_metadata(seqs, 16, CPU).split_prefills
+    (p,) = SplitBackend().prepare_metadata(seqs, 16, CPU).torch_parts().split_prefills
     assert p.prefix_range is None and p.prefix_slots is not None
     assert p.prefix_slots.shape == (1500 - 64,)
 
