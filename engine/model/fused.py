@@ -6,7 +6,7 @@ thread): at a 512-token chunk they cost about as much as the step's matmuls. The
 to this module (``fused_ops.c``) does each in one pass over a row, rounding to bf16 where
 torch's sequence of ops does, so results are torch's up to fp32 summation order and the exp
 inside silu. It is compiled at first use and loaded as the AMX attention kernel is
-(``engine.model.attention.amx.build``: same cache folder, same compiler, no build at install).
+(``engine.model.ckernel.build``: same cache folder, same compiler, no build at install).
 
 Used for bf16 CPU tensors with one torch thread (the loops are single-threaded; torch's ops
 parallelize), when the CPU has AVX512-BF16 and the build succeeds; ``CHUNKSCOPE_FUSED_OPS=0``

@@ -25,15 +25,14 @@ Head dim 64 only; one thread.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from engine.model import ckernel
 
 logger = logging.getLogger(__name__)
 
@@ -60,40 +59,13 @@ def _why_not() -> str | None:
     return None
 
 
-def cache_dir() -> Path:
-    env = os.environ.get("CHUNKSCOPE_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "chunkscope" / "kernels"
-
-
 def build(
     compiler: str | None = None, source_path: Path = SOURCE, flags: list[str] = FLAGS
 ) -> Path:
-    """Compile a C source (by default this kernel's; once per source, compiler and flags) into
-    the cache folder and return the library's path. Raises RuntimeError with the compiler's
+    """Compile a C source (by default this kernel's) into the kernel cache and return the
+    library's path (``engine.model.ckernel.build``). Raises RuntimeError with the compiler's
     message when the build fails."""
-    cc = compiler or os.environ.get("CC") or "cc"
-    source = source_path.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *flags]).encode()).hexdigest()[:16]
-    folder = cache_dir()
-    lib = folder / f"{source_path.stem}-{key}.so"
-    if lib.exists():
-        return lib
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        cmd = [cc, *flags, "-shared", "-fPIC", "-o", tmp, str(source_path), "-lm"]
-        try:
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise RuntimeError(f"cannot run the C compiler {cc!r}: {e}") from e
-        if run.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {run.stderr.strip()[-2000:]}")
-        os.replace(tmp, lib)  # atomic: another process sees no file or the whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+    return ckernel.build(source_path, flags, compiler)
 
 
 def _load() -> ctypes.CDLL | None:
