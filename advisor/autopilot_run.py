@@ -289,8 +289,14 @@ class Runner:
             return None
         since = now - o.lookback_s
         try:
+            # no resampled refits (FitReport.boot): the decision has its own gate on the fit,
+            # and it refits every tick
             fit: FitReport | str = fit_from_store(
-                self.db, engine_id=o.engine_id, run_id=self.run_id, since=now - o.fit_window_s
+                self.db,
+                engine_id=o.engine_id,
+                run_id=self.run_id,
+                since=now - o.fit_window_s,
+                resamples=0,
             )
         except FitError as exc:
             fit = str(exc)

@@ -136,6 +136,12 @@ def table(doc: dict[str, Any]) -> str:
         f"over {doc['traffic']['duration_s']:.0f} s",
     ]
     quality = doc.get("fit_quality") or {}
+    carry = {b: v for b, v in (quality.get("carry") or {}).items() if v is not None}
+    if carry:
+        lines.append(
+            "prefill cost on resampled steps: p10-p90 spread "
+            + ", ".join(f"{100 * v:.0f}% at {b}" for b, v in carry.items())
+        )
     if quality.get("poor"):
         lines.append("poor fit: " + "; ".join(quality.get("reasons") or ()))
     lines += budget_table(doc["windows"], WINDOW_COLUMNS, doc["pareto_budgets"])

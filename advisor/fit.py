@@ -12,6 +12,7 @@ emission, the inbox, telemetry), which the simulator adds after every step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
-from engine.core.cost_model import FEATURES, CostModel, StepWork, fit
+from engine.core.cost_model import FEATURES, CostModel, StepWork, chunk_pairs, fit
 from storage import queries
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,10 @@ class FitReport:
     rel_err_p95_all: float = 0.0
     # whether the fit can carry a prediction (:func:`fit_quality`): {"poor", "reasons", ...}
     quality: dict[str, Any] = field(default_factory=dict)
+    # the coefficients (``FEATURES`` order) refitted on resamples of the steps: how well the
+    # steps pin each cost down (:func:`bootstrap_coefs`, :func:`carry_spread`); empty in a
+    # report from before they existed, which then skips that check
+    boot: list[list[float]] = field(default_factory=list)
 
     @property
     def poor(self) -> bool:
@@ -115,6 +120,7 @@ class FitReport:
             rel_err_p50_all=float(d.get("rel_err_p50_all", 0.0)),
             rel_err_p95_all=float(d.get("rel_err_p95_all", 0.0)),
             quality=dict(d.get("quality") or {}),
+            boot=[[float(v) for v in row] for row in d.get("boot") or ()],
         )
 
 
@@ -368,10 +374,78 @@ def fit_quality(
     }
 
 
+BOOT_RESAMPLES = 40
+BOOT_SEED = 0
+# a budget whose predicted prefill cost moves more than this (p10 to p90 over the resampled
+# fits, relative to their median) is a budget the fit window does not pin down
+CARRY_SPREAD = 0.15
+
+
+def bootstrap_coefs(
+    works: list[StepWork],
+    measured: np.ndarray,
+    method: str = "ols",
+    resamples: int = BOOT_RESAMPLES,
+    seed: int = BOOT_SEED,
+) -> list[list[float]]:
+    """The model refitted (:func:`robust_fit`, its trimming included) on ``resamples``
+    resamples of the steps drawn with replacement (seeded): one coefficient list each, in
+    ``FEATURES`` order. Their spread is how well the steps pin each cost down: a window with a
+    handful of long prefill steps, some of them slowed by something else on the machine, fits
+    a prefill cost that moves with which of them a resample keeps."""
+    rng = np.random.default_rng(seed)
+    n = len(works)
+    out: list[list[float]] = []
+    for _ in range(resamples if n >= len(FEATURES) else 0):
+        idx = rng.integers(0, n, n)
+        m, _ = robust_fit([works[i] for i in idx], measured[idx], method)
+        out.append([m.const, m.prefill, m.decode, m.attn, m.attn_decode])
+    return out
+
+
+def prefill_work(prompts: Sequence[tuple[int, int]], budget: int) -> tuple[int, int, int]:
+    """(chunks, prefill tokens, attention pairs) of prefilling ``prompts`` ((prompt tokens,
+    cached tokens) each) in chunks of at most ``budget`` tokens, one request at a time."""
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    chunks = tokens = pairs = 0
+    for prompt, cached in prompts:
+        start = max(0, min(cached, prompt - 1))
+        while start < prompt:
+            n = min(budget, prompt - start)
+            chunks += 1
+            tokens += n
+            pairs += chunk_pairs(start, n)
+            start += n
+    return chunks, tokens, pairs
+
+
+def carry_spread(
+    boot: Sequence[Sequence[float]], prompts: Sequence[tuple[int, int]], budget: int
+) -> float | None:
+    """How far the resampled fits (``FitReport.boot``) disagree on the cost of prefilling
+    ``prompts`` at ``budget``: (p90 - p10) / median of the summed step times (``None``
+    without resamples or prompts). The fit window's own chunk size is pinned down by its
+    steps; a budget whose chunks it never ran is extrapolated, and this says how far."""
+    if len(boot) < 5 or not prompts:
+        return None
+    chunks, tokens, pairs = prefill_work(prompts, budget)
+    x = np.array([chunks, tokens, 0.0, pairs, 0.0])
+    t = np.array(boot, dtype=np.float64)[:, : len(x)] @ x
+    med = float(np.median(t))
+    if med <= 0:
+        return None
+    return float((np.quantile(t, 0.9) - np.quantile(t, 0.1)) / med)
+
+
 def fit_steps(
-    steps: pd.DataFrame, selection: dict[str, Any] | None = None, method: str = "ols"
+    steps: pd.DataFrame,
+    selection: dict[str, Any] | None = None,
+    method: str = "ols",
+    resamples: int = BOOT_RESAMPLES,
 ) -> FitReport:
-    """Fit the cost model to steps as returned by :func:`load_steps`."""
+    """Fit the cost model to steps as returned by :func:`load_steps`; ``resamples`` refits on
+    resampled steps for ``FitReport.boot`` (0: none, and no :func:`carry_spread` check)."""
     usable = steps[(steps["end_ns"] >= steps["start_ns"]) & (steps["num_scheduled_tokens"] > 0)]
     if len(usable) < 4:
         raise FitError(f"need at least 4 steps with tokens to fit, the selection has {len(usable)}")
@@ -406,6 +480,7 @@ def fit_steps(
         selection=dict(selection or {}),
         noise=noise_model(predicted, measured, gaps),
         quality=quality,
+        boot=bootstrap_coefs(works, measured, method, resamples),
     )
     if quality["poor"]:
         logger.warning("poor fit of the step-cost model: %s", "; ".join(quality["reasons"]))
@@ -436,9 +511,11 @@ def fit_from_store(
     since: float | None = None,
     until: float | None = None,
     method: str = "ols",
+    resamples: int = BOOT_RESAMPLES,
 ) -> FitReport:
     """Fit the cost model to the steps of the selection (see ``storage.queries`` for filters);
-    ``method`` "ols" (``engine.core.cost_model.fit``) or "relative" (:func:`relative_fit`)."""
+    ``method`` "ols" (``engine.core.cost_model.fit``) or "relative" (:func:`relative_fit`);
+    ``resamples`` as :func:`fit_steps`."""
     steps = load_steps(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     selection = {"engine_id": engine_id, "run_id": run_id, "since": since, "until": until}
-    return fit_steps(steps, {**selection, "method": method}, method)
+    return fit_steps(steps, {**selection, "method": method}, method, resamples)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from advisor.client import ClientDelay, ClientDraw, load_client_delay
-from advisor.fit import FitReport, fit_from_store
+from advisor.fit import CARRY_SPREAD, FitReport, carry_spread, fit_from_store
 from advisor.overload import WindowLoad
 from advisor.pareto import front_budgets, front_pairs
 from advisor.recommend import Recommendation, Slo, recommend
@@ -162,15 +162,16 @@ def predict_traffic(
     ]
     windows = median_windows(runs)
     sim_s = time.perf_counter() - t0
+    quality = fit_carry(report, traffic, budgets)
     rec = recommend(windows, slo, "predicted")
-    if report.poor and not allow_poor_fit:
+    if quality.get("poor") and not allow_poor_fit:
         rec = Recommendation(
             None,
             "predicted",
             False,
             None,
             "predicted: no recommendation, poor fit of the step-cost model ("
-            + "; ".join(report.quality.get("reasons") or ())
+            + "; ".join(quality.get("reasons") or ())
             + "): a decision it cannot support is not made",
         )
     if observed is not None and observed.overloaded:
@@ -187,7 +188,7 @@ def predict_traffic(
         "created": time.time(),
         "selection": selection or {},
         "fit": report.to_dict(),
-        "fit_quality": report.quality,
+        "fit_quality": quality,
         "engine_shape": shape_dict(shape),
         "traffic": traffic.summary(),
         "slo": slo.to_dict(),
@@ -206,6 +207,27 @@ def predict_traffic(
         "recommendation_source": rec.source,
         "reason": rec.reason,
     }
+
+
+def fit_carry(report: FitReport, traffic: Any, budgets: Sequence[int]) -> dict[str, Any]:
+    """``report.quality`` plus ``carry``: per budget, how far the resampled fits
+    (``FitReport.boot``) disagree on the cost of prefilling this traffic's prompts at that
+    budget (``advisor.fit.carry_spread``). A spread above ``CARRY_SPREAD`` makes the fit poor
+    for this prediction: its figures would follow which of a few steps the fit leaned on."""
+    quality = dict(report.quality)
+    prompts = [(r.num_prompt_tokens, r.num_cached_tokens) for r in traffic.requests]
+    spread = {int(b): carry_spread(report.boot, prompts, int(b)) for b in sorted(set(budgets))}
+    quality["carry"] = {str(b): v for b, v in spread.items()}
+    worst = max(((v, b) for b, v in spread.items() if v is not None), default=None)
+    if worst is not None and worst[0] > CARRY_SPREAD:
+        quality["poor"] = True
+        quality["reasons"] = [
+            *(quality.get("reasons") or ()),
+            f"the steps do not pin the prefill cost down: fits on resamples of them disagree "
+            f"by {100 * worst[0]:.0f}% (p10 to p90, over {100 * CARRY_SPREAD:.0f}%) on this "
+            f"traffic's prefill at budget {worst[1]}",
+        ]
+    return quality
 
 
 def median_windows(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from advisor import cli
-from advisor.fit import FitError, fit_from_store, step_works
+from advisor.fit import BOOT_RESAMPLES, FitError, carry_spread, fit_from_store, step_works
 from advisor.predict import predict_from_store
 from advisor.recommend import Slo
 from advisor.simulate import EngineShape, cost_model_step_ns, figures, simulate
@@ -85,6 +85,9 @@ def test_fit_recovers_known_coefficients(recorded: dict) -> None:
     assert report.step_gap_s == pytest.approx(GAP_NS / 1e9, abs=1e-9)
     assert report.quality["poor"] is False, report.quality["reasons"]  # an exact fit is not poor
     assert report.quality["by_shape"]["decode"]["ratio_p50"] == pytest.approx(1.0, rel=1e-3)
+    # exact steps: every resample fits the same costs, so the prefill cost is pinned down
+    assert len(report.boot) == BOOT_RESAMPLES
+    assert carry_spread(report.boot, [(500, 0), (40, 0)], 32) == pytest.approx(0.0, abs=1e-3)
 
 
 def test_fit_refuses_an_empty_selection(recorded: dict) -> None:
@@ -210,6 +213,7 @@ def test_cli_predict_writes_the_document(recorded: dict, tmp_path: Path, capsys)
     assert doc["slo"]["itl_p99_ms"] == 1000 and doc["slo"]["itl_max_ms"] is None
     text = capsys.readouterr().out
     assert "cost model" in text and "Pareto front" in text
+    assert "prefill cost on resampled steps: p10-p90 spread 0% at 32" in text
     assert "observed window overloaded: its queue grew" in text
 
 
