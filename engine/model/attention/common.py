@@ -82,6 +82,36 @@ def context_slots(table: torch.Tensor, block_size: int, length: int) -> torch.Te
     return (table[:, :, None] * block_size + offsets).flatten(1)[:, :length]
 
 
+def decode_groups(
+    decodes: list[tuple[int, SeqSlice]],
+    table: torch.Tensor,
+    block_size: int,
+    device: torch.device | None = None,
+) -> list[DecodeGroup]:
+    """Decodes ``(row in table, slice)`` in groups of similar context length (padding at most
+    doubles the keys read per sequence), each with its gathered cache slots and, when lengths
+    differ, a key-padding mask; tensors on ``device`` (None: CPU)."""
+    decodes = sorted(decodes, key=lambda d: d[1].ctx_len, reverse=True)
+    groups: list[DecodeGroup] = []
+    i = 0
+    while i < len(decodes):
+        longest = decodes[i][1].ctx_len
+        j = i
+        while j < len(decodes) and decodes[j][1].ctx_len * 2 >= longest:
+            j += 1
+        group = decodes[i:j]
+        slots = context_slots(table[[row for row, _ in group]], block_size, longest)
+        lens = torch.tensor([s.ctx_len for _, s in group])
+        mask = None
+        if bool((lens < longest).any()):
+            mask = (torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            mask = mask.to(device) if device is not None else mask
+        rows = torch.tensor([s.q_start for _, s in group], dtype=torch.long, device=device)
+        groups.append(DecodeGroup(rows, slots.to(device) if device is not None else slots, mask))
+        i = j
+    return groups
+
+
 def slot_mapping(seqs: list[SeqSlice], block_size: int) -> torch.Tensor:
     """Cache slot of every new token of the step, in batch order: ``[T]`` (one ``range`` per
     block a chunk touches: a decode step's handful of slots costs no tensor ops)."""

@@ -8,10 +8,10 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from engine.model.attention.common import (
     AttentionMetadata,
-    DecodeGroup,
     SeqSlice,
     block_table,
     context_slots,
+    decode_groups,
     slot_mapping,
     store_kv,
 )
@@ -59,24 +59,7 @@ class SdpaBackend:
                 q_pos = torch.arange(start, s.ctx_len).unsqueeze(1)
                 mask = (torch.arange(s.ctx_len).unsqueeze(0) <= q_pos).to(device)
             meta.prefills.append((s, kv.to(device), mask))
-        # Group decodes so that padding at most doubles the keys read per sequence.
-        decodes.sort(key=lambda d: d[1].ctx_len, reverse=True)
-        i = 0
-        while i < len(decodes):
-            longest = decodes[i][1].ctx_len
-            j = i
-            while j < len(decodes) and decodes[j][1].ctx_len * 2 >= longest:
-                j += 1
-            group = decodes[i:j]
-            slots = context_slots(table[[row for row, _ in group]], block_size, longest)
-            lens = torch.tensor([s.ctx_len for _, s in group])
-            mask = None
-            if bool((lens < longest).any()):
-                mask = (torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-                mask = mask.to(device)
-            rows = torch.tensor([s.q_start for _, s in group], dtype=torch.long, device=device)
-            meta.decode_groups.append(DecodeGroup(rows, slots.to(device), mask))
-            i = j
+        meta.decode_groups = decode_groups(decodes, table, block_size, device)
         return meta
 
     def forward(

@@ -48,10 +48,10 @@ import torch.nn.functional as F
 from engine.model.attention import amx, paged_decode
 from engine.model.attention.common import (
     AttentionMetadata,
-    DecodeGroup,
     SeqSlice,
     block_table,
     context_slots,
+    decode_groups,
     slot_mapping,
     store_kv,
 )
@@ -84,31 +84,6 @@ class PagedDecodes:
     table: torch.Tensor
     ctx_lens: torch.Tensor
     seqs: list[tuple[int, SeqSlice]]  # (row in the step's table, slice): the fallback's input
-
-
-def decode_groups(
-    decodes: list[tuple[int, SeqSlice]], table: torch.Tensor, block_size: int
-) -> list[DecodeGroup]:
-    """Decodes in groups of similar context length (padding at most doubles the keys read per
-    sequence), each with its gathered cache slots and, when lengths differ, a padding mask."""
-    decodes = sorted(decodes, key=lambda d: d[1].ctx_len, reverse=True)
-    groups: list[DecodeGroup] = []
-    i = 0
-    while i < len(decodes):
-        longest = decodes[i][1].ctx_len
-        j = i
-        while j < len(decodes) and decodes[j][1].ctx_len * 2 >= longest:
-            j += 1
-        group = decodes[i:j]
-        slots = context_slots(table[[row for row, _ in group]], block_size, longest)
-        lens = torch.tensor([s.ctx_len for _, s in group])
-        mask = None
-        if bool((lens < longest).any()):
-            mask = (torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-        rows = torch.tensor([s.q_start for _, s in group], dtype=torch.long)
-        groups.append(DecodeGroup(rows, slots, mask))
-        i = j
-    return groups
 
 
 @dataclass
@@ -148,34 +123,6 @@ class SplitMetadata(AttentionMetadata):
             self.paged = PagedDecodes(rows, sub, lens, decodes)
         else:
             self.decode_groups = decode_groups(decodes, table, block_size)
-        return self
-        self.torch_built = True
-        seqs, block_size, table = self.seqs, self.block_size, self.block_table
-        assert table is not None
-        decodes: list[tuple[int, SeqSlice]] = []
-        for row, s in enumerate(seqs):
-            if s.q_len == 1:
-                decodes.append((row, s))
-                continue
-            rng, slots = prefix_location(s, block_size, table[row : row + 1])
-            self.split_prefills.append(SplitPrefill(s, rng, slots))
-        # Group decodes so that padding at most doubles the keys read per sequence.
-        decodes.sort(key=lambda d: d[1].ctx_len, reverse=True)
-        i = 0
-        while i < len(decodes):
-            longest = decodes[i][1].ctx_len
-            j = i
-            while j < len(decodes) and decodes[j][1].ctx_len * 2 >= longest:
-                j += 1
-            group = decodes[i:j]
-            slots = context_slots(table[[row for row, _ in group]], block_size, longest)
-            lens = torch.tensor([s.ctx_len for _, s in group])
-            mask = None
-            if bool((lens < longest).any()):
-                mask = (torch.arange(longest).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-            rows = torch.tensor([s.q_start for _, s in group], dtype=torch.long)
-            self.decode_groups.append(DecodeGroup(rows, slots, mask))
-            i = j
         return self
 
 
