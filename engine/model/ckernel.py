@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import subprocess
 import tempfile
 from pathlib import Path
@@ -34,6 +35,22 @@ def _host_identity() -> bytes:
         if line.startswith(("model name", "flags", "Features", "CPU part"))
     ]
     return "\n".join(keep).encode()
+
+
+def x86_unavailable(switch: str, features: tuple[str, ...]) -> str | None:
+    """Why an x86-64 kernel needing CPU ``features`` (``/proc/cpuinfo`` flag names) cannot run
+    here, or None: the ``switch`` environment variable set to 0, not x86-64 Linux, or a flag
+    the CPU lacks."""
+    if os.environ.get(switch, "1") == "0":
+        return f"{switch}=0"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"not x86-64 Linux ({platform.system()} {platform.machine()})"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError as e:
+        return f"cannot read /proc/cpuinfo ({e})"
+    missing = [f for f in features if f" {f}" not in flags]
+    return "the CPU lacks " + ", ".join(missing) if missing else None
 
 
 def build(source: Path, flags: list[str], compiler: str | None = None) -> Path:

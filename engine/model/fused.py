@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import platform
 from pathlib import Path
 
 import torch
 
-from engine.model.attention import amx
+from engine.model import ckernel
 
 logger = logging.getLogger(__name__)
 
@@ -37,27 +35,16 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
 
 def _why_not() -> str | None:
-    if os.environ.get("CHUNKSCOPE_FUSED_OPS", "1") == "0":
-        return "CHUNKSCOPE_FUSED_OPS=0"
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"not x86-64 Linux ({platform.system()} {platform.machine()})"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError as e:
-        return f"cannot read /proc/cpuinfo ({e})"
-    missing = [
-        f for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16") if f" {f}" not in flags
-    ]
-    if missing:
-        return "the CPU lacks " + ", ".join(missing)
-    return None
+    return ckernel.x86_unavailable(
+        "CHUNKSCOPE_FUSED_OPS", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+    )
 
 
 def _load() -> ctypes.CDLL | None:
     why = _why_not()
     if why is None:
         try:
-            dll = ctypes.CDLL(str(amx.build(source_path=SOURCE, flags=FLAGS)))
+            dll = ctypes.CDLL(str(ckernel.build(SOURCE, FLAGS)))
             dll.fused_rms_norm.argtypes = [_P, _L, _P, _I, _I, _F, _P, _L]
             dll.fused_rope.argtypes = [_P, _L, _I, _I, _I, _P, _P, _L]
             dll.fused_silu_mul.argtypes = [_P, _L, _I, _I, _P, _L]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import platform
 from pathlib import Path
 
 import torch
@@ -45,18 +44,9 @@ _state: dict[str, object] = {}
 
 def _why_not() -> str | None:
     """Why the AMX kernel cannot be used on this machine, or None."""
-    if os.environ.get("CHUNKSCOPE_AMX_ATTENTION", "1") == "0":
-        return "CHUNKSCOPE_AMX_ATTENTION=0"
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"not x86-64 Linux ({platform.system()} {platform.machine()})"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError as e:
-        return f"cannot read /proc/cpuinfo ({e})"
-    missing = [f for f in ("amx_tile", "amx_bf16", "avx512_bf16") if f" {f}" not in flags]
-    if missing:
-        return "the CPU lacks " + ", ".join(missing)
-    return None
+    return ckernel.x86_unavailable(
+        "CHUNKSCOPE_AMX_ATTENTION", ("amx_tile", "amx_bf16", "avx512_bf16")
+    )
 
 
 def build(
