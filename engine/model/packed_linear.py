@@ -57,7 +57,22 @@ def why_not(dtype: torch.dtype, device: torch.device) -> str | None:
         return "torch was built without oneDNN"
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return "this torch has no mkldnn._reorder_linear_weight"
-    return None
+    return _cpu_refusal()
+
+
+_refusal: dict[str, str | None] = {}
+
+
+def _cpu_refusal() -> str | None:
+    """Whether oneDNN packs bf16 weights on this CPU at all (it needs AVX512-BF16/AMX or
+    AVX-NE-CONVERT; on an AVX2-only CPU it refuses): tried once per process on a tiny layer."""
+    if "cpu" not in _refusal:
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+            _refusal["cpu"] = None
+        except RuntimeError as exc:
+            _refusal["cpu"] = f"oneDNN does not pack bf16 weights on this CPU ({exc})"
+    return _refusal["cpu"]
 
 
 def _probe(plain: nn.Linear, packed: PackedLinear) -> bool:

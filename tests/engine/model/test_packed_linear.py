@@ -74,6 +74,21 @@ def test_nothing_is_packed_where_it_does_not_apply(monkeypatch: pytest.MonkeyPat
     assert all(type(m) is nn.Linear for m in (model16.up, model16.down))
 
 
+def test_a_cpu_onednn_cannot_pack_for_packs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an AVX2-only CPU oneDNN refuses to pack bf16 weights: said once, every layer plain."""
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("bf16 path needs the cpu support avx_ne_convert or avx512bw")
+
+    monkeypatch.setattr(packed_linear, "_refusal", {})
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    reason = why_not(torch.bfloat16, CPU)
+    assert reason is not None and "does not pack bf16 weights on this CPU" in reason
+    model = _Toy().to(torch.bfloat16).eval()
+    assert pack_linears(model, torch.bfloat16, CPU) == 0
+    assert all(type(m) is nn.Linear for m in (model.up, model.inner[0], model.down))
+
+
 @needs_onednn
 def test_a_packed_layer_that_disagrees_keeps_the_plain_path(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
