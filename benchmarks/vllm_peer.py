@@ -122,14 +122,16 @@ async def drive(args: argparse.Namespace, url: str, model: str, pids: list[int])
         for name, seconds in (("chat_only", args.decode_window_s), ("main", args.window_s)):
             if name == "main":
                 long_on.set()
-            c0, t0 = cpu_now(), time.time()
+            c0, t0, m0 = cpu_now(), time.time(), time.monotonic_ns()
             await asyncio.sleep(seconds)
-            c1, t1 = cpu_now(), time.time()
+            c1, t1, m1 = cpu_now(), time.time(), time.monotonic_ns()
             windows.append(
                 {
                     "name": name,
                     "start": t0,
                     "end": t1,
+                    "start_mono_ns": m0,
+                    "end_mono_ns": m1,
                     "cores_used": (c1 - c0) / (t1 - t0),
                     "loadavg_1m": os.getloadavg()[0],
                 }  # fmt: skip
@@ -371,6 +373,11 @@ def run_ours(args: argparse.Namespace, model: Path, dtype: str) -> dict[str, Any
         "--kv-blocks", str(args.kv_blocks), "--cpu-threads", "1", "--log-level", "warning",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    trace = None
+    if args.step_trace:  # the core's per-step accounting (engine/process/steptrace.py)
+        fd, trace = tempfile.mkstemp(prefix="peer-steps-", suffix=".jsonl")
+        os.close(fd)
+        env["CHUNKSCOPE_STEP_TRACE"] = trace
     t0 = time.monotonic()
     proc, url = start_engine_server(cmd, env=env, timeout=300, stdout=subprocess.DEVNULL)
     start_s = time.monotonic() - t0
@@ -391,7 +398,49 @@ def run_ours(args: argparse.Namespace, model: Path, dtype: str) -> dict[str, Any
             proc.kill()
             proc.wait(10)
     served["start_s"] = start_s
+    if trace is not None:
+        from engine.process.steptrace import read_trace
+
+        records = read_trace(trace)
+        os.unlink(trace)
+        served["served_steps"] = {
+            w["name"]: served_steps(records, w["start_mono_ns"], w["end_mono_ns"])
+            for w in served["windows"]
+        }
     return served
+
+
+def served_steps(records: list[dict[str, Any]], lo_ns: int, hi_ns: int) -> dict[str, Any]:
+    """The served core's steps that started in ``[lo_ns, hi_ns)`` (monotonic), from its step
+    trace: decode-only steps' wall, CPU and run-queue wait (p50) against the in-process decode
+    step; the period from one step's start to the next (what a client's token gap is when every
+    step emits one); the longest steps. Milliseconds."""
+    recs = sorted(
+        (r for r in records if lo_ns <= r["start_ns"] < hi_ns), key=lambda r: r["start_ns"]
+    )
+    ms = 1e-6
+
+    def p(xs: list[float], q: float) -> float | None:
+        return _pct(xs, q)
+
+    dec = [r for r in recs if r.get("prefill_tokens") == 0]
+    pre = [r for r in recs if (r.get("prefill_tokens") or 0) > 0]
+    periods = [(b["start_ns"] - a["start_ns"]) * ms for a, b in zip(recs, recs[1:], strict=False)]
+    return {
+        "steps": len(recs),
+        "decode_only_steps": len(dec),
+        "decode_only_wall_p50_ms": p([r["wall_ns"] * ms for r in dec], 50),
+        "decode_only_cpu_p50_ms": p([r["cpu_ns"] * ms for r in dec], 50),
+        "decode_only_runq_wait_p50_ms": p([r["runq_wait_ns"] * ms for r in dec], 50),
+        "send_p50_ms": p([r["send_ns"] * ms for r in recs], 50),
+        "period_p50_ms": p(periods, 50),
+        "period_p99_ms": p(periods, 99),
+        "prefill_steps": len(pre),
+        "prefill_wall_p50_ms": p([r["wall_ns"] * ms for r in pre], 50),
+        "wall_max_ms": max((r["wall_ns"] * ms for r in recs), default=None),
+        "runq_wait_p99_ms": p([r["runq_wait_ns"] * ms for r in recs], 99),
+        "gc_ms_total": sum(r.get("gc_ns", 0) for r in recs) * ms,
+    }
 
 
 def decode_step_in_process(args: argparse.Namespace, model: Path, dtype: str) -> dict[str, Any]:
@@ -456,6 +505,7 @@ def summarize_run(engine: str, dtype: str, served: dict[str, Any]) -> dict[str, 
         "affinity": served.get("affinity"),
         "bind_log": served.get("bind_log"),
         "core_threads_bound": served.get("core_threads_bound"),
+        "served_steps": served.get("served_steps"),
         "requests": reqs,
     }
 
@@ -500,6 +550,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=200,
         help="ours: decode-only steps timed in process (0: none)",
+    )
+    ap.add_argument(
+        "--step-trace",
+        action="store_true",
+        help="ours: the core writes its per-step trace (CPU, run-queue wait; ~0.1 ms a step), "
+        "summarized per window beside the in-process decode step",
     )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -548,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
                         "%s %s round %d: %s", dtype, engine, k,
                         {x: round(v, 2) for x, v in run["figures"].items() if isinstance(v, float)},
                     )  # fmt: skip
+                    if run.get("served_steps"):
+                        logger.warning("%s %s round %d: served steps %s", dtype, engine, k,
+                                       run["served_steps"])  # fmt: skip
                     runs.append(run)
             per_engine = {e: pooled([r for r in runs if r["engine"] == e]) for e in engines}
             entry: dict[str, Any] = {"engines": per_engine}

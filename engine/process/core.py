@@ -234,8 +234,13 @@ class EngineCore:
                 continue
             t0 = time.monotonic_ns()
             self._send(after_step=True, outputs=result.outputs)
-            step = result.event.step if result.event is not None else None
-            tracer.end(step, send_ns=time.monotonic_ns() - t0)
+            ev = result.event
+            tracer.end(
+                ev.step if ev is not None else None,
+                send_ns=time.monotonic_ns() - t0,
+                prefill_tokens=ev.num_prefill_tokens if ev is not None else None,
+                decode_tokens=ev.num_decode_tokens if ev is not None else None,
+            )
 
     def _take_commands(self) -> tuple[bool, bool]:
         """Apply the commands waiting on the channel: (shutdown asked, any abort)."""

@@ -67,6 +67,26 @@ def test_pooled_spans_runs(peer: ModuleType) -> None:
     assert p["long_ttft_p50_ms"] == pytest.approx(2000)  # median of 1 s and 3 s
 
 
+def test_served_steps_of_a_window(peer: ModuleType) -> None:
+    ms = 1_000_000
+
+    def rec(start: int, wall: int, prefill: int) -> dict:
+        return {"start_ns": start * ms, "wall_ns": wall * ms, "cpu_ns": (wall - 1) * ms,
+                "runq_wait_ns": ms, "send_ns": ms // 2, "gc_ns": 0, "prefill_tokens": prefill,
+                "decode_tokens": 6}  # fmt: skip
+
+    # decode steps of 8 ms every 10 ms, one 100 ms chunk step, one step outside the window
+    records = [rec(10 * k, 8, 0) for k in range(10)] + [rec(100, 100, 506), rec(210, 8, 0)]
+    records += [rec(500, 8, 0)]
+    s = peer.served_steps(records, 0, 300 * ms)
+    assert s["steps"] == 12 and s["decode_only_steps"] == 11 and s["prefill_steps"] == 1
+    assert s["decode_only_wall_p50_ms"] == pytest.approx(8)
+    assert s["decode_only_cpu_p50_ms"] == pytest.approx(7)
+    assert s["period_p50_ms"] == pytest.approx(10) and s["wall_max_ms"] == pytest.approx(100)
+    assert s["prefill_wall_p50_ms"] == pytest.approx(100)
+    assert peer.served_steps(records, 1000 * ms, 2000 * ms)["steps"] == 0
+
+
 @pytest.mark.slow
 def test_dry_run_against_vllm(peer: ModuleType, tmp_path: Path) -> None:
     if vllm_python() is None:
@@ -77,7 +97,7 @@ def test_dry_run_against_vllm(peer: ModuleType, tmp_path: Path) -> None:
     core = min(os.sched_getaffinity(0))
     rc = peer.main(["--quick", "--dtypes", "float32", "--out-dir", str(tmp_path),
                     "--core", str(core), "--warmup-s", "0.5", "--decode-window-s", "0.5",
-                    "--window-s", "1.5"])  # fmt: skip
+                    "--window-s", "1.5", "--step-trace"])  # fmt: skip
     assert rc == 0
     doc = json.loads((tmp_path / "vllm_peer.json").read_text())
     assert doc["provenance"]["git_commit"] and doc["config"]["budget"] == 64
@@ -89,5 +109,8 @@ def test_dry_run_against_vllm(peer: ModuleType, tmp_path: Path) -> None:
     vllm_run, ours_run = entry["runs"]
     assert any(line.endswith(f"core ids=[{core}]") for line in vllm_run["bind_log"])
     assert ours_run["core_threads_bound"] >= 1
+    served = ours_run["served_steps"]  # the core's own step trace, per window
+    assert served["main"]["steps"] > 0 and served["main"]["period_p50_ms"] is not None
+    assert vllm_run["served_steps"] is None
     assert any(a["threads_allowed_cpus"] == [str(core)] for a in ours_run["affinity"].values())
     assert set(entry["ratios"]) >= {"chat_itl_p99_ms", "chat_tokens_per_s", "long_ttft_p50_ms"}

@@ -98,8 +98,10 @@ def test_core_writes_a_step_trace_when_asked(
         assert asyncio.run(run()) == 5
     finally:
         client.shutdown()
-    steps = [r["step"] for r in read_trace(path)]
-    assert steps == list(range(5))  # one prefill step that samples, four decodes
+    records = read_trace(path)
+    assert [r["step"] for r in records] == list(range(5))  # a prefill that samples, 4 decodes
+    assert [r["prefill_tokens"] for r in records] == [4, 0, 0, 0, 0]
+    assert [r["decode_tokens"] for r in records] == [0, 1, 1, 1, 1]
 
 
 def test_freeze_startup_objects_leaves_nothing_to_collect() -> None:
