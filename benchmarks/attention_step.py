@@ -13,7 +13,8 @@ the step's dtype, timed here. Then 12 decode-only steps of the six streams.
 
 Arms: (sdpa, split) x (float32, bfloat16) by default, or any of sdpa, split, split-noamx (the
 AMX kernel off), split-prefix (the AMX kernel on the prefix call only, as before issue 20d),
-split-nofused (torch's row ops instead of engine/model/fused.py's), engines built up front;
+split-nofused (torch's row ops instead of engine/model/fused.py's), split-nopanel (torch's fp32
+linear instead of engine/model/panel_linear.py's), engines built up front;
 each repetition runs the whole workload once per arm, arms in a rotating order, so other
 processes' noise hits every arm. GEMM rates are timed before and after the arms (best of
 both).  -> results/attention_step.json (or --output)
@@ -95,16 +96,21 @@ def build_engine(folder: Path, backend: str, dtype: str, max_len: int):  # type:
         engine = build_engine(folder, "split", dtype, max_len)
         engine.runner.backend.inner.amx_paged = False
         return engine
-    if backend == "split-noamx":  # the split backend with the AMX prefix kernel switched off
-        saved = os.environ.get("CHUNKSCOPE_AMX_ATTENTION")
-        os.environ["CHUNKSCOPE_AMX_ATTENTION"] = "0"
+    switched_off = {  # the split backend with one of our kernels switched off at load
+        "split-noamx": "CHUNKSCOPE_AMX_ATTENTION",  # the AMX attention kernel
+        "split-nopanel": "CHUNKSCOPE_PANEL_LINEAR",  # fp32 panel linears (torch's linear)
+    }
+    if backend in switched_off:
+        var = switched_off[backend]
+        saved = os.environ.get(var)
+        os.environ[var] = "0"
         try:
             engine = build_engine(folder, "split", dtype, max_len)
         finally:
             if saved is None:
-                del os.environ["CHUNKSCOPE_AMX_ATTENTION"]
+                del os.environ[var]
             else:
-                os.environ["CHUNKSCOPE_AMX_ATTENTION"] = saved
+                os.environ[var] = saved
         return engine
     engine = LLMEngine(
         EngineConfig(
@@ -253,6 +259,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             ("split-noamx", "without AMX kernel"),
             ("split-prefix", "prefix-only"),
             ("split-nofused", "without fused row ops"),
+            ("split-nopanel", "without panel linears"),
         ):
             off, on = per_arm.get(f"{base}/{dtype}"), per_arm.get(f"split/{dtype}")
             if not (off and on):
@@ -344,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         default="sdpa,split",
         help="of sdpa, split, split-noamx (split with CHUNKSCOPE_AMX_ATTENTION=0), "
         "split-prefix (the AMX kernel on the prefix call only), split-nofused (torch's row ops "
-        "instead of engine/model/fused.py's)",
+        "instead of engine/model/fused.py's), split-nopanel (torch's fp32 linear instead of "
+        "engine/model/panel_linear.py's)",
     )
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prompt-len", type=int, default=6000)

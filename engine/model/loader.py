@@ -13,6 +13,7 @@ import torch
 from engine.model.arch import PRESETS, ModelArch, arch_from_hf_config
 from engine.model.llama import LlamaModel
 from engine.model.packed_linear import pack_linears
+from engine.model.panel_linear import pack_panels
 from engine.tokenizer import BYTE_TOKENIZER_MARKER, ByteTokenizer, Tokenizer, make_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def load_model(
     else:
         load_safetensors(model, source.folder)
     pack_linears(model, dtype, device)  # bf16 on CPU: weights packed once for oneDNN
+    pack_panels(model, dtype, device)  # fp32 on AVX2-class CPUs: 16-output panels, one C kernel
     tokenizer = make_tokenizer(source.folder, source.arch.vocab_size, source.arch.eos_token_id)
     return LoadedModel(source.name, source.arch, model, tokenizer)
 
