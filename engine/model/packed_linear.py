@@ -21,6 +21,8 @@ import os
 import torch
 from torch import nn
 
+from engine.model.linear_swap import swap_linears
+
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "CHUNKSCOPE_PACKED_LINEAR"
@@ -75,18 +77,6 @@ def _cpu_refusal() -> str | None:
     return _refusal["cpu"]
 
 
-def _probe(plain: nn.Linear, packed: PackedLinear) -> bool:
-    """The packed product equals the plain one on a few random rows (same kernel, same data)."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, plain.in_features, generator=g).to(plain.weight.dtype)
-    with torch.inference_mode():
-        want = nn.functional.linear(x, plain.weight, plain.bias).float()
-        got = packed(x).float()
-    scale = want.abs().max().clamp_min(1e-6)
-    # bf16 rounding of the output is the only difference allowed (one ulp of the largest value)
-    return got.shape == want.shape and bool(((got - want).abs().max() / scale) <= 2**-7)
-
-
 def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear` when packing applies;
     returns how many were replaced (0, with the reason logged once, when it does not)."""
@@ -94,29 +84,7 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
     if reason is not None:
         logger.debug("linear weights not packed: %s", reason)
         return 0
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear
-    ]
-    replaced = 0
-    for parent, name, child in targets:
-        try:
-            packed = PackedLinear(child)
-            ok = _probe(child, packed)
-        except Exception as exc:  # noqa: BLE001 - any oneDNN refusal: keep the plain layer
-            logger.warning("linear weights not packed (%s): plain linear runs", exc)
-            return replaced
-        if not ok:
-            logger.warning(
-                "linear weights not packed: the packed product differs from the plain one on "
-                "%s.%s; plain linear runs",
-                type(parent).__name__,
-                name,
-            )
-            return replaced
-        setattr(parent, name, packed)
-        replaced += 1
+    # bf16 rounding of the output is the only difference allowed (one ulp of the largest value)
+    replaced = swap_linears(model, PackedLinear, 2**-7, "packed", logger)
     logger.info("bf16 linear weights packed for oneDNN: %d layers", replaced)
     return replaced

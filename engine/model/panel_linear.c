@@ -41,6 +41,20 @@ static inline v8 load8(const float *p) {
     return v;
 }
 
+/* rows [0, mr) of the block's sums (+ bias) to out, outputs [0, nv) of each. */
+static inline void store(int mr, v8 a[MR][2], const float *bias, float *out, long os, int nv) {
+    for (int m = 0; m < mr; m++) {
+        float s[NR];
+        memcpy(s, &a[m][0], sizeof(v8));
+        memcpy(s + 8, &a[m][1], sizeof(v8));
+        float *o = out + m * os;
+        if (bias)
+            for (int j = 0; j < nv; j++) o[j] = s[j] + bias[j];
+        else
+            for (int j = 0; j < nv; j++) o[j] = s[j];
+    }
+}
+
 /* rows [0, mr) (mr <= MR) of a packed row block xt[k][MR] against one panel; writes outputs
  * [0, nv) of each row. */
 static inline void block(int mr, const float *xt, const float *panel, int k, const float *bias,
@@ -55,16 +69,7 @@ static inline void block(int mr, const float *xt, const float *panel, int k, con
             a[m][1] += xk[m] * w1;
         }
     }
-    for (int m = 0; m < mr; m++) {
-        float s[NR];
-        memcpy(s, &a[m][0], sizeof(v8));
-        memcpy(s + 8, &a[m][1], sizeof(v8));
-        float *o = out + m * os;
-        if (bias)
-            for (int j = 0; j < nv; j++) o[j] = s[j] + bias[j];
-        else
-            for (int j = 0; j < nv; j++) o[j] = s[j];
-    }
+    store(mr, a, bias, out, os, nv);
 }
 
 /* fewer rows than a block (a decode step of one or two sequences): x read in place, only the
@@ -83,16 +88,7 @@ static inline void block_few(int mr, const float *x, long xs, const float *panel
             }
         }
     }
-    for (int m = 0; m < mr; m++) {
-        float s[NR];
-        memcpy(s, &a[m][0], sizeof(v8));
-        memcpy(s + 8, &a[m][1], sizeof(v8));
-        float *o = out + m * os;
-        if (bias)
-            for (int j = 0; j < nv; j++) o[j] = s[j] + bias[j];
-        else
-            for (int j = 0; j < nv; j++) o[j] = s[j];
-    }
+    store(mr, a, bias, out, os, nv);
 }
 
 /* out [rows][n] (row stride os) = x [rows][k] (row stride xs) . W^T (+ bias) over the panels p.

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from engine.model import ckernel
+from engine.model.linear_swap import swap_linears
 
 logger = logging.getLogger(__name__)
 
@@ -118,47 +119,13 @@ def why_not(dtype: torch.dtype, device: torch.device) -> str | None:
     return None
 
 
-def _probe(plain: nn.Linear, panel: PanelLinear) -> bool:
-    """The panel product matches the plain one on a few random rows (fp32 summation order)."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(7, plain.in_features, generator=g)
-    with torch.inference_mode():
-        want = nn.functional.linear(x, plain.weight, plain.bias)
-        got = panel(x)
-    scale = want.abs().max().clamp_min(1e-6)
-    return got.shape == want.shape and bool(((got - want).abs().max() / scale) <= 1e-5)
-
-
 def pack_panels(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`PanelLinear` when it applies;
-    returns how many were replaced (0, with the reason logged once at INFO, when it does not)."""
+    returns how many were replaced (0, with the reason logged at DEBUG, when it does not)."""
     reason = why_not(dtype, device)
     if reason is not None:
-        logger.info("fp32 linear weights not packed into panels: %s", reason)
+        logger.debug("fp32 linear weights not packed into panels: %s", reason)
         return 0
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear
-    ]
-    replaced = 0
-    for parent, name, child in targets:  # one at a time: never two copies of every weight
-        try:
-            panel = PanelLinear(child)
-            ok = _probe(child, panel)
-        except (RuntimeError, ValueError) as exc:
-            logger.warning("linear weights not packed into panels (%s): plain linear runs", exc)
-            return replaced
-        if not ok:
-            logger.warning(
-                "linear weights not packed into panels: the panel product differs from the "
-                "plain one on %s.%s; plain linear runs",
-                type(parent).__name__,
-                name,
-            )
-            return replaced
-        setattr(parent, name, panel)
-        replaced += 1
+    replaced = swap_linears(model, PanelLinear, 1e-5, "packed into panels", logger)
     logger.info("fp32 linear weights packed into panels: %d layers", replaced)
     return replaced
