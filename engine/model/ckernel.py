@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -53,11 +54,16 @@ def x86_unavailable(switch: str, features: tuple[str, ...]) -> str | None:
     return "the CPU lacks " + ", ".join(missing) if missing else None
 
 
+_LOCAL_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)
+
+
 def build(source: Path, flags: list[str], compiler: str | None = None) -> Path:
     """Compile ``source`` into a shared library (once per source, compiler, flags and host CPU)
     and return its path. Raises RuntimeError with the compiler's message when the build fails."""
     cc = compiler or os.environ.get("CC") or "cc"
     text = source.read_bytes()
+    for name in _LOCAL_INCLUDE.findall(text):  # headers next to it are part of the source
+        text += (source.parent / name.decode()).read_bytes()
     key = hashlib.sha256(text + " ".join([cc, *flags]).encode() + _host_identity()).hexdigest()[:16]
     folder = cache_dir()
     lib = folder / f"{source.stem}-{key}.so"

@@ -1,23 +1,28 @@
-"""Row-wise bf16 operations of the decoder step, each fused into one pass (CPUs with AVX512-BF16).
+"""Row-wise operations of the decoder step, each fused into one pass (bf16 with AVX512-BF16,
+fp32 on any CPU).
 
 RMSNorm, rotary embedding and the MLP's ``silu(gate) * up`` run in torch as several
-elementwise bf16 ops, each reading and writing the whole activation (~3 G elements/s on one
-thread): at a 512-token chunk they cost about as much as the step's matmuls. The C source next
-to this module (``fused_ops.c``) does each in one pass over a row, rounding to bf16 where
-torch's sequence of ops does, so results are torch's up to fp32 summation order and the exp
-inside silu. It is compiled at first use and loaded as the AMX attention kernel is
-(``engine.model.ckernel.build``: same cache folder, same compiler, no build at install).
+elementwise ops, each reading and writing the whole activation (~3 G elements/s on one thread
+in bf16) and each a dispatch (at a decode step's few rows, the dispatches are the cost: torch's
+fp32 RMSNorm of 6 x 256 takes ~47 us). The C sources next to this module do each in one pass
+over a row: ``fused_ops.c`` for bf16 (AVX-512 intrinsics), rounding to bf16 where torch's
+sequence of ops does, so results are torch's up to fp32 summation order and the exp inside silu;
+``fused_ops_f32.c`` for fp32 (plain C for the vectorizer, ``-march=native``), torch's results
+up to fp32 summation order and the exp. They are compiled at first use and loaded as the
+attention kernels are (``engine.model.ckernel.build``: same cache folder, same compiler, no
+build at install).
 
-Used for bf16 CPU tensors with one torch thread (the loops are single-threaded; torch's ops
-parallelize), when the CPU has AVX512-BF16 and the build succeeds; ``CHUNKSCOPE_FUSED_OPS=0``
-turns them off. Otherwise ``llama.py`` runs its torch code, unchanged. The reason they are not
-used is logged once at INFO.
+Used for bf16 (when the CPU has AVX512-BF16) and fp32 CPU tensors with one torch thread (the
+loops are single-threaded; torch's ops parallelize), when the build succeeds;
+``CHUNKSCOPE_FUSED_OPS=0`` turns them off. Otherwise ``llama.py`` runs its torch code,
+unchanged. The reason they are not used is logged once at INFO.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -28,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fused_ops.c")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+SOURCE_F32 = Path(__file__).with_name("fused_ops_f32.c")
+FLAGS_F32 = ["-O3", "-march=native", "-fopenmp-simd"]
 
 _state: dict[str, object] = {}
 _switch = {"on": True}
@@ -63,6 +70,29 @@ def library() -> ctypes.CDLL | None:
     return _state["dll"]  # type: ignore[return-value]
 
 
+def _load_f32() -> ctypes.CDLL | None:
+    why = "CHUNKSCOPE_FUSED_OPS=0" if os.environ.get("CHUNKSCOPE_FUSED_OPS", "1") == "0" else None
+    if why is None:
+        try:
+            dll = ctypes.CDLL(str(ckernel.build(SOURCE_F32, FLAGS_F32)))
+            dll.f32_rms_norm.argtypes = [_P, _L, _P, _I, _I, _F, _P, _L]
+            dll.f32_rope.argtypes = [_P, _L, _I, _I, _I, _P, _P, _L]
+            dll.f32_silu_mul.argtypes = [_P, _L, _I, _I, _P, _L]
+            for f in (dll.f32_rms_norm, dll.f32_rope, dll.f32_silu_mul):
+                f.restype = None
+            return dll
+        except (RuntimeError, OSError) as e:
+            why = f"build or load failed: {e}"
+    logger.info("fused fp32 CPU ops not used: %s; torch's ops run instead", why)
+    return None
+
+
+def library_f32() -> ctypes.CDLL | None:
+    if "f32" not in _state:
+        _state["f32"] = _load_f32()
+    return _state["f32"]  # type: ignore[return-value]
+
+
 def reset() -> None:
     _state.clear()
 
@@ -73,50 +103,48 @@ def set_enabled(on: bool) -> None:
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether ``x`` (the step's activations) goes to the fused ops: bf16 on CPU, one torch
-    thread, the library built."""
-    return (
-        _switch["on"]
-        and x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and torch.get_num_threads() == 1
-        and library() is not None
-    )
+    """Whether ``x`` (the step's activations) goes to the fused ops: bf16 or fp32 on CPU, one
+    torch thread, the dtype's library built."""
+    if not (_switch["on"] and x.device.type == "cpu" and torch.get_num_threads() == 1):
+        return False
+    if x.dtype == torch.bfloat16:
+        return library() is not None
+    return x.dtype == torch.float32 and library_f32() is not None
 
 
 def _rows(x: torch.Tensor, n: int) -> int:
-    """Row stride of a 2-D bf16 ``x`` whose rows hold ``n`` contiguous elements."""
+    """Row stride of a 2-D ``x`` whose rows hold ``n`` contiguous elements."""
     if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] < n or n % 16:
         raise ValueError(f"bad layout: shape {tuple(x.shape)}, strides {x.stride()}, n {n}")
     return x.stride(0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * rms_norm(x.float()).to(bf16)`` of ``x`` ``[T, H]`` (H a multiple of 16)."""
+    """``weight * rms_norm(x.float()).to(bf16)`` of a bf16 ``x`` ``[T, H]`` (H a multiple of 16);
+    in fp32 ``weight * rms_norm(x)``."""
     rows, n = x.shape
-    if weight.shape != (n,) or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+    if weight.shape != (n,) or weight.dtype != x.dtype or not weight.is_contiguous():
         raise ValueError(f"bad weight {tuple(weight.shape)} {weight.dtype} for hidden {n}")
     xs = _rows(x, n)
-    out = torch.empty(rows, n, dtype=torch.bfloat16)
-    library().fused_rms_norm(  # type: ignore[union-attr]
-        x.data_ptr(), xs, weight.data_ptr(), rows, n, eps, out.data_ptr(), n
-    )
+    out = torch.empty(rows, n, dtype=x.dtype)
+    fn = library_f32().f32_rms_norm if x.dtype == torch.float32 else library().fused_rms_norm  # type: ignore[union-attr]
+    fn(x.data_ptr(), xs, weight.data_ptr(), rows, n, eps, out.data_ptr(), n)
     return out
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in place on ``x`` ``[T, H, D]`` (heads contiguous within a row, D a
-    multiple of 32) with ``cos``, ``sin`` ``[T, 1, D]`` bf16 (``RotaryEmbedding.tables``)."""
+    multiple of 32) with ``cos``, ``sin`` ``[T, 1, D]`` of its dtype (``RotaryEmbedding.tables``).
+    """
     rows, heads, d = x.shape
     if x.stride(2) != 1 or x.stride(1) != d or d % 32:
         raise ValueError(f"bad layout: shape {tuple(x.shape)}, strides {x.stride()}")
-    if cos.shape != (rows, 1, d) or sin.shape != cos.shape or cos.dtype != torch.bfloat16:
+    if cos.shape != (rows, 1, d) or sin.shape != cos.shape or cos.dtype != x.dtype:
         raise ValueError(f"bad tables: {tuple(cos.shape)} {cos.dtype}")
     if not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("cos and sin must be contiguous")
-    library().fused_rope(  # type: ignore[union-attr]
-        x.data_ptr(), x.stride(0), rows, heads, d, cos.data_ptr(), sin.data_ptr(), d
-    )
+    fn = library_f32().f32_rope if x.dtype == torch.float32 else library().fused_rope  # type: ignore[union-attr]
+    fn(x.data_ptr(), x.stride(0), rows, heads, d, cos.data_ptr(), sin.data_ptr(), d)
     return x
 
 
@@ -126,8 +154,8 @@ def silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor:
     if gate_up.dim() != 2 or gate_up.shape[1] != 2 * n:
         raise ValueError(f"bad shape {tuple(gate_up.shape)} for intermediate {n}")
     gs = _rows(gate_up, 2 * n)
-    out = torch.empty(rows, n, dtype=torch.bfloat16)
-    library().fused_silu_mul(  # type: ignore[union-attr]
-        gate_up.data_ptr(), gs, rows, n, out.data_ptr(), n
-    )
+    out = torch.empty(rows, n, dtype=gate_up.dtype)
+    f32 = gate_up.dtype == torch.float32
+    fn = library_f32().f32_silu_mul if f32 else library().fused_silu_mul  # type: ignore[union-attr]
+    fn(gate_up.data_ptr(), gs, rows, n, out.data_ptr(), n)
     return out

@@ -26,15 +26,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalized in fp32, then scaled in the model's dtype; torch's fused rms_norm gives
         # the same bits as weight * (x * rsqrt(mean(x^2) + eps)), in one op
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         if (
             x.dim() == 2
             and x.shape[1] % 16 == 0
-            and self.weight.dtype == torch.bfloat16
+            and self.weight.dtype == x.dtype
             and fused.usable(x)
         ):
             return fused.rms_norm(x, self.weight, self.eps)  # the same in one pass
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         normed = nn.functional.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return self.weight * normed.to(x.dtype)
 

@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../vexp.h"
+
 static inline float bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } c;
     c.u = ((uint32_t)h) << 16;
@@ -28,29 +30,6 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* NaN */
     uint32_t rounding = 0x7fffu + ((c.u >> 16) & 1u);
     return (uint16_t)((c.u + rounding) >> 16);
-}
-
-/* exp(x) for x <= 0 (softmax arguments after the max is subtracted); 0 below -87.3 */
-#pragma omp declare simd
-static inline float exp_neg(float x) {
-    const float lo = -87.33654f;
-    float xc = x < lo ? lo : x;
-    /* x = n ln2 + r, |r| <= ln2/2 */
-    float n = floorf(xc * 1.44269504088896341f + 0.5f);
-    float r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float r2 = r * r;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r2 + r + 1.0f;
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)((int32_t)n + 127) << 23;
-    float y = p * c.f;
-    return x < lo ? 0.0f : y;
 }
 
 #define MAX_D 256
