@@ -44,6 +44,7 @@ import csv
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -138,21 +139,35 @@ def _dist(text: str) -> tuple[np.ndarray, np.ndarray]:
     return vals, p / p.sum()
 
 
+def phase_bounds(args: argparse.Namespace) -> list[tuple[str, float, float]]:
+    """(name, start, end) of each phase, seconds from the arm's start: ``--phase-s`` is one
+    length for all four or four lengths."""
+    lengths = [float(x) for x in str(args.phase_s).split(",") if x.strip()]
+    if len(lengths) == 1:
+        lengths *= len(PHASES)
+    if len(lengths) != len(PHASES) or min(lengths) <= 0:
+        raise ValueError(f"--phase-s: one length or {len(PHASES)} positive lengths")
+    edges = np.concatenate([[0.0], np.cumsum(lengths)])
+    return [(n, float(edges[k]), float(edges[k + 1])) for k, n in enumerate(PHASES)]
+
+
 def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec], dict[str, Any]]:
     TRACES = Path(args.traces_dir)
     rng = np.random.default_rng(seed)
-    P = args.phase_s
+    bounds = {n: (a, b) for n, a, b in phase_bounds(args)}
+    (r0, r1), (i0, i1) = bounds["rag"], bounds["image"]
+    total = bounds["quiet2"][1]
     specs: list[RequestSpec] = []
     conv = _azure(TRACES / "AzureLLMInferenceTrace_conv.csv")
-    for t, inp, out in _stretch(conv, rng, args.chat_rate, 4 * P):
+    for t, inp, out in _stretch(conv, rng, args.chat_rate, total):
         n = int(np.clip(inp * args.chat_prompt_scale, args.chat_min, args.chat_max))
         o = int(np.clip(out * args.chat_output_scale, 4, args.chat_output_max))
         specs.append(RequestSpec(0, "chat", t, o, (Segment(f"chat/{seed}/{len(specs)}", n),)))
     code = _azure(TRACES / "AzureLLMInferenceTrace_code.csv")
-    for t, inp, out in _stretch(code, rng, args.rag_rate, P):
+    for t, inp, out in _stretch(code, rng, args.rag_rate, r1 - r0):
         n = int(np.clip(inp * args.rag_prompt_scale, args.rag_min, args.rag_max))
         o = int(np.clip(out, 2, args.rag_output_max))
-        specs.append(RequestSpec(0, "rag", P + t, o, (Segment(f"rag/{seed}/{len(specs)}", n),)))
+        specs.append(RequestSpec(0, "rag", r0 + t, o, (Segment(f"rag/{seed}/{len(specs)}", n),)))
     client = int(rng.integers(0, 35))
     data = json.loads((TRACES / "servegen-mm-image" / f"chunk-{client}-dataset.json").read_text())
     window = sorted(data)[int(rng.integers(0, len(data)))]
@@ -167,12 +182,12 @@ def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec]
     outs, po = _dist(dist["output_tokens"])
     shape = 1.0 / max(cv, 0.1) ** 2  # Gamma inter-arrivals with the window's cv, mean 1/rate
     t = float(rng.gamma(shape, 1.0 / (args.image_rate * shape)))
-    while t < P:
+    while t < i1 - i0:
         k = int(min(args.max_images, max(1, rng.choice(counts, p=pc))))
         imgs = tuple(ImageRef(1280, 720, "jpeg", int(rng.integers(0, 8))) for _ in range(k))
         n_words = max(3, int(rng.choice(texts, p=pt) * args.image_text_scale))
         o = int(np.clip(rng.choice(outs, p=po) * args.image_output_scale, 4, args.image_out_max))
-        specs.append(RequestSpec(0, "vlm", 2 * P + t, o, images=imgs, text=words(rng, n_words)))
+        specs.append(RequestSpec(0, "vlm", i0 + t, o, images=imgs, text=words(rng, n_words)))
         t += float(rng.gamma(shape, 1.0 / (args.image_rate * shape)))
     reindex(specs)
     info = {
@@ -271,23 +286,23 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def arm_figures(args: argparse.Namespace, served: dict[str, Any], slo: AutopilotSlo) -> dict:
-    P = args.phase_s
+    bounds = phase_bounds(args)
+    total = bounds[-1][2]
     recs = served["records"]
     meet = [
         r.status == "ok" and request_meets(r.ttft_s, r.itl_s, slo, r.traffic_class) for r in recs
     ]
     phases = {}
-    for k, name in enumerate(PHASES):
-        mine = [r for r in recs if k * P <= r.scheduled_s < (k + 1) * P]
-        ok = [r for r in mine if r.status == "ok"]
+    for name, lo, hi in bounds:
+        mine = [(r, m) for r, m in zip(recs, meet, strict=True) if lo <= r.scheduled_s < hi]
+        ok = [r for r, _ in mine if r.status == "ok"]
         chat_gaps = [g * 1e3 for r in ok if r.traffic_class == "chat" for g in r.itl_s]
         ttft = [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]
         phases[name] = {
             "num_requests": len(mine),
             "num_failed": len(mine) - len(ok),
-            "num_meet": sum(
-                m for r, m in zip(recs, meet, strict=True) if k * P <= r.scheduled_s < (k + 1) * P
-            ),
+            "num_meet": int(sum(m for _, m in mine)),
+            "goodput_rps": sum(m for _, m in mine) / (hi - lo),
             "chat_itl_p99_ms": _pct(chat_gaps, 99),
             "chat_itl_max_ms": max(chat_gaps) if chat_gaps else None,
             "ttft_p99_ms": _pct(ttft, 99),
@@ -299,7 +314,7 @@ def arm_figures(args: argparse.Namespace, served: dict[str, Any], slo: Autopilot
         "cap": served["cap"],
         "num_requests": len(recs),
         "num_meet": int(sum(meet)),
-        "goodput_rps": sum(meet) / (4 * P),
+        "goodput_rps": sum(meet) / total,
         "num_failed": sum(r.status != "ok" for r in recs),
         "loadavg_1m": served["loadavg_1m"],
         "phases": phases,
@@ -312,14 +327,16 @@ def arm_figures(args: argparse.Namespace, served: dict[str, Any], slo: Autopilot
 def autopilot_figures(
     args: argparse.Namespace, served: dict[str, Any], phases: dict[str, Any]
 ) -> dict[str, Any]:
-    P, t0 = args.phase_s, served["start_wall"]
+    t0 = served["start_wall"]
     ds = served["decisions"]
     kinds: dict[str, int] = {}
     for d in ds:
         kinds[d["kind"]] = kinds.get(d["kind"], 0) + 1
     per_phase = {}
-    for k, name in enumerate(PHASES):
-        ticks = [d for d in ds if k * P <= d["time"] - t0 < (k + 1) * P and d.get("chosen")]
+    for name, lo, hi in phase_bounds(args):
+        # ticks whose look-back lies in the phase: what they predict is the phase's traffic
+        lo_t = min(lo + args.ap_lookback, hi)
+        ticks = [d for d in ds if lo_t <= d["time"] - t0 <= hi and d.get("chosen")]
         pred_itl = [d["chosen"]["itl_p99_ms"] for d in ticks if d["chosen"]["itl_p99_ms"]]
         pred_ttft = [d["chosen"]["ttft_p99_ms"] for d in ticks if d["chosen"]["ttft_p99_ms"]]
         eng_itl = [d["observed"]["itl_p99_ms"] for d in ticks if d["observed"]["itl_p99_ms"]]
@@ -401,7 +418,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES), help="../shared/traces")
-    ap.add_argument("--phase-s", type=float, default=8.0)
+    ap.add_argument(
+        "--phase-s", default="8", help="seconds per phase: one for all, or quiet,rag,image,quiet2"
+    )
+    ap.add_argument(
+        "--arms", default="", help="only these arms (names like 1024/0, autopilot; calibration)"
+    )
+    ap.add_argument("--keep-store", default="", help="copy the run's SQLite store here")
     ap.add_argument("--drain-s", type=float, default=15.0, help="then in-flight requests fail")
     ap.add_argument("--budgets", default="256,1024,16384")
     ap.add_argument("--caps", default="256", help="caps tried at each budget besides off")
@@ -438,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-blocks", type=int, default=4096)
     args = ap.parse_args(argv)
     if args.quick:
-        args.preset, args.phase_s, args.drain_s, args.seeds = "tiny", 3.0, 10.0, "0"
+        args.preset, args.phase_s, args.drain_s, args.seeds = "tiny", "3", 10.0, "0"
         args.budgets, args.caps, args.reference_budget = "64,256", "32", 128
         args.rag_min, args.rag_max, args.chat_max, args.max_model_len = 100, 300, 64, 512
         args.kv_blocks, args.ap_budgets, args.ap_caps = 1024, "64,128,256", "0,32"
@@ -447,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(x) for x in args.budgets.split(",")]
     caps = [int(x) for x in args.caps.split(",") if x]
     statics = static_arms(budgets, caps, args.reference_budget)
+    only = {x.strip() for x in args.arms.split(",") if x.strip()}
+    with_autopilot = not only or "autopilot" in only
+    if only:
+        statics = [a for a in statics if a.name in only]
     top = max([a.budget for a in statics] + [int(x) for x in args.ap_budgets.split(",")])
     tmp = Path(tempfile.mkdtemp(prefix="autopilot-bench-"))
     collector = start_collector(f"sqlite:///{tmp / 'store.db'}")
@@ -466,7 +493,9 @@ def main(argv: list[str] | None = None) -> int:
         for i, seed in enumerate(int(x) for x in args.seeds.split(",")):
             specs, info = build_replay(args, seed)
             order = statics[i % len(statics) :] + statics[: i % len(statics)]
-            order.insert(1 + i % (len(order) - 1), Arm("autopilot", args.reference_budget, 0, True))
+            if with_autopilot:
+                at = 1 + i % max(1, len(order) - 1) if order else 0
+                order.insert(at, Arm("autopilot", args.reference_budget, 0, True))
             arms = []
             for arm in order:
                 served = serve_arm(args, arm, specs, url, collector, tmp, seed)
@@ -486,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
             proc.wait(10)
         collector.stop()
-    result = summary(seeds_out)
+        if args.keep_store:
+            shutil.copy(tmp / "store.db", args.keep_store)
+    result = summary(seeds_out) if with_autopilot and statics else {"per_seed": []}
     for r in result["per_seed"]:
         print(json.dumps(r))
     write_json(
