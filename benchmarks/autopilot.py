@@ -180,15 +180,19 @@ def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec]
     counts, pc = _dist(dist["image_count"])
     texts, pt = _dist(dist["text_tokens"])
     outs, po = _dist(dist["output_tokens"])
-    shape = 1.0 / max(cv, 0.1) ** 2  # Gamma inter-arrivals with the window's cv, mean 1/rate
-    t = float(rng.gamma(shape, 1.0 / (args.image_rate * shape)))
-    while t < i1 - i0:
+    # Gamma inter-arrivals with the window's cv, rescaled (as the Azure stretches are) so the
+    # phase holds rate x length requests: a very bursty window (cv 12: shape 0.007) would
+    # otherwise put either none or dozens of requests in one phase, whatever the rate
+    shape = 1.0 / max(cv, 0.1) ** 2
+    n_img = max(1, round(args.image_rate * (i1 - i0)))
+    gaps = rng.gamma(shape, 1.0, size=n_img + 1)
+    offsets = np.cumsum(gaps)[:-1] / max(float(gaps.sum()), 1e-12) * (i1 - i0)
+    for t in offsets:
         k = int(min(args.max_images, max(1, rng.choice(counts, p=pc))))
         imgs = tuple(ImageRef(1280, 720, "jpeg", int(rng.integers(0, 8))) for _ in range(k))
         n_words = max(3, int(rng.choice(texts, p=pt) * args.image_text_scale))
         o = int(np.clip(rng.choice(outs, p=po) * args.image_output_scale, 4, args.image_out_max))
-        specs.append(RequestSpec(0, "vlm", i0 + t, o, images=imgs, text=words(rng, n_words)))
-        t += float(rng.gamma(shape, 1.0 / (args.image_rate * shape)))
+        specs.append(RequestSpec(0, "vlm", i0 + float(t), o, images=imgs, text=words(rng, n_words)))
     reindex(specs)
     info = {
         "seed": seed,
@@ -412,7 +416,7 @@ def summary(seeds: list[dict[str, Any]]) -> dict[str, Any]:
     return {"per_seed": rows}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap)
     ap.add_argument("--preset", default="demo")
@@ -459,7 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ap-caps", default="0,256")
     ap.add_argument("--max-model-len", type=int, default=8448)
     ap.add_argument("--kv-blocks", type=int, default=4096)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.quick:
         args.preset, args.phase_s, args.drain_s, args.seeds = "tiny", "3", 10.0, "0"
         args.budgets, args.caps, args.reference_budget = "64,256", "32", 128
