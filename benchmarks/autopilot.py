@@ -50,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +189,8 @@ def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec]
     offsets = np.cumsum(gaps)[:-1] / max(float(gaps.sum()), 1e-12) * (i1 - i0)
     for t in offsets:
         k = int(min(args.max_images, max(1, rng.choice(counts, p=pc))))
-        imgs = tuple(ImageRef(1280, 720, "jpeg", int(rng.integers(0, 8))) for _ in range(k))
+        # a distinct image per request (the trace's requests carry different images)
+        imgs = tuple(ImageRef(1280, 720, "jpeg", 1000 * len(specs) + j) for j in range(k))
         n_words = max(3, int(rng.choice(texts, p=pt) * args.image_text_scale))
         o = int(np.clip(rng.choice(outs, p=po) * args.image_output_scale, 4, args.image_out_max))
         specs.append(RequestSpec(0, "vlm", i0 + float(t), o, images=imgs, text=words(rng, n_words)))
@@ -207,6 +208,21 @@ def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec]
 
 
 # ---- serving one arm ----------------------------------------------------------------------------
+
+
+def fresh(specs: list[RequestSpec], k: int) -> list[RequestSpec]:
+    """The same requests (offsets, classes, lengths) with token content and images of their
+    own for arm ``k``: the engine's prefix cache must not serve an arm what an earlier arm of
+    the run prefilled (the first version of this benchmark let it, so every arm after the first
+    ran on cached prompts)."""
+    return [
+        replace(
+            s,
+            segments=tuple(Segment(f"{g.key}/a{k}", g.length, g.shared) for g in s.segments),
+            images=tuple(im._replace(variant=im.variant + 1_000_000 * k) for im in s.images),
+        )
+        for s in specs
+    ]
 
 
 async def _put(url: str, changes: dict[str, Any]) -> None:
@@ -505,8 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                 at = 1 + i % max(1, len(order) - 1) if order else 0
                 order.insert(at, Arm("autopilot", args.reference_budget, 0, True))
             arms = []
-            for arm in order:
-                served = serve_arm(args, arm, specs, url, collector, tmp, seed)
+            for k, arm in enumerate(order):
+                served = serve_arm(args, arm, fresh(specs, k), url, collector, tmp, seed)
                 fig = arm_figures(args, served, slo)
                 logger.warning(
                     "seed %d arm %s: goodput %.3f req/s (%d/%d met), load %.2f",
