@@ -66,12 +66,17 @@ DEFAULT_OUTPUT_TOKENS = 64  # assumed output of a queued request when no finishe
 def recent_traffic(
     db: Engine, *, engine_id: str, run_id: str | None, since: float, until: float
 ) -> Traffic:
-    """Requests that arrived in [since, until], the queued and running ones included: a queued
-    request's output length is the median of the finished ones of its class (a running one's
-    at least that), since the store cannot know it yet."""
+    """Requests that arrived in [since, until], the queued and running ones included, and the
+    backlog: requests that arrived earlier and still had no first token at ``since`` (a burst
+    the engine is still working through), replayed as arriving at ``since``. A queued request's
+    output length is the median of the finished ones of its class (a running one's at least
+    that), since the store cannot know it yet."""
     df = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     if not df.empty:
-        df = df[df["arrival"].notna() & (df["arrival"] >= since) & (df["arrival"] <= until)]
+        df = df[df["arrival"].notna() & (df["arrival"] <= until)]
+        backlog = (df["arrival"] < since) & (df["first_token"].isna() | (df["first_token"] > since))
+        df = df[backlog | (df["arrival"] >= since)].copy()
+        df.loc[backlog, "arrival"] = since
     if df.empty:
         return Traffic([], since, until)
     done = df[df["finished"].notna()]
