@@ -352,6 +352,23 @@ def autopilot_figures(
     kinds: dict[str, int] = {}
     for d in ds:
         kinds[d["kind"]] = kinds.get(d["kind"], 0) + 1
+    changes = [
+        {"t_s": d["time"] - t0, "to": f"{d['budget']}/{d['cap']}", "reason": d["reason"]}
+        for d in ds
+        if d["kind"] in ("change", "fallback")
+        and (d["budget"], d["cap"]) != (d["previous_budget"], d["previous_cap"])
+    ]
+    recs = [r for r in served["records"] if r.status == "ok"]
+
+    def client_window(t: float) -> tuple[float | None, float | None]:
+        """What the client measured on the requests a tick at ``t`` replayed (sent in its
+        look-back): chat ITL p99 (all classes' gaps when no chat) and TTFT p99."""
+        mine = [r for r in recs if t - args.ap_lookback <= r.scheduled_s <= t]
+        chat = [g * 1e3 for r in mine if r.traffic_class == "chat" for g in r.itl_s]
+        gaps = chat or [g * 1e3 for r in mine for g in r.itl_s]
+        ttft = [r.ttft_s * 1e3 for r in mine if r.ttft_s is not None]
+        return _pct(gaps, 99), _pct(ttft, 99)
+
     per_phase = {}
     for name, lo, hi in phase_bounds(args):
         # ticks whose look-back lies in the phase: what they predict is the phase's traffic
@@ -364,8 +381,19 @@ def autopilot_figures(
         here_itl = [d["left"]["itl_p99_ms"] for d in ticks if d["left"]["itl_p99_ms"]]
         here_ttft = [d["left"]["ttft_p99_ms"] for d in ticks if d["left"]["ttft_p99_ms"]]
         p_itl, p_ttft = _pct(pred_itl, 50), _pct(pred_ttft, 50)
+        # like for like: per tick, the prediction for the setting in force over the look-back
+        # against what the client measured on the same requests; medians over the phase's ticks
+        pairs = [(d["left"], client_window(d["time"] - t0)) for d in ticks if d.get("left")]
+        w_pi = _pct([p["itl_p99_ms"] for p, o in pairs if p["itl_p99_ms"] and o[0]], 50)
+        w_oi = _pct([o[0] for p, o in pairs if p["itl_p99_ms"] and o[0]], 50)
+        w_pt = _pct([p["ttft_p99_ms"] for p, o in pairs if p["ttft_p99_ms"] and o[1]], 50)
+        w_ot = _pct([o[1] for p, o in pairs if p["ttft_p99_ms"] and o[1]], 50)
         o_itl, o_ttft = phases[name]["chat_itl_p99_ms"], phases[name]["ttft_p99_ms"]
         per_phase[name] = {
+            "num_changes": sum(lo <= c["t_s"] < hi for c in changes),
+            "kinds": {
+                k: sum(lo <= d["time"] - t0 < hi and d["kind"] == k for d in ds) for k in kinds
+            },
             "ticks_with_prediction": len(ticks),
             "settings": sorted({f"{d['budget']}/{d['cap']}" for d in ticks}),
             "predicted_chat_itl_p99_ms": p_itl,
@@ -374,18 +402,18 @@ def autopilot_figures(
             "predicted_ttft_p99_ms": p_ttft,
             "observed_ttft_p99_ms": o_ttft,
             "ttft_error": _err(p_ttft, o_ttft),
+            "window_predicted_itl_p99_ms": w_pi,
+            "window_observed_itl_p99_ms": w_oi,
+            "window_itl_error": _err(w_pi, w_oi),
+            "window_predicted_ttft_p99_ms": w_pt,
+            "window_observed_ttft_p99_ms": w_ot,
+            "window_ttft_error": _err(w_pt, w_ot),
             # the model on the window just past at the setting in force, against the store
             "nowcast_itl_p99_ms": _pct(here_itl, 50),
             "store_itl_p99_ms": _pct(eng_itl, 50),
             "nowcast_ttft_p99_ms": _pct(here_ttft, 50),
             "store_ttft_p99_ms": _pct(eng_ttft, 50),
         }
-    changes = [
-        {"t_s": d["time"] - t0, "to": f"{d['budget']}/{d['cap']}", "reason": d["reason"]}
-        for d in ds
-        if d["kind"] in ("change", "fallback")
-        and (d["budget"], d["cap"]) != (d["previous_budget"], d["previous_cap"])
-    ]
     return {
         "ticks": len(ds),
         "kinds": kinds,
@@ -430,6 +458,55 @@ def summary(seeds: list[dict[str, Any]]) -> dict[str, Any]:
             }
         )
     return {"per_seed": rows}
+
+
+def markdown(seeds: list[dict[str, Any]], per_seed: list[dict[str, Any]]) -> str:
+    """The tables for docs/benchmarks.md: goodput per arm and seed; per phase, what the
+    autopilot predicted against what the client measured, and its changes."""
+
+    def f(v: float | None, fmt: str = ".0f") -> str:
+        return "n/a" if v is None else format(v, fmt)
+
+    names = [a["arm"] for a in seeds[0]["arms"] if a["autopilot"] is False] if seeds else []
+    names.sort(key=lambda n: tuple(int(x) for x in n.split("/")))
+    out = [
+        "| seed | requests | " + " | ".join(names) + " | autopilot | vs best static | "
+        "vs 2048/off | changes |",
+        "| --- " * (len(names) + 6) + "|",
+    ]
+    for s, row in zip(seeds, per_seed, strict=True):
+        arms = {a["arm"]: a for a in s["arms"]}
+        ap = next(a for a in s["arms"] if a["autopilot"] is not False)
+        out.append(
+            f"| {s['seed']} | {ap['num_requests']} | "
+            + " | ".join(
+                f"{arms[n]['goodput_rps']:.3f}" + (" **best**" if n == row["best_static"] else "")
+                for n in names
+            )
+            + f" | {ap['goodput_rps']:.3f} | {f(row['vs_best_static'], '.2f')}x | "
+            f"{f(row['vs_2048_no_cap'], '.2f')}x | {row['num_changes']} |"
+        )
+    out += [
+        "",
+        "| seed | phase | met (autopilot / best static of the phase) | settings | changes | "
+        "ITL p99 pred / obs (err) | TTFT p99 pred / obs (err) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in seeds:
+        ap = next(a for a in s["arms"] if a["autopilot"] is not False)
+        statics = [a for a in s["arms"] if a["autopilot"] is False]
+        for name in PHASES:
+            ph, fig = ap["autopilot"]["phases"][name], ap["phases"][name]
+            best = max(statics, key=lambda a: a["phases"][name]["num_meet"])
+            out.append(
+                f"| {s['seed']} | {name} | {fig['num_meet']} / {best['phases'][name]['num_meet']}"
+                f" ({best['arm']}) of {fig['num_requests']} | {', '.join(ph['settings'])} | "
+                f"{ph['num_changes']} | {f(ph['window_predicted_itl_p99_ms'])} / "
+                f"{f(ph['window_observed_itl_p99_ms'])} ({f(ph['window_itl_error'], '.0%')}) | "
+                f"{f(ph['window_predicted_ttft_p99_ms'])} / "
+                f"{f(ph['window_observed_ttft_p99_ms'])} ({f(ph['window_ttft_error'], '.0%')}) |"
+            )
+    return "\n".join(out)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -544,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     result = summary(seeds_out) if with_autopilot and statics else {"per_seed": []}
     for r in result["per_seed"]:
         print(json.dumps(r))
+    if result["per_seed"]:
+        print(markdown(seeds_out, result["per_seed"]))
     write_json(
         out_dir / "autopilot.json",
         {
