@@ -12,17 +12,19 @@ How it decides, every tick:
    than ``min_steps`` steps: no decision (``refuse``, "too little data"). A fit whose relative
    error p50 is above ``max_fit_err`` or whose R^2 is below ``min_fit_r2``: no decision
    ("poor fit").
-2. **Predict each candidate**: the look-back's requests are replayed through the engine's own
-   scheduler (``advisor.simulate.simulate``) at each supported (budget, cap), step times drawn
-   from the fit with its measured scatter (the same seeded draws for every candidate). The recent
-   past stands for the next window. A request *meets the SLOs* (:func:`request_meets`) when its
-   TTFT is within its class's TTFT SLO, the p99 of its own token gaps within the ITL SLO and
-   (when set) its longest gap within the tail SLO.
+2. **Predict each candidate**: the look-back's requests (with the backlog that still waited for
+   a first token at its start, ``advisor.autopilot_run.recent_traffic``) are replayed through
+   the engine's own scheduler (``advisor.simulate.simulate``) at each supported (budget, cap),
+   step times drawn from the fit with its measured scatter (the same seeded draws for every
+   candidate). The recent past stands for the next window. A request *meets the SLOs*
+   (:func:`request_meets`) when its TTFT is within its class's TTFT SLO, the p99 of its own
+   token gaps within the ITL SLO and (when set) its longest gap within the tail SLO.
 3. **Do predictions still hold?** When the engine ran one setting through the whole look-back,
    the prediction for that setting is compared with what was observed (chat ITL p99 and TTFT
    p99); ``part_ticks`` ticks in a row off by more than ``part_tolerance`` (relative, above a
-   floor) and the autopilot falls back to the operator's starting setting and stays there for
-   ``fallback_hold_s`` (``fallback``, saying so).
+   floor), where one of the two is at least ``part_slo_share`` of the SLO (far below the SLO an
+   error changes no decision), and the autopilot falls back to the operator's starting setting
+   and stays there for ``fallback_hold_s`` (``fallback``, saying so).
 4. **Pick**: most requests predicted to meet the SLOs; ties to the lower predicted tail (longest
    gap), then the smaller change from the current setting. **Hysteresis**: it moves only when the
    pick beats the current setting by at least ``margin`` requests (``max(1, margin_frac * n)``),
@@ -252,6 +254,7 @@ class AutopilotConfig:
     part_ticks: int = 3
     part_floor_itl_ms: float = 10.0
     part_floor_ttft_ms: float = 200.0
+    part_slo_share: float = 0.5  # parting below this share of the SLO changes no decision
     fallback_hold_s: float = 60.0
     seed: int = 0
 
@@ -312,13 +315,19 @@ def parse_reason(reason: str | None) -> tuple[float | None, float | None]:
     return num(m.group(1)), num(m.group(2))
 
 
-def _parted(pred: Prediction, obs: Observed, cfg: AutopilotConfig) -> str | None:
-    """Why the prediction for the running setting and the observation part, or None."""
-    for name, p, o, floor in (
-        ("chat ITL p99", pred.itl_p99_ms, obs.itl_p99_ms, cfg.part_floor_itl_ms),
-        ("TTFT p99", pred.ttft_p99_ms, obs.ttft_p99_ms, cfg.part_floor_ttft_ms),
+def _parted(pred: Prediction, obs: Observed, cfg: AutopilotConfig, slo: AutopilotSlo) -> str | None:
+    """Why the prediction for the running setting and the observation part, or None. They part
+    when they differ by more than ``part_tolerance`` (relative, above a floor) where it matters:
+    one of them at least ``part_slo_share`` of the SLO (a model that says 80 ms where 25 ms
+    were measured, under a 250 ms SLO, ranks the settings as the measurement would)."""
+    ttft_slo = min([slo.ttft_ms, *slo.ttft_by_class.values()])
+    for name, p, o, floor, bound in (
+        ("chat ITL p99", pred.itl_p99_ms, obs.itl_p99_ms, cfg.part_floor_itl_ms, slo.itl_ms),
+        ("TTFT p99", pred.ttft_p99_ms, obs.ttft_p99_ms, cfg.part_floor_ttft_ms, ttft_slo),
     ):
         if p is None or o is None:
+            continue
+        if max(p, o) < cfg.part_slo_share * bound:
             continue
         if abs(o - p) > cfg.part_tolerance * max(p, floor):
             return f"{name} predicted {p:.0f} ms, observed {o:.0f} ms"
@@ -410,7 +419,8 @@ class Autopilot:
         )
         by = {p.setting: p for p in preds}
         here = by[cur]
-        parted = _parted(here, observed, cfg) if observed is not None and observed.steady else None
+        steady = observed is not None and observed.steady
+        parted = _parted(here, observed, cfg, self.slo) if steady and observed else None
         self._parted_ticks = self._parted_ticks + 1 if parted else 0
         if parted and self._parted_ticks >= cfg.part_ticks:
             self._parted_ticks = 0
