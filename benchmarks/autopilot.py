@@ -618,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         collector.stop()
         if args.keep_store:
             shutil.copy(tmp / "store.db", args.keep_store)
+        shutil.rmtree(tmp, ignore_errors=True)
     result = summary(seeds_out) if with_autopilot and statics else {"per_seed": []}
     for r in result["per_seed"]:
         print(json.dumps(r))
