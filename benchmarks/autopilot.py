@@ -1,8 +1,10 @@
 """Does the autopilot beat every static setting on bursty traffic? Served path, one run.
 
 One engine (``python -m engine``, the CPU ``demo`` preset) reports to one collector (a temporary
-SQLite store). Per seed, the same bursty replay is served once per arm: four phases of
-``--phase-s`` seconds, built from the real traces in ``../shared/traces/`` (SOURCES.md there):
+SQLite store). Per seed, the same bursty replay is served once per arm: four phases
+(``--phase-s``: one length, or quiet,rag,image,quiet2 lengths; make them longer than the
+autopilot's look-back, or no decision can pay), built from the real traces in
+``../shared/traces/`` (SOURCES.md there):
 
 - ``quiet``: chat only: arrivals and lengths from the Azure LLM inference trace 2023,
   conversation (a seeded stretch; inter-arrival times rescaled to ``--chat-rate``, prompt and
@@ -12,27 +14,34 @@ SQLite store). Per seed, the same bursty replay is served once per arm: four pha
   arrivals rescaled to ``--rag-rate``, prompts scaled by ``--rag-prompt-scale`` and clipped to
   [``--rag-min``, ``--rag-max``]);
 - ``image``: chat goes on, plus image requests from ServeGen's mm-image statistics (a seeded
-  client and window: images per request, text and output tokens; arrivals Gamma with the
-  window's coefficient of variation at ``--image-rate``; 720p images, 1,196 image tokens);
+  client and window: images per request, text and output tokens; ``--image-rate`` x the phase's
+  length of them, Gamma inter-arrivals with the window's coefficient of variation rescaled to
+  the phase, as the Azure stretches are; 720p images, 1,196 image tokens, each its own image);
 - ``quiet2``: chat only again.
+
+Same requests for every arm (offsets, classes, lengths), but each arm its own token content and
+images, so the engine's prefix cache never serves one arm what another prefilled.
 
 Arms (the order rotated per seed, the autopilot never first so its fit has steps to go on):
 static (budget, cap) settings set with ``PUT /v1/scheduler``: budgets 256, 1024 and 16384 with
 the cap off and at each of ``--caps``, and 2048 without a cap (vLLM's default on small GPUs);
 and the autopilot (``python -m advisor.autopilot_run``, started from 2048 without a cap, stopped
-with SIGTERM after the arm), steering through the collector.
+with SIGTERM after the arm), steering through the collector. ``--arms`` runs a subset
+(calibration).
 
 Measured by the client (``loadgen.runner.execute``; one SSE chunk is one token): goodput =
 requests that met the SLOs (``advisor.autopilot.request_meets``: TTFT within the class's SLO,
-the p99 of the request's token gaps within the ITL SLO) per second of the arm's phases. Per
-phase of the autopilot arm: what it predicted (median over its ticks in the phase of the
-predicted chat ITL p99 and TTFT p99 of the setting it chose or held) against what the client
-observed (chat ITL p99 of gaps, TTFT p99 of requests sent in the phase), and its changes.
+the p99 of the request's token gaps within the ITL SLO) per second of the arm's phases, overall
+and per phase. Per phase of the autopilot arm: its changes, and predicted against observed,
+like for like: each tick whose look-back lies in the phase predicted chat ITL p99 and TTFT p99
+for the setting in force over the requests of its look-back; the client measured the same
+requests; the medians over the phase's ticks are compared (``window_*``). Also recorded: the
+median prediction for the setting it chose or held against the whole phase's client p99.
 
     flock /work/notes/bench.lock .venv/bin/python -m benchmarks.autopilot [--quick]
 
-Writes benchmarks/results/autopilot.json (--quick: tiny preset, 3-second phases, to the quick
-folder).
+Writes benchmarks/results/autopilot.json and prints the tables of docs/benchmarks.md (--quick:
+tiny preset, 3-second phases, to the quick folder).
 """
 
 from __future__ import annotations
