@@ -525,7 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES), help="../shared/traces")
     ap.add_argument(
-        "--phase-s", default="8", help="seconds per phase: one for all, or quiet,rag,image,quiet2"
+        "--phase-s",
+        default="15,30,30,15",
+        help="seconds per phase: one for all, or quiet,rag,image,quiet2",
     )
     ap.add_argument(
         "--arms", default="", help="only these arms (names like 1024/0, autopilot; calibration)"
