@@ -22,9 +22,10 @@ How it decides, every tick:
 3. **Do predictions still hold?** When the engine ran one setting through the whole look-back,
    the prediction for that setting is compared with what was observed (chat ITL p99 and TTFT
    p99); ``part_ticks`` ticks in a row off by more than ``part_tolerance`` (relative, above a
-   floor), where one of the two is at least ``part_slo_share`` of the SLO (far below the SLO an
-   error changes no decision), and the autopilot falls back to the operator's starting setting
-   and stays there for ``fallback_hold_s`` (``fallback``, saying so).
+   floor), where one of the two is past the SLO (``part_slo_share`` of it: while both are
+   within it, model and measurement agree the SLO holds), and the autopilot falls back to the
+   operator's starting setting and stays there for ``fallback_hold_s`` (``fallback``, saying
+   so).
 4. **Pick**: most requests predicted to meet the SLOs; ties to the lower predicted tail (longest
    gap), then the smaller change from the current setting. **Hysteresis**: it moves only when the
    pick beats the current setting by at least ``margin`` requests (``max(1, margin_frac * n)``),
@@ -254,7 +255,7 @@ class AutopilotConfig:
     part_ticks: int = 3
     part_floor_itl_ms: float = 10.0
     part_floor_ttft_ms: float = 200.0
-    part_slo_share: float = 0.5  # parting below this share of the SLO changes no decision
+    part_slo_share: float = 1.0  # parting while both are below this share of the SLO: ignored
     fallback_hold_s: float = 60.0
     seed: int = 0
 
@@ -318,8 +319,8 @@ def parse_reason(reason: str | None) -> tuple[float | None, float | None]:
 def _parted(pred: Prediction, obs: Observed, cfg: AutopilotConfig, slo: AutopilotSlo) -> str | None:
     """Why the prediction for the running setting and the observation part, or None. They part
     when they differ by more than ``part_tolerance`` (relative, above a floor) where it matters:
-    one of them at least ``part_slo_share`` of the SLO (a model that says 80 ms where 25 ms
-    were measured, under a 250 ms SLO, ranks the settings as the measurement would)."""
+    one of them past ``part_slo_share`` of the SLO (a model that says 160 ms where 45 ms were
+    measured, under a 250 ms SLO, agrees with the measurement that the SLO holds)."""
     ttft_slo = min([slo.ttft_ms, *slo.ttft_by_class.values()])
     for name, p, o, floor, bound in (
         ("chat ITL p99", pred.itl_p99_ms, obs.itl_p99_ms, cfg.part_floor_itl_ms, slo.itl_ms),

@@ -165,6 +165,7 @@ class Options:
     max_fit_err: float = 0.6
     min_fit_r2: float = 0.5
     min_requests: int = 5
+    fallback_hold_s: float | None = None  # None: three look-backs
 
 
 class Runner:
@@ -197,6 +198,11 @@ class Runner:
             max_fit_err=opts.max_fit_err,
             min_fit_r2=opts.min_fit_r2,
             min_requests=opts.min_requests,
+            # after a fallback, hold until the look-back has seen the operator's setting alone
+            # (and then some): a fixed minute outlasts a burst, and the bursts are what it steers
+            fallback_hold_s=(
+                opts.fallback_hold_s if opts.fallback_hold_s is not None else 3 * opts.lookback_s
+            ),
         )
         self.pilot = Autopilot(config, opts.slo)
         self.started = time.time()
@@ -452,6 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--min-requests", type=int, default=5, help="no decision on fewer arrivals in the look-back"
     )
+    p.add_argument(
+        "--fallback-hold",
+        type=float,
+        default=None,
+        help="seconds it holds the operator's setting after a fallback (default 3 look-backs)",
+    )
     p.add_argument("--budgets", type=_ints, default=DEFAULT_BUDGETS, help="candidate budgets")
     p.add_argument("--caps", type=_ints, default=DEFAULT_CAPS, help="candidate caps (0 = off)")
     p.add_argument("--status-every", type=float, default=10.0, help="seconds between statuses")
@@ -500,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             max_fit_err=args.max_fit_err,
             min_fit_r2=args.min_fit_r2,
             min_requests=args.min_requests,
+            fallback_hold_s=args.fallback_hold,
         )
         runner = Runner(opts)
     except (ValueError, RuntimeError, CollectorUnavailable) as exc:
