@@ -633,8 +633,6 @@ def main(argv: list[str] | None = None) -> int:
     result = summary(seeds_out) if with_autopilot and statics else {"per_seed": []}
     for r in result["per_seed"]:
         print(json.dumps(r))
-    if result["per_seed"]:
-        print(markdown(seeds_out, result["per_seed"]))
     write_json(
         out_dir / "autopilot.json",
         {
@@ -652,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         script=SCRIPT,
         config=config_of(args),
     )
+    if result["per_seed"]:
+        print(markdown(seeds_out, result["per_seed"]))
     return 0
 
 

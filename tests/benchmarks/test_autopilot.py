@@ -94,3 +94,5 @@ def test_figures_per_phase_and_summary(bench: ModuleType) -> None:
     [row] = bench.summary([{"seed": 0, "arms": [static, fig, best]}])["per_seed"]
     assert row["best_static"] == "256/0" and row["vs_2048_no_cap"] == pytest.approx(1.25)
     assert row["meets_targets"]
+    table = bench.markdown([{"seed": 0, "arms": [static, fig, best]}], [row])
+    assert "| 0 | rag | 1 / 1 (2048/0) of 2 |" in table and "0.050 **best**" in table
