@@ -104,14 +104,31 @@ def recent_traffic(
     return Traffic(reqs, since, until)
 
 
+def _window_requests(df: pd.DataFrame, since: float, until: float) -> pd.DataFrame:
+    """The requests a tick replays: arrived in [since, until], and the backlog (arrived earlier,
+    no first token at ``since``) with its arrival moved to ``since``."""
+    if df.empty:
+        return df
+    df = df[df["arrival"].notna() & (df["arrival"] <= until)]
+    backlog = (df["arrival"] < since) & (df["first_token"].isna() | (df["first_token"] > since))
+    df = df[backlog | (df["arrival"] >= since)].copy()
+    df.loc[backlog, "arrival"] = since
+    return df
+
+
 def observed(
     db: Engine, *, engine_id: str, run_id: str | None, since: float, until: float, steady: bool
 ) -> Observed:
-    """Chat ITL p99 and TTFT p99 of the requests that arrived in [since, until]."""
+    """Chat ITL p99 and TTFT p99 of the requests a tick replays (``recent_traffic``), as far as
+    they went by ``until``: the gaps of their tokens so far, and TTFT cut at ``until`` for the
+    ones still waiting (the prediction's ``*_seen`` figures count the same way)."""
     req = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
-    if not req.empty:
-        req = req[req["arrival"].notna() & (req["arrival"] >= since)]
-    ttft = req["ttft_ms"].dropna().to_numpy(dtype=float) if not req.empty else np.empty(0)
+    req = _window_requests(req, since, until)
+    if req.empty:
+        ttft = np.empty(0)
+    else:
+        first = req["first_token"].where(req["first_token"] <= until, until).fillna(until)
+        ttft = ((first - req["arrival"]) * 1e3).to_numpy(dtype=float)
     itl = queries.token_itl(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     ids = set(req["request_id"]) if not req.empty else set()
     itl = itl[itl["request_id"].isin(ids)] if not itl.empty else itl
