@@ -21,11 +21,12 @@ How it decides, every tick:
    token gaps within the ITL SLO and (when set) its longest gap within the tail SLO.
 3. **Do predictions still hold?** When the engine ran one setting through the whole look-back,
    the prediction for that setting is compared with what was observed (chat ITL p99 and TTFT
-   p99); ``part_ticks`` ticks in a row off by more than ``part_tolerance`` (relative, above a
-   floor), where one of the two is past the SLO (``part_slo_share`` of it: while both are
-   within it, model and measurement agree the SLO holds), and the autopilot falls back to the
-   operator's starting setting and stays there for ``fallback_hold_s`` (``fallback``, saying
-   so).
+   p99); off by more than ``part_tolerance`` (relative, above a floor), where one of the two
+   is past the SLO (``part_slo_share`` of it: while both are within it, model and measurement
+   agree the SLO holds), for ``part_ticks`` ticks in a row and for at least ``part_span_s``
+   (the runner: one look-back, so the evidence is not one window seen a few times over), and
+   the autopilot falls back to the operator's starting setting and stays there for
+   ``fallback_hold_s`` (``fallback``, saying so).
 4. **Pick**: most requests predicted to meet the SLOs; ties to the lower predicted tail (longest
    gap), then the smaller change from the current setting. **Hysteresis**: it moves only when the
    pick beats the current setting by at least ``margin`` requests (``max(1, margin_frac * n)``),
@@ -280,6 +281,7 @@ class AutopilotConfig:
     min_dwell_s: float = 4.0
     part_tolerance: float = 0.5
     part_ticks: int = 3
+    part_span_s: float = 0.0  # and parted this long: ticks a second apart see one window
     part_floor_itl_ms: float = 10.0
     part_floor_ttft_ms: float = 200.0
     part_slo_share: float = 1.0  # parting while both are below this share of the SLO: ignored
@@ -379,6 +381,7 @@ class Autopilot:
         self._pick_ticks = 0
         self._last_change: float | None = None
         self._parted_ticks = 0
+        self._parted_since: float | None = None
         self._fallback_until: float | None = None
         self._ticks = 0  # predicting ticks: each draws its own step-time scatter
 
@@ -452,8 +455,14 @@ class Autopilot:
         steady = observed is not None and observed.steady
         parted = _parted(here, observed, cfg, self.slo) if steady and observed else None
         self._parted_ticks = self._parted_ticks + 1 if parted else 0
-        if parted and self._parted_ticks >= cfg.part_ticks:
+        if not parted:
+            self._parted_since = None
+        elif self._parted_since is None:
+            self._parted_since = now
+        span = now - self._parted_since if self._parted_since is not None else 0.0
+        if parted and self._parted_ticks >= cfg.part_ticks and span >= cfg.part_span_s:
             self._parted_ticks = 0
+            self._parted_since = None
             self._pick, self._pick_ticks = None, 0
             if cur != cfg.start:
                 self._fallback_until = now + cfg.fallback_hold_s
@@ -463,7 +472,8 @@ class Autopilot:
                     cfg.start,
                     cur,
                     f"autopilot falls back to the operator's {cfg.start.label()}: predictions "
-                    f"and observations parted ({parted}) for {cfg.part_ticks} ticks; "
+                    f"and observations parted ({parted}) for {cfg.part_ticks} ticks over "
+                    f"{span:.0f} s; "
                     f"predicted {back.brief()}; left {cur.label()}: predicted {here.brief()}",
                     chosen=back,
                     left=here,
