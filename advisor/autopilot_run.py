@@ -3,7 +3,8 @@ live, through the collector's relay.
 
 Every ``--interval`` seconds it reads the store as the dashboard does (``storage.queries``): the
 requests that arrived in the last ``--lookback`` seconds (queued ones included), the steps of the
-last ``--fit-window`` seconds (to refit the step-cost model), what was observed; it asks
+last ``--fit-window`` seconds (to refit the step-cost model, at most every ``--refit-every``
+seconds), what was observed; it asks
 ``advisor.autopilot.Autopilot`` for a decision and, on a change, sends one control through
 ``storage.control`` (the one control client) with ``source: "autopilot"`` and the decision's
 reason, which the collector stores on the engine's control events.
@@ -26,6 +27,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -183,6 +185,7 @@ class Options:
     min_fit_r2: float = 0.5
     min_requests: int = 5
     fallback_hold_s: float | None = None  # None: three look-backs
+    refit_every_s: float = 10.0
 
 
 class Runner:
@@ -226,6 +229,7 @@ class Runner:
         )
         self.pilot = Autopilot(config, opts.slo)
         self.started = time.time()
+        self._fit_at: tuple[float, FitReport] | None = None
 
     def _engine_row(self) -> dict[str, Any]:
         for e in list_engines(self.opts.collector, auth_token=self.opts.auth_token):
@@ -319,18 +323,7 @@ class Runner:
             self.paused(foreign)
             return None
         since = now - o.lookback_s
-        try:
-            # no resampled refits (FitReport.boot): the decision has its own gate on the fit,
-            # and it refits every tick
-            fit: FitReport | str = fit_from_store(
-                self.db,
-                engine_id=o.engine_id,
-                run_id=self.run_id,
-                since=now - o.fit_window_s,
-                resamples=0,
-            )
-        except FitError as exc:
-            fit = str(exc)
+        fit = self._fit(now)
         traffic = recent_traffic(
             self.db, engine_id=o.engine_id, run_id=self.run_id, since=since, until=now
         )
@@ -359,6 +352,29 @@ class Runner:
             self._log.write(json.dumps(entry) + "\n")
             self._log.flush()
         return d
+
+    def _fit(self, now: float) -> FitReport | str:
+        """The step-cost fit on the last ``fit_window_s`` of steps, refitted at most every
+        ``refit_every_s`` (a fit over minutes of steps moves little in seconds, and on a small
+        machine the autopilot's CPU is taken from the engine it steers); the reason instead
+        when none can be fitted (retried next tick)."""
+        o = self.opts
+        if self._fit_at is not None and now - self._fit_at[0] < o.refit_every_s:
+            return self._fit_at[1]
+        try:
+            # no resampled refits (FitReport.boot): the decision has its own gate on the fit
+            fit = fit_from_store(
+                self.db,
+                engine_id=o.engine_id,
+                run_id=self.run_id,
+                since=now - o.fit_window_s,
+                resamples=0,
+            )
+        except FitError as exc:
+            self._fit_at = None
+            return str(exc)
+        self._fit_at = (now, fit)
+        return fit
 
     def paused(self, foreign: dict[str, Any]) -> None:
         who = foreign.get("source")
@@ -467,6 +483,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-window", type=float, default=120.0, help="seconds of steps fitted")
     p.add_argument("--min-dwell", type=float, default=4.0, help="seconds between changes")
     p.add_argument(
+        "--refit-every", type=float, default=10.0, help="seconds between refits of the step cost"
+    )
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=10,
+        help="lower the autopilot's CPU priority by this much (0: not): on a small machine its "
+        "simulations compete with the engine it steers",
+    )
+    p.add_argument(
         "--max-fit-err",
         type=float,
         default=0.6,
@@ -533,11 +559,15 @@ def main(argv: list[str] | None = None) -> int:
             min_fit_r2=args.min_fit_r2,
             min_requests=args.min_requests,
             fallback_hold_s=args.fallback_hold,
+            refit_every_s=args.refit_every,
         )
         runner = Runner(opts)
     except (ValueError, RuntimeError, CollectorUnavailable) as exc:
         print(f"chunkscope autopilot: {exc}", file=sys.stderr)
         return 2
+
+    if args.nice > 0 and hasattr(os, "nice"):
+        os.nice(args.nice)
 
     def stop(signum: int, _frame: Any) -> None:
         runner.stopping = True
