@@ -12,16 +12,20 @@ How it decides, every tick:
    than ``min_steps`` steps: no decision (``refuse``, "too little data"). A fit whose relative
    error p50 is above ``max_fit_err`` or whose R^2 is below ``min_fit_r2``: no decision
    ("poor fit").
-2. **Predict each candidate**: the look-back's requests are replayed through the engine's own
-   scheduler (``advisor.simulate.simulate``) at each supported (budget, cap), step times drawn
-   from the fit with its measured scatter (the same seeded draws for every candidate). The recent
-   past stands for the next window. A request *meets the SLOs* (:func:`request_meets`) when its
-   TTFT is within its class's TTFT SLO, the p99 of its own token gaps within the ITL SLO and
-   (when set) its longest gap within the tail SLO.
+2. **Predict each candidate**: the look-back's requests (with the backlog that still waited for
+   a first token at its start, ``advisor.autopilot_run.recent_traffic``) are replayed through
+   the engine's own scheduler (``advisor.simulate.simulate``) at each supported (budget, cap),
+   step times drawn from the fit with its measured scatter (the same seeded draws for every
+   candidate). The recent past stands for the next window. A request *meets the SLOs*
+   (:func:`request_meets`) when its TTFT is within its class's TTFT SLO, the p99 of its own
+   token gaps within the ITL SLO and (when set) its longest gap within the tail SLO.
 3. **Do predictions still hold?** When the engine ran one setting through the whole look-back,
    the prediction for that setting is compared with what was observed (chat ITL p99 and TTFT
-   p99); ``part_ticks`` ticks in a row off by more than ``part_tolerance`` (relative, above a
-   floor) and the autopilot falls back to the operator's starting setting and stays there for
+   p99); off by more than ``part_tolerance`` (relative, above a floor), where one of the two
+   is past the SLO (``part_slo_share`` of it: while both are within it, model and measurement
+   agree the SLO holds), for ``part_ticks`` ticks in a row and for at least ``part_span_s``
+   (the runner: one look-back, so the evidence is not one window seen a few times over), and
+   the autopilot falls back to the operator's starting setting and stays there for
    ``fallback_hold_s`` (``fallback``, saying so).
 4. **Pick**: most requests predicted to meet the SLOs; ties to the lower predicted tail (longest
    gap), then the smaller change from the current setting. **Hysteresis**: it moves only when the
@@ -146,6 +150,10 @@ class Prediction:
     itl_max_ms: float | None
     ttft_p99_ms: float | None
     unfinished: int
+    # as far as the store can have seen it at the window's end (the check against observations):
+    # gaps whose later token came by then, TTFT cut at then for requests still waiting
+    itl_seen_p99_ms: float | None = None
+    ttft_seen_p99_ms: float | None = None
 
     def brief(self) -> str:
         def ms(v: float | None) -> str:
@@ -166,24 +174,45 @@ class Prediction:
             "itl_max_ms": self.itl_max_ms,
             "ttft_p99_ms": self.ttft_p99_ms,
             "unfinished": self.unfinished,
+            "itl_seen_p99_ms": self.itl_seen_p99_ms,
+            "ttft_seen_p99_ms": self.ttft_seen_p99_ms,
         }
 
 
-def _score(result: SimResult, setting: Setting, slo: AutopilotSlo) -> Prediction:
+def _p99(values: list[float]) -> float | None:
+    return float(np.percentile(values, 99)) if values else None
+
+
+def _score(
+    result: SimResult, setting: Setting, slo: AutopilotSlo, horizon_ns: int | None = None
+) -> Prediction:
+    """The prediction's figures; with ``horizon_ns`` (the window's end on the simulation's
+    clock) also what the store can have seen by then, to compare with what it saw."""
     chat: list[float] = []
     everyone: list[float] = []
     ttfts: list[float] = []
+    chat_seen: list[float] = []
+    all_seen: list[float] = []
+    ttft_seen: list[float] = []
     meet = 0
     for o in result.requests:
         t = o.token_times_ns
         ttft = (t[0] - o.arrival_ns) / 1e9 if t else None
-        gaps = list(np.diff(np.asarray(t, dtype=np.int64)) / 1e9) if len(t) > 1 else []
+        arr = np.asarray(t, dtype=np.int64)
+        gaps = list(np.diff(arr) / 1e9) if len(t) > 1 else []
         if ttft is not None:
             ttfts.append(ttft * 1e3)
         everyone += gaps
         if o.traffic_class == ITL_CLASS:
             chat += gaps
         meet += request_meets(ttft, gaps, slo, o.traffic_class)
+        if horizon_ns is not None and o.arrival_ns <= horizon_ns:
+            first = t[0] if t else horizon_ns
+            ttft_seen.append((min(first, horizon_ns) - o.arrival_ns) / 1e6)
+            seen = [g * 1e3 for g, end in zip(gaps, arr[1:], strict=False) if end <= horizon_ns]
+            all_seen += seen
+            if o.traffic_class == ITL_CLASS:
+                chat_seen += seen
     itl = np.asarray(chat or everyone, dtype=float) * 1e3
     return Prediction(
         setting=setting,
@@ -191,8 +220,10 @@ def _score(result: SimResult, setting: Setting, slo: AutopilotSlo) -> Prediction
         num_meet=meet,
         itl_p99_ms=float(np.percentile(itl, 99)) if itl.size else None,
         itl_max_ms=float(itl.max()) if itl.size else None,
-        ttft_p99_ms=float(np.percentile(ttfts, 99)) if ttfts else None,
+        ttft_p99_ms=_p99(ttfts),
         unfinished=result.unfinished,
+        itl_seen_p99_ms=_p99(chat_seen or all_seen),
+        ttft_seen_p99_ms=_p99(ttft_seen),
     )
 
 
@@ -222,7 +253,7 @@ def predict_settings(
             max_steps=max_steps,
             long_prefill_token_threshold=s.cap,
         )
-        out.append(_score(res, s, slo))
+        out.append(_score(res, s, slo, round(traffic.duration_s * 1e9)))
     return out
 
 
@@ -250,8 +281,10 @@ class AutopilotConfig:
     min_dwell_s: float = 4.0
     part_tolerance: float = 0.5
     part_ticks: int = 3
+    part_span_s: float = 0.0  # and parted this long: ticks a second apart see one window
     part_floor_itl_ms: float = 10.0
     part_floor_ttft_ms: float = 200.0
+    part_slo_share: float = 1.0  # parting while both are below this share of the SLO: ignored
     fallback_hold_s: float = 60.0
     seed: int = 0
 
@@ -312,13 +345,21 @@ def parse_reason(reason: str | None) -> tuple[float | None, float | None]:
     return num(m.group(1)), num(m.group(2))
 
 
-def _parted(pred: Prediction, obs: Observed, cfg: AutopilotConfig) -> str | None:
-    """Why the prediction for the running setting and the observation part, or None."""
-    for name, p, o, floor in (
-        ("chat ITL p99", pred.itl_p99_ms, obs.itl_p99_ms, cfg.part_floor_itl_ms),
-        ("TTFT p99", pred.ttft_p99_ms, obs.ttft_p99_ms, cfg.part_floor_ttft_ms),
+def _parted(pred: Prediction, obs: Observed, cfg: AutopilotConfig, slo: AutopilotSlo) -> str | None:
+    """Why the prediction for the running setting and the observation part, or None. They part
+    when they differ by more than ``part_tolerance`` (relative, above a floor) where it matters:
+    one of them past ``part_slo_share`` of the SLO (a model that says 160 ms where 45 ms were
+    measured, under a 250 ms SLO, agrees with the measurement that the SLO holds)."""
+    ttft_slo = min([slo.ttft_ms, *slo.ttft_by_class.values()])
+    itl = pred.itl_seen_p99_ms if pred.itl_seen_p99_ms is not None else pred.itl_p99_ms
+    ttft = pred.ttft_seen_p99_ms if pred.ttft_seen_p99_ms is not None else pred.ttft_p99_ms
+    for name, p, o, floor, bound in (
+        ("chat ITL p99", itl, obs.itl_p99_ms, cfg.part_floor_itl_ms, slo.itl_ms),
+        ("TTFT p99", ttft, obs.ttft_p99_ms, cfg.part_floor_ttft_ms, ttft_slo),
     ):
         if p is None or o is None:
+            continue
+        if max(p, o) < cfg.part_slo_share * bound:
             continue
         if abs(o - p) > cfg.part_tolerance * max(p, floor):
             return f"{name} predicted {p:.0f} ms, observed {o:.0f} ms"
@@ -340,6 +381,7 @@ class Autopilot:
         self._pick_ticks = 0
         self._last_change: float | None = None
         self._parted_ticks = 0
+        self._parted_since: float | None = None
         self._fallback_until: float | None = None
         self._ticks = 0  # predicting ticks: each draws its own step-time scatter
 
@@ -410,10 +452,17 @@ class Autopilot:
         )
         by = {p.setting: p for p in preds}
         here = by[cur]
-        parted = _parted(here, observed, cfg) if observed is not None and observed.steady else None
+        steady = observed is not None and observed.steady
+        parted = _parted(here, observed, cfg, self.slo) if steady and observed else None
         self._parted_ticks = self._parted_ticks + 1 if parted else 0
-        if parted and self._parted_ticks >= cfg.part_ticks:
+        if not parted:
+            self._parted_since = None
+        elif self._parted_since is None:
+            self._parted_since = now
+        span = now - self._parted_since if self._parted_since is not None else 0.0
+        if parted and self._parted_ticks >= cfg.part_ticks and span >= cfg.part_span_s:
             self._parted_ticks = 0
+            self._parted_since = None
             self._pick, self._pick_ticks = None, 0
             if cur != cfg.start:
                 self._fallback_until = now + cfg.fallback_hold_s
@@ -423,7 +472,8 @@ class Autopilot:
                     cfg.start,
                     cur,
                     f"autopilot falls back to the operator's {cfg.start.label()}: predictions "
-                    f"and observations parted ({parted}) for {cfg.part_ticks} ticks; "
+                    f"and observations parted ({parted}) for {cfg.part_ticks} ticks over "
+                    f"{span:.0f} s; "
                     f"predicted {back.brief()}; left {cur.label()}: predicted {here.brief()}",
                     chosen=back,
                     left=here,

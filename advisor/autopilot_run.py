@@ -3,7 +3,8 @@ live, through the collector's relay.
 
 Every ``--interval`` seconds it reads the store as the dashboard does (``storage.queries``): the
 requests that arrived in the last ``--lookback`` seconds (queued ones included), the steps of the
-last ``--fit-window`` seconds (to refit the step-cost model), what was observed; it asks
+last ``--fit-window`` seconds (to refit the step-cost model, at most every ``--refit-every``
+seconds), what was observed; it asks
 ``advisor.autopilot.Autopilot`` for a decision and, on a change, sends one control through
 ``storage.control`` (the one control client) with ``source: "autopilot"`` and the decision's
 reason, which the collector stores on the engine's control events.
@@ -26,6 +27,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -66,12 +68,17 @@ DEFAULT_OUTPUT_TOKENS = 64  # assumed output of a queued request when no finishe
 def recent_traffic(
     db: Engine, *, engine_id: str, run_id: str | None, since: float, until: float
 ) -> Traffic:
-    """Requests that arrived in [since, until], the queued and running ones included: a queued
-    request's output length is the median of the finished ones of its class (a running one's
-    at least that), since the store cannot know it yet."""
+    """Requests that arrived in [since, until], the queued and running ones included, and the
+    backlog: requests that arrived earlier and still had no first token at ``since`` (a burst
+    the engine is still working through), replayed as arriving at ``since``. A queued request's
+    output length is the median of the finished ones of its class (a running one's at least
+    that), since the store cannot know it yet."""
     df = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     if not df.empty:
-        df = df[df["arrival"].notna() & (df["arrival"] >= since) & (df["arrival"] <= until)]
+        df = df[df["arrival"].notna() & (df["arrival"] <= until)]
+        backlog = (df["arrival"] < since) & (df["first_token"].isna() | (df["first_token"] > since))
+        df = df[backlog | (df["arrival"] >= since)].copy()
+        df.loc[backlog, "arrival"] = since
     if df.empty:
         return Traffic([], since, until)
     done = df[df["finished"].notna()]
@@ -99,14 +106,31 @@ def recent_traffic(
     return Traffic(reqs, since, until)
 
 
+def _window_requests(df: pd.DataFrame, since: float, until: float) -> pd.DataFrame:
+    """The requests a tick replays: arrived in [since, until], and the backlog (arrived earlier,
+    no first token at ``since``) with its arrival moved to ``since``."""
+    if df.empty:
+        return df
+    df = df[df["arrival"].notna() & (df["arrival"] <= until)]
+    backlog = (df["arrival"] < since) & (df["first_token"].isna() | (df["first_token"] > since))
+    df = df[backlog | (df["arrival"] >= since)].copy()
+    df.loc[backlog, "arrival"] = since
+    return df
+
+
 def observed(
     db: Engine, *, engine_id: str, run_id: str | None, since: float, until: float, steady: bool
 ) -> Observed:
-    """Chat ITL p99 and TTFT p99 of the requests that arrived in [since, until]."""
+    """Chat ITL p99 and TTFT p99 of the requests a tick replays (``recent_traffic``), as far as
+    they went by ``until``: the gaps of their tokens so far, and TTFT cut at ``until`` for the
+    ones still waiting (the prediction's ``*_seen`` figures count the same way)."""
     req = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
-    if not req.empty:
-        req = req[req["arrival"].notna() & (req["arrival"] >= since)]
-    ttft = req["ttft_ms"].dropna().to_numpy(dtype=float) if not req.empty else np.empty(0)
+    req = _window_requests(req, since, until)
+    if req.empty:
+        ttft = np.empty(0)
+    else:
+        first = req["first_token"].where(req["first_token"] <= until, until).fillna(until)
+        ttft = ((first - req["arrival"]) * 1e3).to_numpy(dtype=float)
     itl = queries.token_itl(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     ids = set(req["request_id"]) if not req.empty else set()
     itl = itl[itl["request_id"].isin(ids)] if not itl.empty else itl
@@ -160,6 +184,8 @@ class Options:
     max_fit_err: float = 0.6
     min_fit_r2: float = 0.5
     min_requests: int = 5
+    fallback_hold_s: float | None = None  # None: three look-backs
+    refit_every_s: float = 10.0
 
 
 class Runner:
@@ -192,9 +218,18 @@ class Runner:
             max_fit_err=opts.max_fit_err,
             min_fit_r2=opts.min_fit_r2,
             min_requests=opts.min_requests,
+            # after a fallback, hold until the look-back has seen the operator's setting alone
+            # (and then some): a fixed minute outlasts a burst, and the bursts are what it steers
+            fallback_hold_s=(
+                opts.fallback_hold_s if opts.fallback_hold_s is not None else 3 * opts.lookback_s
+            ),
+            # parted for a whole look-back: ticks an interval apart replay nearly one window,
+            # and one window's p99 of a few requests is one noisy number
+            part_span_s=opts.lookback_s,
         )
         self.pilot = Autopilot(config, opts.slo)
         self.started = time.time()
+        self._fit_at: tuple[float, FitReport] | None = None
 
     def _engine_row(self) -> dict[str, Any]:
         for e in list_engines(self.opts.collector, auth_token=self.opts.auth_token):
@@ -288,18 +323,7 @@ class Runner:
             self.paused(foreign)
             return None
         since = now - o.lookback_s
-        try:
-            # no resampled refits (FitReport.boot): the decision has its own gate on the fit,
-            # and it refits every tick
-            fit: FitReport | str = fit_from_store(
-                self.db,
-                engine_id=o.engine_id,
-                run_id=self.run_id,
-                since=now - o.fit_window_s,
-                resamples=0,
-            )
-        except FitError as exc:
-            fit = str(exc)
+        fit = self._fit(now)
         traffic = recent_traffic(
             self.db, engine_id=o.engine_id, run_id=self.run_id, since=since, until=now
         )
@@ -328,6 +352,29 @@ class Runner:
             self._log.write(json.dumps(entry) + "\n")
             self._log.flush()
         return d
+
+    def _fit(self, now: float) -> FitReport | str:
+        """The step-cost fit on the last ``fit_window_s`` of steps, refitted at most every
+        ``refit_every_s`` (a fit over minutes of steps moves little in seconds, and on a small
+        machine the autopilot's CPU is taken from the engine it steers); the reason instead
+        when none can be fitted (retried next tick)."""
+        o = self.opts
+        if self._fit_at is not None and now - self._fit_at[0] < o.refit_every_s:
+            return self._fit_at[1]
+        try:
+            # no resampled refits (FitReport.boot): the decision has its own gate on the fit
+            fit = fit_from_store(
+                self.db,
+                engine_id=o.engine_id,
+                run_id=self.run_id,
+                since=now - o.fit_window_s,
+                resamples=0,
+            )
+        except FitError as exc:
+            self._fit_at = None
+            return str(exc)
+        self._fit_at = (now, fit)
+        return fit
 
     def paused(self, foreign: dict[str, Any]) -> None:
         who = foreign.get("source")
@@ -436,6 +483,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-window", type=float, default=120.0, help="seconds of steps fitted")
     p.add_argument("--min-dwell", type=float, default=4.0, help="seconds between changes")
     p.add_argument(
+        "--refit-every", type=float, default=10.0, help="seconds between refits of the step cost"
+    )
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=10,
+        help="lower the autopilot's CPU priority by this much (0: not): on a small machine its "
+        "simulations compete with the engine it steers",
+    )
+    p.add_argument(
         "--max-fit-err",
         type=float,
         default=0.6,
@@ -446,6 +503,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--min-requests", type=int, default=5, help="no decision on fewer arrivals in the look-back"
+    )
+    p.add_argument(
+        "--fallback-hold",
+        type=float,
+        default=None,
+        help="seconds it holds the operator's setting after a fallback (default 3 look-backs)",
     )
     p.add_argument("--budgets", type=_ints, default=DEFAULT_BUDGETS, help="candidate budgets")
     p.add_argument("--caps", type=_ints, default=DEFAULT_CAPS, help="candidate caps (0 = off)")
@@ -495,11 +558,16 @@ def main(argv: list[str] | None = None) -> int:
             max_fit_err=args.max_fit_err,
             min_fit_r2=args.min_fit_r2,
             min_requests=args.min_requests,
+            fallback_hold_s=args.fallback_hold,
+            refit_every_s=args.refit_every,
         )
         runner = Runner(opts)
     except (ValueError, RuntimeError, CollectorUnavailable) as exc:
         print(f"chunkscope autopilot: {exc}", file=sys.stderr)
         return 2
+
+    if args.nice > 0 and hasattr(os, "nice"):
+        os.nice(args.nice)
 
     def stop(signum: int, _frame: Any) -> None:
         runner.stopping = True

@@ -1,8 +1,10 @@
 """Does the autopilot beat every static setting on bursty traffic? Served path, one run.
 
 One engine (``python -m engine``, the CPU ``demo`` preset) reports to one collector (a temporary
-SQLite store). Per seed, the same bursty replay is served once per arm: four phases of
-``--phase-s`` seconds, built from the real traces in ``../shared/traces/`` (SOURCES.md there):
+SQLite store). Per seed, the same bursty replay is served once per arm: four phases
+(``--phase-s``: one length, or quiet,rag,image,quiet2 lengths; make them longer than the
+autopilot's look-back, or no decision can pay), built from the real traces in
+``../shared/traces/`` (SOURCES.md there):
 
 - ``quiet``: chat only: arrivals and lengths from the Azure LLM inference trace 2023,
   conversation (a seeded stretch; inter-arrival times rescaled to ``--chat-rate``, prompt and
@@ -12,27 +14,34 @@ SQLite store). Per seed, the same bursty replay is served once per arm: four pha
   arrivals rescaled to ``--rag-rate``, prompts scaled by ``--rag-prompt-scale`` and clipped to
   [``--rag-min``, ``--rag-max``]);
 - ``image``: chat goes on, plus image requests from ServeGen's mm-image statistics (a seeded
-  client and window: images per request, text and output tokens; arrivals Gamma with the
-  window's coefficient of variation at ``--image-rate``; 720p images, 1,196 image tokens);
+  client and window: images per request, text and output tokens; ``--image-rate`` x the phase's
+  length of them, Gamma inter-arrivals with the window's coefficient of variation rescaled to
+  the phase, as the Azure stretches are; 720p images, 1,196 image tokens, each its own image);
 - ``quiet2``: chat only again.
+
+Same requests for every arm (offsets, classes, lengths), but each arm its own token content and
+images, so the engine's prefix cache never serves one arm what another prefilled.
 
 Arms (the order rotated per seed, the autopilot never first so its fit has steps to go on):
 static (budget, cap) settings set with ``PUT /v1/scheduler``: budgets 256, 1024 and 16384 with
 the cap off and at each of ``--caps``, and 2048 without a cap (vLLM's default on small GPUs);
 and the autopilot (``python -m advisor.autopilot_run``, started from 2048 without a cap, stopped
-with SIGTERM after the arm), steering through the collector.
+with SIGTERM after the arm), steering through the collector. ``--arms`` runs a subset
+(calibration).
 
 Measured by the client (``loadgen.runner.execute``; one SSE chunk is one token): goodput =
 requests that met the SLOs (``advisor.autopilot.request_meets``: TTFT within the class's SLO,
-the p99 of the request's token gaps within the ITL SLO) per second of the arm's phases. Per
-phase of the autopilot arm: what it predicted (median over its ticks in the phase of the
-predicted chat ITL p99 and TTFT p99 of the setting it chose or held) against what the client
-observed (chat ITL p99 of gaps, TTFT p99 of requests sent in the phase), and its changes.
+the p99 of the request's token gaps within the ITL SLO) per second of the arm's phases, overall
+and per phase. Per phase of the autopilot arm: its changes, and predicted against observed,
+like for like: each tick whose look-back lies in the phase predicted chat ITL p99 and TTFT p99
+for the setting in force over the requests of its look-back; the client measured the same
+requests; the medians over the phase's ticks are compared (``window_*``). Also recorded: the
+median prediction for the setting it chose or held against the whole phase's client p99.
 
     flock /work/notes/bench.lock .venv/bin/python -m benchmarks.autopilot [--quick]
 
-Writes benchmarks/results/autopilot.json (--quick: tiny preset, 3-second phases, to the quick
-folder).
+Writes benchmarks/results/autopilot.json and prints the tables of docs/benchmarks.md (--quick:
+tiny preset, 3-second phases, to the quick folder).
 """
 
 from __future__ import annotations
@@ -44,12 +53,13 @@ import csv
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -138,21 +148,35 @@ def _dist(text: str) -> tuple[np.ndarray, np.ndarray]:
     return vals, p / p.sum()
 
 
+def phase_bounds(args: argparse.Namespace) -> list[tuple[str, float, float]]:
+    """(name, start, end) of each phase, seconds from the arm's start: ``--phase-s`` is one
+    length for all four or four lengths."""
+    lengths = [float(x) for x in str(args.phase_s).split(",") if x.strip()]
+    if len(lengths) == 1:
+        lengths *= len(PHASES)
+    if len(lengths) != len(PHASES) or min(lengths) <= 0:
+        raise ValueError(f"--phase-s: one length or {len(PHASES)} positive lengths")
+    edges = np.concatenate([[0.0], np.cumsum(lengths)])
+    return [(n, float(edges[k]), float(edges[k + 1])) for k, n in enumerate(PHASES)]
+
+
 def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec], dict[str, Any]]:
     TRACES = Path(args.traces_dir)
     rng = np.random.default_rng(seed)
-    P = args.phase_s
+    bounds = {n: (a, b) for n, a, b in phase_bounds(args)}
+    (r0, r1), (i0, i1) = bounds["rag"], bounds["image"]
+    total = bounds["quiet2"][1]
     specs: list[RequestSpec] = []
     conv = _azure(TRACES / "AzureLLMInferenceTrace_conv.csv")
-    for t, inp, out in _stretch(conv, rng, args.chat_rate, 4 * P):
+    for t, inp, out in _stretch(conv, rng, args.chat_rate, total):
         n = int(np.clip(inp * args.chat_prompt_scale, args.chat_min, args.chat_max))
         o = int(np.clip(out * args.chat_output_scale, 4, args.chat_output_max))
         specs.append(RequestSpec(0, "chat", t, o, (Segment(f"chat/{seed}/{len(specs)}", n),)))
     code = _azure(TRACES / "AzureLLMInferenceTrace_code.csv")
-    for t, inp, out in _stretch(code, rng, args.rag_rate, P):
+    for t, inp, out in _stretch(code, rng, args.rag_rate, r1 - r0):
         n = int(np.clip(inp * args.rag_prompt_scale, args.rag_min, args.rag_max))
         o = int(np.clip(out, 2, args.rag_output_max))
-        specs.append(RequestSpec(0, "rag", P + t, o, (Segment(f"rag/{seed}/{len(specs)}", n),)))
+        specs.append(RequestSpec(0, "rag", r0 + t, o, (Segment(f"rag/{seed}/{len(specs)}", n),)))
     client = int(rng.integers(0, 35))
     data = json.loads((TRACES / "servegen-mm-image" / f"chunk-{client}-dataset.json").read_text())
     window = sorted(data)[int(rng.integers(0, len(data)))]
@@ -165,15 +189,20 @@ def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec]
     counts, pc = _dist(dist["image_count"])
     texts, pt = _dist(dist["text_tokens"])
     outs, po = _dist(dist["output_tokens"])
-    shape = 1.0 / max(cv, 0.1) ** 2  # Gamma inter-arrivals with the window's cv, mean 1/rate
-    t = float(rng.gamma(shape, 1.0 / (args.image_rate * shape)))
-    while t < P:
+    # Gamma inter-arrivals with the window's cv, rescaled (as the Azure stretches are) so the
+    # phase holds rate x length requests: a very bursty window (cv 12: shape 0.007) would
+    # otherwise put either none or dozens of requests in one phase, whatever the rate
+    shape = 1.0 / max(cv, 0.1) ** 2
+    n_img = max(1, round(args.image_rate * (i1 - i0)))
+    gaps = rng.gamma(shape, 1.0, size=n_img + 1)
+    offsets = np.cumsum(gaps)[:-1] / max(float(gaps.sum()), 1e-12) * (i1 - i0)
+    for t in offsets:
         k = int(min(args.max_images, max(1, rng.choice(counts, p=pc))))
-        imgs = tuple(ImageRef(1280, 720, "jpeg", int(rng.integers(0, 8))) for _ in range(k))
+        # a distinct image per request (the trace's requests carry different images)
+        imgs = tuple(ImageRef(1280, 720, "jpeg", 1000 * len(specs) + j) for j in range(k))
         n_words = max(3, int(rng.choice(texts, p=pt) * args.image_text_scale))
         o = int(np.clip(rng.choice(outs, p=po) * args.image_output_scale, 4, args.image_out_max))
-        specs.append(RequestSpec(0, "vlm", 2 * P + t, o, images=imgs, text=words(rng, n_words)))
-        t += float(rng.gamma(shape, 1.0 / (args.image_rate * shape)))
+        specs.append(RequestSpec(0, "vlm", i0 + float(t), o, images=imgs, text=words(rng, n_words)))
     reindex(specs)
     info = {
         "seed": seed,
@@ -188,6 +217,21 @@ def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec]
 
 
 # ---- serving one arm ----------------------------------------------------------------------------
+
+
+def fresh(specs: list[RequestSpec], k: int) -> list[RequestSpec]:
+    """The same requests (offsets, classes, lengths) with token content and images of their
+    own for arm ``k``: the engine's prefix cache must not serve an arm what an earlier arm of
+    the run prefilled (the first version of this benchmark let it, so every arm after the first
+    ran on cached prompts)."""
+    return [
+        replace(
+            s,
+            segments=tuple(Segment(f"{g.key}/a{k}", g.length, g.shared) for g in s.segments),
+            images=tuple(im._replace(variant=im.variant + 1_000_000 * k) for im in s.images),
+        )
+        for s in specs
+    ]
 
 
 async def _put(url: str, changes: dict[str, Any]) -> None:
@@ -271,23 +315,23 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def arm_figures(args: argparse.Namespace, served: dict[str, Any], slo: AutopilotSlo) -> dict:
-    P = args.phase_s
+    bounds = phase_bounds(args)
+    total = bounds[-1][2]
     recs = served["records"]
     meet = [
         r.status == "ok" and request_meets(r.ttft_s, r.itl_s, slo, r.traffic_class) for r in recs
     ]
     phases = {}
-    for k, name in enumerate(PHASES):
-        mine = [r for r in recs if k * P <= r.scheduled_s < (k + 1) * P]
-        ok = [r for r in mine if r.status == "ok"]
+    for name, lo, hi in bounds:
+        mine = [(r, m) for r, m in zip(recs, meet, strict=True) if lo <= r.scheduled_s < hi]
+        ok = [r for r, _ in mine if r.status == "ok"]
         chat_gaps = [g * 1e3 for r in ok if r.traffic_class == "chat" for g in r.itl_s]
         ttft = [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]
         phases[name] = {
             "num_requests": len(mine),
             "num_failed": len(mine) - len(ok),
-            "num_meet": sum(
-                m for r, m in zip(recs, meet, strict=True) if k * P <= r.scheduled_s < (k + 1) * P
-            ),
+            "num_meet": int(sum(m for _, m in mine)),
+            "goodput_rps": sum(m for _, m in mine) / (hi - lo),
             "chat_itl_p99_ms": _pct(chat_gaps, 99),
             "chat_itl_max_ms": max(chat_gaps) if chat_gaps else None,
             "ttft_p99_ms": _pct(ttft, 99),
@@ -299,7 +343,7 @@ def arm_figures(args: argparse.Namespace, served: dict[str, Any], slo: Autopilot
         "cap": served["cap"],
         "num_requests": len(recs),
         "num_meet": int(sum(meet)),
-        "goodput_rps": sum(meet) / (4 * P),
+        "goodput_rps": sum(meet) / total,
         "num_failed": sum(r.status != "ok" for r in recs),
         "loadavg_1m": served["loadavg_1m"],
         "phases": phases,
@@ -312,14 +356,33 @@ def arm_figures(args: argparse.Namespace, served: dict[str, Any], slo: Autopilot
 def autopilot_figures(
     args: argparse.Namespace, served: dict[str, Any], phases: dict[str, Any]
 ) -> dict[str, Any]:
-    P, t0 = args.phase_s, served["start_wall"]
+    t0 = served["start_wall"]
     ds = served["decisions"]
     kinds: dict[str, int] = {}
     for d in ds:
         kinds[d["kind"]] = kinds.get(d["kind"], 0) + 1
+    changes = [
+        {"t_s": d["time"] - t0, "to": f"{d['budget']}/{d['cap']}", "reason": d["reason"]}
+        for d in ds
+        if d["kind"] in ("change", "fallback")
+        and (d["budget"], d["cap"]) != (d["previous_budget"], d["previous_cap"])
+    ]
+    recs = [r for r in served["records"] if r.status == "ok"]
+
+    def client_window(t: float) -> tuple[float | None, float | None]:
+        """What the client measured on the requests a tick at ``t`` replayed (sent in its
+        look-back): chat ITL p99 (all classes' gaps when no chat) and TTFT p99."""
+        mine = [r for r in recs if t - args.ap_lookback <= r.scheduled_s <= t]
+        chat = [g * 1e3 for r in mine if r.traffic_class == "chat" for g in r.itl_s]
+        gaps = chat or [g * 1e3 for r in mine for g in r.itl_s]
+        ttft = [r.ttft_s * 1e3 for r in mine if r.ttft_s is not None]
+        return _pct(gaps, 99), _pct(ttft, 99)
+
     per_phase = {}
-    for k, name in enumerate(PHASES):
-        ticks = [d for d in ds if k * P <= d["time"] - t0 < (k + 1) * P and d.get("chosen")]
+    for name, lo, hi in phase_bounds(args):
+        # ticks whose look-back lies in the phase: what they predict is the phase's traffic
+        lo_t = min(lo + args.ap_lookback, hi)
+        ticks = [d for d in ds if lo_t <= d["time"] - t0 <= hi and d.get("chosen")]
         pred_itl = [d["chosen"]["itl_p99_ms"] for d in ticks if d["chosen"]["itl_p99_ms"]]
         pred_ttft = [d["chosen"]["ttft_p99_ms"] for d in ticks if d["chosen"]["ttft_p99_ms"]]
         eng_itl = [d["observed"]["itl_p99_ms"] for d in ticks if d["observed"]["itl_p99_ms"]]
@@ -327,8 +390,19 @@ def autopilot_figures(
         here_itl = [d["left"]["itl_p99_ms"] for d in ticks if d["left"]["itl_p99_ms"]]
         here_ttft = [d["left"]["ttft_p99_ms"] for d in ticks if d["left"]["ttft_p99_ms"]]
         p_itl, p_ttft = _pct(pred_itl, 50), _pct(pred_ttft, 50)
+        # like for like: per tick, the prediction for the setting in force over the look-back
+        # against what the client measured on the same requests; medians over the phase's ticks
+        pairs = [(d["left"], client_window(d["time"] - t0)) for d in ticks if d.get("left")]
+        w_pi = _pct([p["itl_p99_ms"] for p, o in pairs if p["itl_p99_ms"] and o[0]], 50)
+        w_oi = _pct([o[0] for p, o in pairs if p["itl_p99_ms"] and o[0]], 50)
+        w_pt = _pct([p["ttft_p99_ms"] for p, o in pairs if p["ttft_p99_ms"] and o[1]], 50)
+        w_ot = _pct([o[1] for p, o in pairs if p["ttft_p99_ms"] and o[1]], 50)
         o_itl, o_ttft = phases[name]["chat_itl_p99_ms"], phases[name]["ttft_p99_ms"]
         per_phase[name] = {
+            "num_changes": sum(lo <= c["t_s"] < hi for c in changes),
+            "kinds": {
+                k: sum(lo <= d["time"] - t0 < hi and d["kind"] == k for d in ds) for k in kinds
+            },
             "ticks_with_prediction": len(ticks),
             "settings": sorted({f"{d['budget']}/{d['cap']}" for d in ticks}),
             "predicted_chat_itl_p99_ms": p_itl,
@@ -337,18 +411,18 @@ def autopilot_figures(
             "predicted_ttft_p99_ms": p_ttft,
             "observed_ttft_p99_ms": o_ttft,
             "ttft_error": _err(p_ttft, o_ttft),
+            "window_predicted_itl_p99_ms": w_pi,
+            "window_observed_itl_p99_ms": w_oi,
+            "window_itl_error": _err(w_pi, w_oi),
+            "window_predicted_ttft_p99_ms": w_pt,
+            "window_observed_ttft_p99_ms": w_ot,
+            "window_ttft_error": _err(w_pt, w_ot),
             # the model on the window just past at the setting in force, against the store
             "nowcast_itl_p99_ms": _pct(here_itl, 50),
             "store_itl_p99_ms": _pct(eng_itl, 50),
             "nowcast_ttft_p99_ms": _pct(here_ttft, 50),
             "store_ttft_p99_ms": _pct(eng_ttft, 50),
         }
-    changes = [
-        {"t_s": d["time"] - t0, "to": f"{d['budget']}/{d['cap']}", "reason": d["reason"]}
-        for d in ds
-        if d["kind"] in ("change", "fallback")
-        and (d["budget"], d["cap"]) != (d["previous_budget"], d["previous_cap"])
-    ]
     return {
         "ticks": len(ds),
         "kinds": kinds,
@@ -395,13 +469,70 @@ def summary(seeds: list[dict[str, Any]]) -> dict[str, Any]:
     return {"per_seed": rows}
 
 
-def main(argv: list[str] | None = None) -> int:
+def markdown(seeds: list[dict[str, Any]], per_seed: list[dict[str, Any]]) -> str:
+    """The tables for docs/benchmarks.md: goodput per arm and seed; per phase, what the
+    autopilot predicted against what the client measured, and its changes."""
+
+    def f(v: float | None, fmt: str = ".0f") -> str:
+        return "n/a" if v is None else format(v, fmt)
+
+    names = [a["arm"] for a in seeds[0]["arms"] if a["autopilot"] is False] if seeds else []
+    names.sort(key=lambda n: tuple(int(x) for x in n.split("/")))
+    out = [
+        "| seed | requests | " + " | ".join(names) + " | autopilot | vs best static | "
+        "vs 2048/off | changes |",
+        "| --- " * (len(names) + 6) + "|",
+    ]
+    for s, row in zip(seeds, per_seed, strict=True):
+        arms = {a["arm"]: a for a in s["arms"]}
+        ap = next(a for a in s["arms"] if a["autopilot"] is not False)
+        out.append(
+            f"| {s['seed']} | {ap['num_requests']} | "
+            + " | ".join(
+                f"{arms[n]['goodput_rps']:.3f}" + (" **best**" if n == row["best_static"] else "")
+                for n in names
+            )
+            + f" | {ap['goodput_rps']:.3f} | {f(row['vs_best_static'], '.2f')}x | "
+            f"{f(row['vs_2048_no_cap'], '.2f')}x | {row['num_changes']} |"
+        )
+    out += [
+        "",
+        "| seed | phase | met (autopilot / best static of the phase) | settings | changes | "
+        "ITL p99 pred / obs (err) | TTFT p99 pred / obs (err) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in seeds:
+        ap = next(a for a in s["arms"] if a["autopilot"] is not False)
+        statics = [a for a in s["arms"] if a["autopilot"] is False]
+        for name in PHASES:
+            ph, fig = ap["autopilot"]["phases"][name], ap["phases"][name]
+            best = max(statics, key=lambda a: a["phases"][name]["num_meet"])
+            out.append(
+                f"| {s['seed']} | {name} | {fig['num_meet']} / {best['phases'][name]['num_meet']}"
+                f" ({best['arm']}) of {fig['num_requests']} | {', '.join(ph['settings'])} | "
+                f"{ph['num_changes']} | {f(ph['window_predicted_itl_p99_ms'])} / "
+                f"{f(ph['window_observed_itl_p99_ms'])} ({f(ph['window_itl_error'], '.0%')}) | "
+                f"{f(ph['window_predicted_ttft_p99_ms'])} / "
+                f"{f(ph['window_observed_ttft_p99_ms'])} ({f(ph['window_ttft_error'], '.0%')}) |"
+            )
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap)
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES), help="../shared/traces")
-    ap.add_argument("--phase-s", type=float, default=8.0)
+    ap.add_argument(
+        "--phase-s",
+        default="15,30,30,15",
+        help="seconds per phase: one for all, or quiet,rag,image,quiet2",
+    )
+    ap.add_argument(
+        "--arms", default="", help="only these arms (names like 1024/0, autopilot; calibration)"
+    )
+    ap.add_argument("--keep-store", default="", help="copy the run's SQLite store here")
     ap.add_argument("--drain-s", type=float, default=15.0, help="then in-flight requests fail")
     ap.add_argument("--budgets", default="256,1024,16384")
     ap.add_argument("--caps", default="256", help="caps tried at each budget besides off")
@@ -436,9 +567,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ap-caps", default="0,256")
     ap.add_argument("--max-model-len", type=int, default=8448)
     ap.add_argument("--kv-blocks", type=int, default=4096)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.quick:
-        args.preset, args.phase_s, args.drain_s, args.seeds = "tiny", 3.0, 10.0, "0"
+        args.preset, args.phase_s, args.drain_s, args.seeds = "tiny", "3", 10.0, "0"
         args.budgets, args.caps, args.reference_budget = "64,256", "32", 128
         args.rag_min, args.rag_max, args.chat_max, args.max_model_len = 100, 300, 64, 512
         args.kv_blocks, args.ap_budgets, args.ap_caps = 1024, "64,128,256", "0,32"
@@ -447,6 +582,10 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(x) for x in args.budgets.split(",")]
     caps = [int(x) for x in args.caps.split(",") if x]
     statics = static_arms(budgets, caps, args.reference_budget)
+    only = {x.strip() for x in args.arms.split(",") if x.strip()}
+    with_autopilot = not only or "autopilot" in only
+    if only:
+        statics = [a for a in statics if a.name in only]
     top = max([a.budget for a in statics] + [int(x) for x in args.ap_budgets.split(",")])
     tmp = Path(tempfile.mkdtemp(prefix="autopilot-bench-"))
     collector = start_collector(f"sqlite:///{tmp / 'store.db'}")
@@ -466,10 +605,12 @@ def main(argv: list[str] | None = None) -> int:
         for i, seed in enumerate(int(x) for x in args.seeds.split(",")):
             specs, info = build_replay(args, seed)
             order = statics[i % len(statics) :] + statics[: i % len(statics)]
-            order.insert(1 + i % (len(order) - 1), Arm("autopilot", args.reference_budget, 0, True))
+            if with_autopilot:
+                at = 1 + i % max(1, len(order) - 1) if order else 0
+                order.insert(at, Arm("autopilot", args.reference_budget, 0, True))
             arms = []
-            for arm in order:
-                served = serve_arm(args, arm, specs, url, collector, tmp, seed)
+            for k, arm in enumerate(order):
+                served = serve_arm(args, arm, fresh(specs, k), url, collector, tmp, seed)
                 fig = arm_figures(args, served, slo)
                 logger.warning(
                     "seed %d arm %s: goodput %.3f req/s (%d/%d met), load %.2f",
@@ -486,7 +627,10 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
             proc.wait(10)
         collector.stop()
-    result = summary(seeds_out)
+        if args.keep_store:
+            shutil.copy(tmp / "store.db", args.keep_store)
+        shutil.rmtree(tmp, ignore_errors=True)
+    result = summary(seeds_out) if with_autopilot and statics else {"per_seed": []}
     for r in result["per_seed"]:
         print(json.dumps(r))
     write_json(
@@ -506,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         script=SCRIPT,
         config=config_of(args),
     )
+    if result["per_seed"]:
+        print(markdown(seeds_out, result["per_seed"]))
     return 0
 
 

@@ -118,6 +118,37 @@ def test_falls_back_when_predictions_and_observations_part() -> None:
     assert held.kind == "fallback" and held.setting == Setting(16384)
 
 
+def test_fallback_needs_parting_for_a_whole_span() -> None:
+    # ticks a second apart replay nearly the same window: parting on three of them is one
+    # noisy window; with part_span_s it must last that long, and a tick that agrees resets it
+    bad = Observed(itl_p99_ms=900.0, ttft_p99_ms=9000.0, steady=True)
+    ap = pilot(start=Setting(16384), part_ticks=3, part_span_s=10.0)
+    ap.moved(Setting(256), 0.0)
+    kinds = [ap.decide(10.0 + t, fit(), traffic(), SHAPE, bad).kind for t in range(5)]
+    assert kinds == ["hold"] * 5  # parted for 4 s only
+    d0 = ap.decide(15.0, fit(), traffic(), SHAPE)  # no observation: nothing parts
+    ok = Observed(d0.left.itl_p99_ms, d0.left.ttft_p99_ms, steady=True)  # type: ignore[union-attr]
+    assert ap.decide(16.0, fit(), traffic(), SHAPE, ok).kind == "hold"  # agrees: reset
+    out = [ap.decide(17.0 + t, fit(), traffic(), SHAPE, bad) for t in range(11)]
+    assert [o.kind for o in out[:10]] == ["hold"] * 10
+    assert out[10].kind == "fallback" and "over 10 s" in out[10].reason
+
+
+def test_no_fallback_when_predictions_part_within_the_slo() -> None:
+    # quiet chat at 256: predicted ITL p99 a few ms, observed 90 ms and TTFT 2.5 s: far apart
+    # but both within the SLOs (100 ms, 3 s), so model and measurement agree they hold: no
+    # fallback (a fallback here once held the operator's setting through a whole burst)
+    ap = pilot(start=Setting(16384), part_ticks=1)
+    ap.moved(Setting(256), 0.0)
+    d0 = ap.decide(10.0, fit(), traffic(rag=False), SHAPE)
+    assert d0.left is not None and d0.left.itl_p99_ms is not None
+    assert d0.left.itl_p99_ms < 15
+    off = Observed(itl_p99_ms=90.0, ttft_p99_ms=2500.0, steady=True)
+    for t in range(4):
+        d = ap.decide(12.0 + t, fit(), traffic(t, rag=False), SHAPE, off)
+        assert d.kind == "hold" and d.setting == Setting(256), d.reason
+
+
 def test_no_fallback_when_predictions_hold() -> None:
     ap = pilot(start=Setting(16384), part_ticks=1)
     ap.moved(Setting(256), 0.0)

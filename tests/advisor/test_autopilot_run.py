@@ -1,0 +1,82 @@
+"""What the autopilot process reads from the store for one tick: the look-back's arrivals and the
+backlog the engine is still working through (a burst that arrived before the look-back and has
+no first token yet), and the observation its predictions are checked against, on a run
+simulated with a known cost model and written as telemetry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from advisor.autopilot import AutopilotSlo, Setting, predict_settings
+from advisor.autopilot_run import observed, recent_traffic
+from advisor.fit import FitReport
+from advisor.simulate import EngineShape, SimRequest, cost_model_step_ns, simulate
+from engine.core.cost_model import CostModel
+from storage import db as dbm
+from tests.advisor.helpers import store_run
+
+COST = CostModel(const=2e-3, prefill=1e-3, decode=1e-3, attn=0.0)  # 1 ms a token: slow
+SHAPE = EngineShape(num_kv_blocks=2000, block_size=16, max_num_seqs=64, max_token_budget=4096)
+
+
+def test_backlog_counts_as_arriving_at_the_window_start(tmp_path: Path) -> None:
+    # a burst of 8 prompts of 500 tokens at t=0 (4 s of prefill at 1 ms a token, budget 256),
+    # then one chat request at 3.0 s
+    burst = [
+        SimRequest(f"b{i}", 500_000, tuple(i * 100_000 + p for p in range(500)), 4, "rag")
+        for i in range(8)
+    ]
+    chat = SimRequest("c0", 3_000_500_000, tuple(900_000 + p for p in range(20)), 4, "chat")
+    reqs = [*burst, chat]
+    res = simulate(
+        reqs, SHAPE, token_budget=256, step_ns=cost_model_step_ns(COST.predict), gap_ns=0,
+        record_steps=True,
+    )  # fmt: skip
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    wall_ns = store_run(url, reqs, res, SHAPE, engine_id="e")
+    first = {o.request_id: (o.token_times_ns[0]) / 1e9 for o in res.requests}
+    db = dbm.connect(url, readonly=True)
+    t0 = wall_ns / 1e9
+    since, until = t0 + 2.0, t0 + 3.5
+    tr = recent_traffic(db, engine_id="e", run_id=None, since=since, until=until)
+    got = {r.request_id: r for r in tr.requests}
+    waiting = {rid for rid, f in first.items() if rid.startswith("b") and f > 2.0}
+    served = {rid for rid, f in first.items() if rid.startswith("b") and f <= 2.0}
+    assert waiting and served  # the window starts in the middle of the burst
+    assert set(got) == waiting | {"c0"}
+    assert all(abs(got[r].arrival - since) < 1e-6 for r in waiting)
+    assert abs(got["c0"].arrival - (t0 + 3.0005)) < 1e-3
+    assert got["b7"].num_prompt_tokens == 500
+    db.dispose()
+
+
+def test_the_check_compares_what_the_store_can_have_seen(tmp_path: Path) -> None:
+    # the window ends mid-burst: most of the burst still waits. The prediction's "seen" figures
+    # (TTFT cut at the window's end, gaps so far) match the store's observation of the same
+    # requests; its full TTFT p99 (requests served after the window) is far above both, which
+    # is what made predictions and observations "part" in a burst before.
+    burst = [
+        SimRequest(f"b{i}", 500_000, tuple(i * 100_000 + p for p in range(500)), 4, "rag")
+        for i in range(8)
+    ]
+    res = simulate(
+        burst, SHAPE, token_budget=256, step_ns=cost_model_step_ns(COST.predict), gap_ns=0,
+        record_steps=True,
+    )  # fmt: skip
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    wall_ns = store_run(url, burst, res, SHAPE, engine_id="e")
+    db = dbm.connect(url, readonly=True)
+    since, until = wall_ns / 1e9, wall_ns / 1e9 + 2.5
+    tr = recent_traffic(db, engine_id="e", run_id=None, since=since, until=until)
+    obs = observed(db, engine_id="e", run_id=None, since=since, until=until, steady=True)
+    report = FitReport(COST, 500, 0.0, 0.0)
+    slo = AutopilotSlo(itl_ms=1000.0, ttft_ms=3000.0)
+    [pred] = predict_settings(report, tr, SHAPE, [Setting(256)], slo)
+    assert pred.ttft_p99_ms is not None and pred.ttft_seen_p99_ms is not None
+    assert obs.ttft_p99_ms is not None
+    assert pred.ttft_seen_p99_ms == pytest.approx(obs.ttft_p99_ms, rel=0.05)
+    assert pred.ttft_p99_ms > 1.4 * obs.ttft_p99_ms
+    assert obs.ttft_p99_ms <= 2500.0 + 1.0
+    db.dispose()

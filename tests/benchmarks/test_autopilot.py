@@ -1,0 +1,98 @@
+"""benchmarks/autopilot.py's bookkeeping, without an engine: the phases' bounds, the replay (the
+same requests for a seed, image arrivals rescaled to the rate, every phase's traffic in its
+phase), a request counting in the phase it was sent in, predictions from the ticks whose
+look-back lies in the phase, the summary's targets. No timing is asserted."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from advisor.autopilot import AutopilotSlo
+from loadgen.record import RequestRecord
+
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    return importlib.import_module("benchmarks.autopilot")
+
+
+def test_phase_bounds(bench: ModuleType) -> None:
+    args = bench.build_parser().parse_args(["--phase-s", "20,35,35,20"])
+    assert bench.phase_bounds(args) == [
+        ("quiet", 0.0, 20.0), ("rag", 20.0, 55.0), ("image", 55.0, 90.0), ("quiet2", 90.0, 110.0),
+    ]  # fmt: skip
+    args = bench.build_parser().parse_args(["--phase-s", "8"])
+    assert bench.phase_bounds(args)[-1] == ("quiet2", 24.0, 32.0)
+    with pytest.raises(ValueError):
+        bench.phase_bounds(bench.build_parser().parse_args(["--phase-s", "8,8"]))
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")
+def test_replay_is_seeded_and_phased(bench: ModuleType) -> None:
+    args = bench.build_parser().parse_args(
+        ["--phase-s", "20,35,35,20", "--traces-dir", str(TRACES)]
+    )
+    a, info = bench.build_replay(args, 1)
+    b, _ = bench.build_replay(args, 1)
+    assert [(s.traffic_class, s.offset_s, s.max_tokens) for s in a] == [
+        (s.traffic_class, s.offset_s, s.max_tokens) for s in b
+    ]
+    assert [s.index for s in a] == list(range(len(a)))
+    rag = [s.offset_s for s in a if s.traffic_class == "rag"]
+    vlm = [s.offset_s for s in a if s.traffic_class == "vlm"]
+    assert rag and all(20.0 <= t < 55.0 for t in rag)
+    # however bursty the ServeGen window (seed 1's cv is 12), the phase holds rate x length
+    assert len(vlm) == round(args.image_rate * 35) and all(55.0 <= t < 90.0 for t in vlm)
+    assert info["num_requests"]["vlm"] == len(vlm)
+
+
+def _rec(i: int, cls: str, sent: float, ttft: float, gaps: list[float]) -> RequestRecord:
+    r = RequestRecord(i, cls, sent, 10, 100)
+    r.status, r.ttft_s, r.itl_s = "ok", ttft, gaps
+    return r
+
+
+def test_figures_per_phase_and_summary(bench: ModuleType) -> None:
+    args = bench.build_parser().parse_args(["--phase-s", "10", "--ap-lookback", "4"])
+    slo = AutopilotSlo(100.0, 1000.0, None, {"rag": 5000.0})
+    recs = [
+        _rec(0, "chat", 1.0, 0.2, [0.05, 0.05]),  # quiet, meets
+        _rec(1, "rag", 12.0, 3.0, [0.05]),  # rag, meets its class's TTFT
+        _rec(2, "chat", 13.0, 0.2, [0.05, 0.5]),  # rag phase, a stall: misses
+        _rec(3, "vlm", 25.0, 2.0, [0.05]),  # image, TTFT above 1 s: misses
+    ]
+    t0 = 1000.0
+    tick = {
+        "kind": "hold", "budget": 256, "cap": 0, "previous_budget": 256, "previous_cap": 0,
+        "reason": "", "chosen": {"itl_p99_ms": 400.0, "ttft_p99_ms": 2000.0},
+        "left": {"itl_p99_ms": 400.0, "ttft_p99_ms": 2000.0},
+        "observed": {"itl_p99_ms": None, "ttft_p99_ms": None},
+    }  # fmt: skip
+    ds = [
+        {**tick, "time": t0 + 11.0},  # in the rag phase but its look-back is not: left out
+        {**tick, "time": t0 + 15.0},
+        {**tick, "time": t0 + 16.0, "kind": "change", "budget": 1024, "reason": "moved"},
+    ]
+    served = {"arm": "autopilot", "autopilot": True, "budget": 2048, "cap": 0,
+              "start_wall": t0, "loadavg_1m": [0.0, 0.0], "records": recs, "decisions": ds,
+              "autopilot_exit": 0, "autopilot_tail": ""}  # fmt: skip
+    fig = bench.arm_figures(args, served, slo)
+    assert fig["num_meet"] == 2 and fig["goodput_rps"] == pytest.approx(2 / 40)
+    assert [fig["phases"][p]["num_meet"] for p in bench.PHASES] == [1, 1, 0, 0]
+    ap = fig["autopilot"]
+    rag = ap["phases"]["rag"]
+    assert rag["ticks_with_prediction"] == 2 and rag["predicted_chat_itl_p99_ms"] == 400.0
+    assert ap["num_changes"] == 1 and ap["changes"][0]["to"] == "1024/0"
+    static = {**fig, "arm": "2048/0", "autopilot": False, "goodput_rps": 0.04}
+    best = {**fig, "arm": "256/0", "autopilot": False, "goodput_rps": 0.05}
+    [row] = bench.summary([{"seed": 0, "arms": [static, fig, best]}])["per_seed"]
+    assert row["best_static"] == "256/0" and row["vs_2048_no_cap"] == pytest.approx(1.25)
+    assert row["meets_targets"]
+    table = bench.markdown([{"seed": 0, "arms": [static, fig, best]}], [row])
+    assert "| 0 | rag | 1 / 1 (2048/0) of 2 |" in table and "0.050 **best**" in table
