@@ -438,20 +438,92 @@ def carry_spread(
     return float((np.quantile(t, 0.9) - np.quantile(t, 0.1)) / med)
 
 
+CAL_DRIFT_WARN = 0.15  # calibration and window levels further apart than this: said so
+
+
+def calibration_fit(
+    works: list[StepWork],
+    measured: np.ndarray,
+    cal_works: list[StepWork],
+    cal_measured: np.ndarray,
+    method: str = "ols",
+) -> tuple[CostModel, np.ndarray, dict[str, Any], list[StepWork], np.ndarray]:
+    """The window's steps and a calibration's, fitted together. The calibration ran at
+    another moment (the machine's speed moves with the load on it) and on an idle engine, so
+    its level is matched to the window's first: a fit on both, then the calibration's times
+    scaled by ``level`` = (the window's prefill steps' median measured / predicted) over (the
+    calibration steps' median), and refitted. The calibration then sets how the cost grows with
+    chunk size and context, the window how fast the machine is. ``level`` is kept within
+    [0.5, 2]; without prefill steps in the window it is the decode-free part's best guess, 1.
+    Returns the model, the inlier mask (window steps first), a summary, and the steps and
+    times the model was fitted on."""
+    all_works = works + cal_works
+    model, _ = robust_fit(all_works, np.concatenate([measured, cal_measured]), method)
+    win_prefill = np.array([w.prefill_tokens > 0 for w in works])
+    level = 1.0
+    raw = None
+    if win_prefill.any():
+        pw = model.predict_many([w for w, p in zip(works, win_prefill, strict=True) if p])
+        pc = model.predict_many(cal_works)
+        okw, okc = pw > 0, pc > 0
+        if okw.any() and okc.any():
+            rw = float(np.median(measured[win_prefill][okw] / pw[okw]))
+            rc = float(np.median(cal_measured[okc] / pc[okc]))
+            raw = rw / rc
+            level = float(np.clip(raw, 0.5, 2.0))
+    scaled = cal_measured * level
+    y = np.concatenate([measured, scaled])
+    model, inliers = robust_fit(all_works, y, method)
+    pc = model.predict_many(cal_works)
+    ok = pc > 0
+    info = {
+        "num_steps": len(cal_works),
+        "level": level,
+        "level_raw": raw,
+        "num_window_prefill_steps": int(win_prefill.sum()),
+        "ratio_p50_after": float(np.median(scaled[ok] / pc[ok])) if ok.any() else None,
+        "drift": bool(raw is not None and abs(raw - 1.0) > CAL_DRIFT_WARN),
+    }
+    return model, inliers, info, all_works, y
+
+
+def _usable(steps: pd.DataFrame) -> pd.DataFrame:
+    return steps[(steps["end_ns"] >= steps["start_ns"]) & (steps["num_scheduled_tokens"] > 0)]
+
+
+def _seconds(steps: pd.DataFrame) -> np.ndarray:
+    return (steps["end_ns"] - steps["start_ns"]).to_numpy(dtype=np.int64) / 1e9
+
+
 def fit_steps(
     steps: pd.DataFrame,
     selection: dict[str, Any] | None = None,
     method: str = "ols",
     resamples: int = BOOT_RESAMPLES,
+    calibration: pd.DataFrame | None = None,
 ) -> FitReport:
     """Fit the cost model to steps as returned by :func:`load_steps`; ``resamples`` refits on
-    resampled steps for ``FitReport.boot`` (0: none, and no :func:`carry_spread` check)."""
-    usable = steps[(steps["end_ns"] >= steps["start_ns"]) & (steps["num_scheduled_tokens"] > 0)]
+    resampled steps for ``FitReport.boot`` (0: none, and no :func:`carry_spread` check).
+
+    ``calibration``: steps of a calibration (``advisor.calibrate``: long prefill chunks of
+    every budget's size on the idle engine), fitted together with ``steps`` after their level
+    is matched to the window's (:func:`calibration_fit`); the noise model, the pauses and the
+    fit's verdict are the window's own."""
+    usable = _usable(steps)
     if len(usable) < 4:
         raise FitError(f"need at least 4 steps with tokens to fit, the selection has {len(usable)}")
     works = step_work_list(usable)
-    measured = (usable["end_ns"] - usable["start_ns"]).to_numpy(dtype=np.int64) / 1e9
-    model, inliers = robust_fit(works, measured, method)
+    measured = _seconds(usable)
+    cal_info: dict[str, Any] = {}
+    cal = _usable(calibration) if calibration is not None else None
+    if cal is not None and len(cal) >= len(FEATURES):
+        cal_works = step_work_list(cal)
+        model, inliers, cal_info, fit_works, fit_measured = calibration_fit(
+            works, measured, cal_works, _seconds(cal), method
+        )
+    else:
+        model, inliers = robust_fit(works, measured, method)
+        fit_works, fit_measured = works, measured
     gaps = busy_gaps_s(steps)
     predicted = model.predict_many(works)
     rel_all = np.abs(predicted - measured) / np.maximum(measured, 1e-9)
@@ -472,15 +544,15 @@ def fit_steps(
     report = FitReport(
         model=model,
         num_steps=len(works),
-        num_outliers=int((~inliers).sum()),
+        num_outliers=int((~inliers[: len(works)]).sum()),
         rel_err_p50_all=float(np.percentile(rel_all, 50)),
         rel_err_p95_all=float(np.percentile(rel_all, 95)),
         step_gap_s=float(np.median(gaps)) if gaps.size else 0.0,
         step_gap_p90_s=float(np.percentile(gaps, 90)) if gaps.size else 0.0,
         selection=dict(selection or {}),
         noise=noise_model(predicted, measured, gaps),
-        quality=quality,
-        boot=bootstrap_coefs(works, measured, method, resamples),
+        quality={**quality, "calibration": cal_info} if cal_info else quality,
+        boot=bootstrap_coefs(fit_works, fit_measured, method, resamples),
     )
     if quality["poor"]:
         logger.warning("poor fit of the step-cost model: %s", "; ".join(quality["reasons"]))
@@ -512,10 +584,25 @@ def fit_from_store(
     until: float | None = None,
     method: str = "ols",
     resamples: int = BOOT_RESAMPLES,
+    calibration: Sequence[tuple[float, float]] = (),
 ) -> FitReport:
     """Fit the cost model to the steps of the selection (see ``storage.queries`` for filters);
     ``method`` "ols" (``engine.core.cost_model.fit``) or "relative" (:func:`relative_fit`);
-    ``resamples`` as :func:`fit_steps`."""
+    ``resamples`` as :func:`fit_steps`; ``calibration``: (since, until) spans of the same
+    engine whose steps a calibration ran (``advisor.calibrate``), fitted with the window's."""
     steps = load_steps(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
-    selection = {"engine_id": engine_id, "run_id": run_id, "since": since, "until": until}
-    return fit_steps(steps, {**selection, "method": method}, method, resamples)
+    selection: dict[str, Any] = {
+        "engine_id": engine_id,
+        "run_id": run_id,
+        "since": since,
+        "until": until,
+    }
+    cal = None
+    if calibration:
+        parts = [
+            load_steps(db, engine_id=engine_id, run_id=run_id, since=a, until=b)
+            for a, b in calibration
+        ]
+        cal = pd.concat(parts, ignore_index=True)
+        selection["calibration"] = [[float(a), float(b)] for a, b in calibration]
+    return fit_steps(steps, {**selection, "method": method}, method, resamples, cal)

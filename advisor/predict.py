@@ -58,13 +58,16 @@ def predict_from_store(
     caps: Sequence[int] = (0,),
     allow_poor_fit: bool = False,
     draws: int = 1,
+    calibration: Sequence[tuple[float, float]] = (),
 ) -> dict[str, Any]:
     """Predicted figures per budget (and long-prefill cap, ``caps``) for the traffic of
     [since, until], measured from ``since + warmup_s`` (as a sweep window discards its
     warm-up), step times from a fit on the steps of [fit_since, fit_until] (default: the same
     window). ``client`` (a ``ClientDelay``
     or the path of a ``python -m loadgen --out`` result against this engine) adds the
-    client's delivery, so the figures are what a load generator would measure."""
+    client's delivery, so the figures are what a load generator would measure.
+    ``calibration``: (since, until) spans of a calibration on the same engine
+    (``advisor.calibrate``) whose steps the fit adds (``advisor.fit.fit_from_store``)."""
     if isinstance(client, str):
         client = load_client_delay(client)
     from storage import db as dbm
@@ -75,7 +78,13 @@ def predict_from_store(
         fsince = since if fit_since is None else fit_since
         funtil = until if fit_until is None else fit_until
         report = fit_from_store(
-            db, engine_id=engine_id, run_id=run_id, since=fsince, until=funtil, method=fit_method
+            db,
+            engine_id=engine_id,
+            run_id=run_id,
+            since=fsince,
+            until=funtil,
+            method=fit_method,
+            calibration=calibration,
         )
         traffic = observed_traffic(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
         load = observed_load(db, engine_id=engine_id, run_id=run_id, since=since, until=until)

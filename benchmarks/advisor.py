@@ -297,6 +297,22 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
     proc, url = start_engine(a, collector.url, engine_id)
     slo = Slo(a.slo_itl_ms, a.slo_ttft_ms)
     try:
+        cal_spans: list[tuple[float, float]] = []
+        cal_doc: dict[str, Any] | None = None
+        if a.calibrate:
+            from advisor.calibrate import calibrate
+
+            cal = calibrate(
+                url,
+                sorted({*a.budgets, a.baseline_budget}),
+                control_token=CONTROL_TOKEN,
+                max_model_len=a.max_model_len,
+                seed=a.seed,
+            )
+            cal_doc = cal.to_dict()
+            (work / f"{profile}-calibration.json").write_text(json.dumps(cal_doc))
+            wait_for_store(db_url, engine_id, cal.until)
+            cal_spans = [(cal.since, cal.until)]
         base_out = work / f"{profile}-baseline.json"
         loadgen(
             ["--url", url, "--profile", lg_profile, "--rate", f"{rate:g}", "--duration",
@@ -321,6 +337,7 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
             fit_method=a.fit_method,
             client=None if a.engine_side else str(base_out),
             draws=a.draws,
+            calibration=cal_spans if a.use_calibration else (),
         )
         predict_s = time.perf_counter() - t_pred
         pred_path = work / f"{profile}-predictions.json"
@@ -421,6 +438,8 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
             "until": until,
             "summary": base["summary"]["overall"],
         },
+        "calibration": cal_doc,
+        "calibration_used": bool(cal_spans) and a.use_calibration,
         "fit": pred["fit"],
         "traffic": pred["traffic"],
         "predict_s": predict_s,
@@ -595,6 +614,19 @@ def main(argv: list[str] | None = None) -> int:
         "sweep and the advisor must report the windows overloaded and recommend nothing",
     )
     ap.add_argument("--overload-window-s", type=float, default=25.0)
+    ap.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="skip the calibration (advisor.calibrate: prompts of a few lengths prefilled one "
+        "at a time at every budget) run on each engine before its baseline",
+    )
+    ap.add_argument(
+        "--no-use-calibration",
+        dest="use_calibration",
+        action="store_false",
+        help="run the calibration (its steps stay in the store) but fit on the baseline alone",
+    )
     a = ap.parse_args(argv)
     name = "advisor.json"
     if a.workloads == "holdout":
