@@ -52,18 +52,57 @@ class NoiseModel:
     gaps_s: list[float]
 
 
-def noise_model(predicted_s: np.ndarray, measured_s: np.ndarray, gaps_s: np.ndarray) -> NoiseModel:
+def duration_bins(pred: np.ndarray, factor: float, min_steps: int) -> list[np.ndarray]:
+    """Index ranges of ``pred`` (sorted ascending) cut by duration: a bin closes once it holds
+    ``min_steps`` steps and the next prediction is over ``factor`` times the bin's first; a
+    last bin with fewer than ``min_steps`` joins the one before it. A 300 ms step then draws
+    the scatter of steps of its own length, not of the 10-30 ms ones that share an
+    equal-count top bin with it (long steps scatter less: issue 19d)."""
+    bins: list[list[int]] = []
+    cur: list[int] = []
+    for i, p in enumerate(pred):
+        if cur and len(cur) >= min_steps and p > factor * pred[cur[0]]:
+            bins.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        if bins and len(cur) < min_steps:
+            bins[-1].extend(cur)
+        else:
+            bins.append(cur)
+    return [np.asarray(b, dtype=np.int64) for b in bins]
+
+
+NOISE_FACTOR = 1.6  # duration bins: each spans at most this factor (once it holds enough steps)
+NOISE_MIN_STEPS_DURATION = 20
+
+
+def noise_model(
+    predicted_s: np.ndarray,
+    measured_s: np.ndarray,
+    gaps_s: np.ndarray,
+    *,
+    binning: str = "count",
+) -> NoiseModel:
+    """The scatter of ``measured_s`` around ``predicted_s`` per bin of predicted duration:
+    ``binning`` "count" (``NOISE_BINS`` bins of equal count, at least ``NOISE_MIN_STEPS``
+    each) or "duration" (:func:`duration_bins`: bins no wider than ``NOISE_FACTOR``)."""
     ok = predicted_s > 0
     pred, meas = predicted_s[ok], measured_s[ok]
     order = np.argsort(pred, kind="stable")
     pred, ratio = pred[order], (meas / pred)[order]
-    n_bins = max(1, min(NOISE_BINS, len(pred) // NOISE_MIN_STEPS))
+    if binning == "duration":
+        idx = duration_bins(pred, NOISE_FACTOR, NOISE_MIN_STEPS_DURATION)
+        groups = [(pred[i], ratio[i]) for i in idx]
+    elif binning == "count":
+        n_bins = max(1, min(NOISE_BINS, len(pred) // NOISE_MIN_STEPS))
+        groups = list(zip(np.array_split(pred, n_bins), np.array_split(ratio, n_bins), strict=True))
+    else:
+        raise ValueError(f"binning must be 'count' or 'duration', got {binning!r}")
     edges: list[float] = []
     ratios: list[list[float]] = []
     qs = np.linspace(0, 1, NOISE_QUANTILES)
-    for chunk_pred, chunk_ratio in zip(
-        np.array_split(pred, n_bins), np.array_split(ratio, n_bins), strict=True
-    ):
+    for chunk_pred, chunk_ratio in groups:
         if chunk_pred.size == 0:
             continue
         edges.append(float(chunk_pred[-1]))
@@ -495,6 +534,26 @@ def _seconds(steps: pd.DataFrame) -> np.ndarray:
     return (steps["end_ns"] - steps["start_ns"]).to_numpy(dtype=np.int64) / 1e9
 
 
+NOISE_BINNING = "count"  # noise_model's binning for fits
+NOISE_WITH_CALIBRATION = False  # the calibration's steps (level-matched) join the noise pool
+
+
+def _noise(
+    model: CostModel,
+    works: list[StepWork],
+    measured: np.ndarray,
+    fit_works: list[StepWork],
+    fit_measured: np.ndarray,
+    gaps: np.ndarray,
+) -> NoiseModel:
+    """The noise model of a fit: the window's steps' scatter around ``model`` (and the
+    calibration's, when ``NOISE_WITH_CALIBRATION``: ``fit_works`` holds the window's steps
+    first, then the calibration's)."""
+    if NOISE_WITH_CALIBRATION and len(fit_works) > len(works):
+        return noise_model(model.predict_many(fit_works), fit_measured, gaps, binning=NOISE_BINNING)
+    return noise_model(model.predict_many(works), measured, gaps, binning=NOISE_BINNING)
+
+
 def fit_steps(
     steps: pd.DataFrame,
     selection: dict[str, Any] | None = None,
@@ -550,7 +609,7 @@ def fit_steps(
         step_gap_s=float(np.median(gaps)) if gaps.size else 0.0,
         step_gap_p90_s=float(np.percentile(gaps, 90)) if gaps.size else 0.0,
         selection=dict(selection or {}),
-        noise=noise_model(predicted, measured, gaps),
+        noise=_noise(model, works, measured, fit_works, fit_measured, gaps),
         quality={**quality, "calibration": cal_info} if cal_info else quality,
         boot=bootstrap_coefs(fit_works, fit_measured, method, resamples),
     )

@@ -1,0 +1,181 @@
+"""The calibration (issue 19a): long prefill chunks of every budget's size, run on the engine and
+fitted with the traffic window's steps; and the noise model's bins by duration."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+import pytest
+
+from advisor.calibrate import Calibration, CalibrationError, calibrate
+from advisor.fit import calibration_fit, duration_bins, noise_model, robust_fit
+from engine.core.cost_model import CostModel, StepWork, chunk_pairs
+
+MODEL = CostModel(const=0.007, prefill=3e-4, decode=5e-4, attn=6e-8, attn_decode=1.5e-6)
+
+
+class _Engine(BaseHTTPRequestHandler):
+    """Stands in for the engine's control and completion routes; records what it was sent."""
+
+    calls: list[tuple[str, str, Any, str | None]] = []
+    budget = 1024
+    refuse_prompt = False
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _answer(self, code: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> Any:
+        n = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(n) or b"null")
+
+    def do_GET(self) -> None:  # noqa: N802
+        type(self).calls.append(("GET", self.path, None, None))
+        if self.path == "/v1/scheduler":
+            self._answer(200, {"token_budget": type(self).budget, "max_token_budget": 4096})
+        else:
+            self._answer(200, {"data": [{"id": "demo"}]})
+
+    def do_PUT(self) -> None:  # noqa: N802
+        body = self._body()
+        type(self).calls.append(("PUT", self.path, body, self.headers.get("Authorization")))
+        type(self).budget = int(body["token_budget"])
+        self._answer(200, {"token_budget": type(self).budget})
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = self._body()
+        type(self).calls.append(("POST", self.path, body, self.headers.get("X-Traffic-Class")))
+        if type(self).refuse_prompt:
+            self._answer(400, {"error": {"message": "token id outside the vocabulary"}})
+        else:
+            self._answer(200, {"choices": [{"text": "x"}]})
+
+
+@pytest.fixture
+def engine() -> Iterator[str]:
+    _Engine.calls, _Engine.budget, _Engine.refuse_prompt = [], 1024, False
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Engine)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_calibration_runs_every_prompt_at_every_budget_and_restores_the_budget(
+    engine: str,
+) -> None:
+    cal = calibrate(
+        engine,
+        [512, 128, 8192],  # 8192 is above the engine's max_token_budget: skipped
+        prompt_tokens=(100, 300),
+        repeats=2,
+        control_token="tok",
+        max_model_len=200,
+    )
+    assert isinstance(cal, Calibration) and cal.budgets == [128, 512] and cal.requests == 8
+    assert cal.until >= cal.since
+    puts = [c for c in _Engine.calls if c[0] == "PUT"]
+    assert [p[2]["token_budget"] for p in puts] == [128, 512, 1024]  # the old one restored
+    assert all(p[3] == "Bearer tok" for p in puts)
+    posts = [c for c in _Engine.calls if c[0] == "POST"]
+    # prompts cut to the context less two; fresh random prompts each time; one output token
+    assert [len(p[2]["prompt"]) for p in posts] == [100, 198] * 4
+    assert len({tuple(p[2]["prompt"]) for p in posts}) == 8
+    assert all(p[2]["max_tokens"] == 1 and p[2]["model"] == "demo" for p in posts)
+    assert all(p[3] == "calibration" for p in posts)
+    assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
+
+
+def test_a_refused_prompt_is_an_error_and_the_budget_is_still_restored(engine: str) -> None:
+    _Engine.refuse_prompt = True
+    with pytest.raises(CalibrationError, match="vocabulary"):
+        calibrate(engine, [256], prompt_tokens=(50,), repeats=1)
+    assert _Engine.budget == 1024
+
+
+def _steps(
+    rng: np.random.Generator, budgets: list[int], prompts: list[int]
+) -> tuple[list[StepWork], np.ndarray]:
+    works = []
+    for b in budgets:
+        for p in prompts:
+            s = 0
+            while s < p:
+                n = min(b, p - s)
+                works.append(StepWork(n, 0, chunk_pairs(s, n)))
+                s += n
+    return works, MODEL.predict_many(works) * rng.normal(1.0, 0.02, len(works))
+
+
+def _window(rng: np.random.Generator, speed: float) -> tuple[list[StepWork], np.ndarray]:
+    """A window at budget 1024: 400 decode steps, 6 prefill chunks of 1024 (few, scattered)."""
+    works = []
+    for _ in range(400):
+        d = int(rng.integers(1, 9))
+        ctx = int(rng.integers(100, 3000))
+        works.append(StepWork(0, d, d * ctx, d * ctx))
+    for i in range(6):
+        works.append(StepWork(1024, 2, chunk_pairs(1024 * (i % 3), 1024) + 400, 400))
+    t = MODEL.predict_many(works) * speed * rng.normal(1.0, 0.03, len(works))
+    t[-6:] *= np.array([1.0, 1.5, 0.9, 1.4, 1.0, 1.3])  # a few long steps, slowed by others
+    return works, t
+
+
+def test_calibration_pins_the_prefill_cost_the_window_cannot() -> None:
+    rng = np.random.default_rng(3)
+    works, t = _window(rng, 1.1)  # the window ran 10% slower than the idle engine
+    cal_works, cal_t = _steps(rng, [128, 512, 1024, 4096], [600, 1900, 3900])
+    model, inliers, info, fit_works, y = calibration_fit(works, t, cal_works, cal_t)
+    alone, _ = robust_fit(works, t)
+    assert len(inliers) == len(fit_works) == len(works) + len(cal_works) == len(y)
+    # the calibration's level is matched to the window's (about 1.1x, its prefill steps' median)
+    assert 1.0 < info["level"] < 1.3 and info["num_steps"] == len(cal_works)
+    # 128-token chunks at long context: the calibrated fit within 8% of the window's speed,
+    # the window alone (6 noisy 1024-token chunks) further off
+    probe = [StepWork(128, 0, chunk_pairs(s, 128)) for s in range(0, 3900, 128)]
+    truth = float(np.sum(MODEL.predict_many(probe))) * 1.1
+    err_cal = abs(float(np.sum(model.predict_many(probe))) - truth) / truth
+    err_alone = abs(float(np.sum(alone.predict_many(probe))) - truth) / truth
+    assert err_cal < 0.08 and err_cal < err_alone
+
+
+def test_duration_bins_keep_long_steps_apart() -> None:
+    pred = np.sort(np.concatenate([np.linspace(5e-3, 12e-3, 300), np.linspace(0.2, 0.6, 30)]))
+    bins = duration_bins(pred, 1.6, 20)
+    assert sum(len(b) for b in bins) == len(pred)
+    top = pred[bins[-1]]
+    assert top.min() >= 0.2  # the long steps are not binned with the 5-12 ms ones
+    assert all(len(b) >= 20 for b in bins)
+    # every bin spans at most the factor, except where it had to fill up to 20 steps
+    for b in bins:
+        assert pred[b[-1]] <= 1.6 * pred[b[0]] * 1.01 or len(b) <= 40
+    # a short tail joins the bin before it
+    assert len(duration_bins(np.array([1.0] * 25 + [100.0] * 3), 1.6, 20)) == 1
+
+
+def test_noise_by_duration_gives_long_steps_their_own_scatter() -> None:
+    short = np.linspace(5e-3, 12e-3, 400)
+    long = np.linspace(0.2, 0.5, 40)
+    pred = np.concatenate([short, long])
+    ratio = np.concatenate([np.where(np.arange(400) % 4 == 0, 2.0, 1.0), np.full(40, 1.05)])
+    by_count = noise_model(pred, pred * ratio, np.empty(0))
+    by_duration = noise_model(pred, pred * ratio, np.empty(0), binning="duration")
+    assert max(by_count.ratios[-1]) == pytest.approx(2.0)  # the top bin mixes 10 ms and 0.3 s
+    assert set(np.round(by_duration.ratios[-1], 6)) == {1.05}
+    with pytest.raises(ValueError, match="binning"):
+        noise_model(pred, pred, np.empty(0), binning="other")
