@@ -179,3 +179,16 @@ def test_noise_by_duration_gives_long_steps_their_own_scatter() -> None:
     assert set(np.round(by_duration.ratios[-1], 6)) == {1.05}
     with pytest.raises(ValueError, match="binning"):
         noise_model(pred, pred, np.empty(0), binning="other")
+
+
+def test_cli_calibrate_writes_the_record_predict_reads(engine: str, tmp_path: Any) -> None:
+    from advisor.cli import _span, main
+
+    out = tmp_path / "cal.json"
+    args = ["calibrate", "--url", engine, "--budgets", "128,256", "--prompt-tokens", "40,80"]
+    assert main([*args, "--repeats", "1", "--out", str(out)]) == 0
+    since, until = _span(str(out))
+    assert until >= since
+    assert json.loads(out.read_text())["requests"] == 4
+    _Engine.refuse_prompt = True
+    assert main([*args, "--out", str(tmp_path / "bad.json")]) == 1
