@@ -12,7 +12,7 @@ emission, the inbox, telemetry), which the simulator adds after every step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -163,19 +163,31 @@ class FitReport:
         )
 
 
-def step_works(chunks: pd.DataFrame, image_requests: frozenset[str] = frozenset()) -> pd.DataFrame:
+def step_works(
+    chunks: pd.DataFrame,
+    image_requests: frozenset[str] = frozenset(),
+    image_share: Mapping[str, float] | None = None,
+) -> pd.DataFrame:
     """Per (engine, run, step): prefill tokens, decode tokens and attention pairs of its chunks,
     counted as ``StepWork.from_chunks`` counts them (vectorised); ``image_prefill_tokens``: the
     prefill tokens of requests in ``image_requests`` (those with images: the vision encoder
-    runs in their prefill), a shape the fit's quality is checked on (:func:`fit_quality`)."""
+    runs in their prefill), a shape the fit's quality is checked on (:func:`fit_quality`);
+    ``image_tokens``: the image placeholder tokens among the prefill tokens, counted from
+    ``image_share`` (per request, the share of its prompt that is image tokens) as
+    ``StepWork.from_chunks`` counts them."""
     cols = ["engine_id", "run_id", "step", "prefill_tokens", "decode_tokens", "attention_pairs"]
-    cols += ["decode_pairs", "image_prefill_tokens"]
+    cols += ["decode_pairs", "image_prefill_tokens", "image_tokens"]
     if chunks.empty:
         return pd.DataFrame({c: pd.Series(dtype="int64") for c in cols})
     n = chunks["num_tokens"].to_numpy(dtype=np.int64)
     s = chunks["start"].to_numpy(dtype=np.int64)
     decode = (chunks["kind"] == "decode").to_numpy()
     image = chunks["request_id"].isin(image_requests).to_numpy() if image_requests else False
+    share = (
+        chunks["request_id"].astype(str).map(image_share).fillna(0.0).to_numpy(dtype=np.float64)
+        if image_share
+        else np.zeros(len(chunks))
+    )
     df = pd.DataFrame(
         {
             "engine_id": chunks["engine_id"].to_numpy(),
@@ -186,24 +198,37 @@ def step_works(chunks: pd.DataFrame, image_requests: frozenset[str] = frozenset(
             "attention_pairs": n * s + n * (n + 1) // 2,
             "decode_pairs": np.where(decode, n * s + n * (n + 1) // 2, 0),
             "image_prefill_tokens": np.where(~decode & image, n, 0),
+            "image_tokens": np.where(decode, 0.0, n * share),
         }
     )
-    return df.groupby(["engine_id", "run_id", "step"], as_index=False, sort=True).sum()
+    out = df.groupby(["engine_id", "run_id", "step"], as_index=False, sort=True).sum()
+    out["image_tokens"] = np.round(out["image_tokens"].to_numpy(dtype=np.float64)).astype("int64")
+    return out
 
 
-WORK_COLUMNS = ("prefill_tokens", "decode_tokens", "attention_pairs", "decode_pairs")
+WORK_COLUMNS = (
+    "prefill_tokens",
+    "decode_tokens",
+    "attention_pairs",
+    "decode_pairs",
+    "image_tokens",
+)
 
 
 def step_work_list(steps: pd.DataFrame) -> list[StepWork]:
-    """One ``StepWork`` per row of a :func:`load_steps` frame (``decode_pairs`` 0 if absent)."""
-    dp = steps["decode_pairs"] if "decode_pairs" in steps else pd.Series(0, index=steps.index)
+    """One ``StepWork`` per row of a :func:`load_steps` frame (``decode_pairs`` and
+    ``image_tokens`` 0 if absent)."""
+    zero = pd.Series(0, index=steps.index)
+    dp = steps["decode_pairs"] if "decode_pairs" in steps else zero
+    it = steps["image_tokens"] if "image_tokens" in steps else zero
     return [
-        StepWork(int(p), int(d), int(a), int(q))
-        for p, d, a, q in zip(
+        StepWork(int(p), int(d), int(a), int(q), int(i))
+        for p, d, a, q, i in zip(
             steps["prefill_tokens"],
             steps["decode_tokens"],
             steps["attention_pairs"],
             dp,
+            it,
             strict=True,
         )
     ]
@@ -225,6 +250,18 @@ def busy_gaps_s(steps: pd.DataFrame) -> np.ndarray:
     return np.concatenate(out) if out else np.empty(0)
 
 
+def image_shares(reqs: pd.DataFrame) -> dict[str, float]:
+    """Per request with images: the share of its prompt that is image placeholder tokens."""
+    if reqs.empty or "num_image_tokens" not in reqs:
+        return {}
+    img = reqs["num_image_tokens"].fillna(0).to_numpy(dtype=np.float64)
+    prompt = reqs["num_prompt_tokens"].fillna(0).to_numpy(dtype=np.float64)
+    ok = (img > 0) & (prompt > 0)
+    ids = reqs["request_id"].astype(str).to_numpy()
+    rows = zip(ids[ok], img[ok], prompt[ok], strict=True)
+    return {str(i): float(min(1.0, a / b)) for i, a, b in rows}
+
+
 def load_steps(
     db: Engine,
     *,
@@ -243,6 +280,7 @@ def load_steps(
             attention_pairs=[],
             decode_pairs=[],
             image_prefill_tokens=[],
+            image_tokens=[],
         )
     reqs = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     images = frozenset(
@@ -250,6 +288,7 @@ def load_steps(
         if not reqs.empty
         else ()
     )
+    share = image_shares(reqs)
     works = []
     for (eid, rid), g in steps.groupby(["engine_id", "run_id"], sort=False):
         chunks = queries.step_chunks(
@@ -259,7 +298,7 @@ def load_steps(
             step_from=int(g["step"].min()),
             step_to=int(g["step"].max()),
         )
-        works.append(step_works(chunks, images))
+        works.append(step_works(chunks, images, share))
     work = pd.concat(works, ignore_index=True) if works else step_works(pd.DataFrame())
     merged = steps.merge(work, on=["engine_id", "run_id", "step"], how="left")
     for c in (*WORK_COLUMNS, "image_prefill_tokens"):
@@ -438,7 +477,7 @@ def bootstrap_coefs(
     for _ in range(resamples if n >= len(FEATURES) else 0):
         idx = rng.integers(0, n, n)
         m, _ = robust_fit([works[i] for i in idx], measured[idx], method)
-        out.append([m.const, m.prefill, m.decode, m.attn, m.attn_decode])
+        out.append([float(v) for v in m.coefficients()])
     return out
 
 

@@ -8,7 +8,7 @@ import logging
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from advisor.client import ClientDelay, ClientDraw, load_client_delay
@@ -152,6 +152,7 @@ def predict_traffic(
     if not traffic.requests:
         raise ValueError("no request arrived in the selected window: nothing to simulate")
     reqs, warm = to_sim_requests(traffic, shape.block_size)
+    shares = image_share_of(traffic)
     if draws < 1:
         raise ValueError(f"draws must be at least 1, got {draws}")
     t0 = time.perf_counter()
@@ -160,7 +161,9 @@ def predict_traffic(
             reqs,
             shape,
             sorted({int(b) for b in budgets}),
-            timing=lambda k=k: step_timing(report, step_gap=step_gap, noise=noise, seed=seed + k),
+            timing=lambda k=k: step_timing(
+                report, step_gap=step_gap, noise=noise, seed=seed + k, image_share=shares
+            ),
             warm_prefixes=warm,
             max_steps=max_steps,
             window_ns=(round(warmup_s * 1e9), max(round(traffic.duration_s * 1e9), 1)),
@@ -267,20 +270,36 @@ def median_windows(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, A
 
 
 def step_timing(
-    report: FitReport, *, step_gap: bool = True, noise: bool = True, seed: int = 0
+    report: FitReport,
+    *,
+    step_gap: bool = True,
+    noise: bool = True,
+    seed: int = 0,
+    image_share: Mapping[str, float] | None = None,
 ) -> tuple[StepTime, int | GapTime]:
-    """The (step time, pause) functions of one simulation."""
+    """The (step time, pause) functions of one simulation; ``image_share`` (per request id,
+    the share of its prompt that is image tokens: :func:`image_share_of`) gives the vision
+    encoder's term its work (without it, image tokens cost what text prefill tokens do)."""
     rng = random.Random(seed)
     n = report.noise
     if noise and n is not None and n.ratios:
-        step = noisy_step_ns(report.step_seconds, n.edges_s, n.ratios, rng)
+        step = noisy_step_ns(report.step_seconds, n.edges_s, n.ratios, rng, image_share)
     else:
-        step = cost_model_step_ns(report.step_seconds)
+        step = cost_model_step_ns(report.step_seconds, image_share)
     if not step_gap:
         return step, 0
     if noise and n is not None and n.gaps_s:
         return step, drawn_gap_ns(n.gaps_s, rng)
     return step, round(report.step_gap_s * 1e9)
+
+
+def image_share_of(traffic: Any) -> dict[str, float]:
+    """Per request of ``traffic`` with images: the share of its prompt that is image tokens."""
+    return {
+        str(r.request_id): min(1.0, r.num_image_tokens / r.num_prompt_tokens)
+        for r in traffic.requests
+        if r.num_image_tokens > 0 and r.num_prompt_tokens > 0
+    }
 
 
 def _redact(url: str) -> str:

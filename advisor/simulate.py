@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import logging
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,11 +113,15 @@ StepTime = Callable[[StepPlan], int]
 GapTime = Callable[[], int]
 
 
-def cost_model_step_ns(predict_s: Callable[[StepWork], float]) -> StepTime:
-    """A step-time function from a cost model's ``predict`` (seconds of a ``StepWork``)."""
+def cost_model_step_ns(
+    predict_s: Callable[[StepWork], float], image_share: Mapping[str, float] | None = None
+) -> StepTime:
+    """A step-time function from a cost model's ``predict`` (seconds of a ``StepWork``);
+    ``image_share``: per request id, the share of its prompt that is image tokens (the vision
+    encoder's work, ``StepWork.image_tokens``)."""
 
     def step_ns(plan: StepPlan) -> int:
-        return max(0, round(predict_s(StepWork.from_chunks(plan.chunks)) * 1e9))
+        return max(0, round(predict_s(StepWork.from_chunks(plan.chunks, image_share)) * 1e9))
 
     return step_ns
 
@@ -127,12 +131,14 @@ def noisy_step_ns(
     edges_s: Sequence[float],
     ratios: Sequence[Sequence[float]],
     rng: random.Random,
+    image_share: Mapping[str, float] | None = None,
 ) -> StepTime:
     """The prediction times a measured/predicted ratio drawn from the steps of similar
-    predicted duration (``advisor.fit.NoiseModel``): measured scatter, replayed."""
+    predicted duration (``advisor.fit.NoiseModel``): measured scatter, replayed
+    (``image_share`` as :func:`cost_model_step_ns`)."""
 
     def step_ns(plan: StepPlan) -> int:
-        pred = max(0.0, predict_s(StepWork.from_chunks(plan.chunks)))
+        pred = max(0.0, predict_s(StepWork.from_chunks(plan.chunks, image_share)))
         k = min(bisect.bisect_left(edges_s, pred), len(ratios) - 1)
         return max(0, round(pred * rng.choice(ratios[k]) * 1e9))
 

@@ -210,7 +210,7 @@ def replay(
     against the baseline fit's prediction, median ratio, decode-only steps and all)."""
     from advisor.client import ClientDraw, load_client_delay
     from advisor.fit import FitError, FitReport, fit_from_store, load_steps, step_work_list
-    from advisor.predict import median_windows, step_timing
+    from advisor.predict import image_share_of, median_windows, step_timing
     from advisor.simulate import figures, simulate
     from advisor.traffic import engine_shape, observed_traffic, to_sim_requests
     from storage import db as dbm
@@ -246,7 +246,9 @@ def replay(
 
                 runs = []
                 for k in range(draws):  # as predict_traffic(draws=): the median of k draws
-                    step_ns, gap_ns = step_timing(rep, seed=seed + k)
+                    step_ns, gap_ns = step_timing(
+                        rep, seed=seed + k, image_share=image_share_of(traffic)
+                    )
                     res = simulate(
                         reqs,
                         shape,

@@ -2,7 +2,7 @@
 
 A step runs one forward over every chunk it scheduled. Its time is modelled as
 
-    t = c0 + c_prefill * P + c_decode * D + c_attn * A + c_attn_decode * Ad
+    t = c0 + c_prefill * P + c_decode * D + c_attn * A + c_attn_decode * Ad + c_vision * I
 
 where ``P`` is the number of prefill tokens, ``D`` the number of decode tokens and ``A`` the
 attention pairs: for each chunk of ``n`` new tokens starting at position ``s``, every new token
@@ -15,6 +15,9 @@ attends to its context, so the chunk adds ``n * s + n * (n + 1) / 2`` (query, ke
 ``Ad`` is the decode chunks' share of ``A`` (a decode token's pairs are its context): a decode
 token reads its context from the cache slot by slot, a prefill chunk runs one kernel over
 contiguous keys, so a decode pair costs ``c_attn + c_attn_decode`` (both kept non-negative).
+``I`` is the image placeholder tokens among the step's prefill tokens: the vision encoder runs
+on the bands of an image its chunk reaches (``engine/model/runner.py``), work the language
+model's terms do not count.
 
 Fitted by ordinary least squares (numpy), it is the instrument's reference for what a step
 should cost: a served step much slower than its prediction is time the engine did not spend
@@ -29,7 +32,14 @@ from typing import Any
 
 import numpy as np
 
-FEATURES = ("const", "prefill_tokens", "decode_tokens", "attention_pairs", "decode_pairs")
+FEATURES = (
+    "const",
+    "prefill_tokens",
+    "decode_tokens",
+    "attention_pairs",
+    "decode_pairs",
+    "image_tokens",
+)
 
 
 def chunk_pairs(start: int, num_tokens: int) -> int:
@@ -49,11 +59,23 @@ class StepWork:
     # over contiguous keys, so a decode pair costs more than a prefill pair (issue 19: without
     # it, decode steps of long-context requests came out 10-24% off the fit at other budgets)
     decode_pairs: int = 0
+    # image placeholder tokens among the prefill tokens: the vision encoder's work (issue 19a:
+    # without it, prefill steps of image requests took 1.2-1.3x a fit pinned by text prompts)
+    image_tokens: int = 0
 
     @classmethod
-    def from_chunks(cls, chunks: Iterable[Mapping[str, Any] | Any]) -> StepWork:
-        """From chunk records (dicts or objects with ``kind``, ``start``, ``num_tokens``)."""
+    def from_chunks(
+        cls,
+        chunks: Iterable[Mapping[str, Any] | Any],
+        image_share: Mapping[str, float] | None = None,
+    ) -> StepWork:
+        """From chunk records (dicts or objects with ``kind``, ``start``, ``num_tokens`` and,
+        with ``image_share``, ``request_id``). ``image_share``: per request, the share of its
+        prompt that is image placeholders; a prefill chunk of ``n`` tokens of such a request
+        counts ``round(n * share)`` image tokens (where in the prompt the image lies is not
+        known from the store, so the fit counts them the same way)."""
         prefill = decode = pairs = decode_pairs = 0
+        image = 0.0
         for c in chunks:
             get = c.get if isinstance(c, Mapping) else lambda k, c=c: getattr(c, k)
             n, s = int(get("num_tokens")), int(get("start"))
@@ -63,8 +85,10 @@ class StepWork:
                 decode_pairs += p
             else:
                 prefill += n
+                if image_share:
+                    image += n * image_share.get(str(get("request_id")), 0.0)
             pairs += p
-        return cls(prefill, decode, pairs, decode_pairs)
+        return cls(prefill, decode, pairs, decode_pairs, round(image))
 
     def row(self) -> list[float]:
         return [
@@ -73,12 +97,13 @@ class StepWork:
             float(self.decode_tokens),
             float(self.attention_pairs),
             float(self.decode_pairs),
+            float(self.image_tokens),
         ]
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per step = ``const + prefill*P + decode*D + attn*A + attn_decode*Ad``."""
+    """Seconds per step = ``const + prefill*P + decode*D + attn*A + attn_decode*Ad + vision*I``."""
 
     const: float
     prefill: float
@@ -87,6 +112,8 @@ class CostModel:
     # what a decode pair costs beyond ``attn`` (0 in a model fitted before the term existed,
     # which then predicts as it did)
     attn_decode: float = 0.0
+    # seconds per image token (the vision encoder; 0 in a model fitted before the term existed)
+    vision: float = 0.0
     # how well it fits the steps it was fitted on: relative error |pred - t| / t
     num_steps: int = 0
     rel_err_p50: float = 0.0
@@ -100,11 +127,18 @@ class CostModel:
             + self.decode * work.decode_tokens
             + self.attn * work.attention_pairs
             + self.attn_decode * work.decode_pairs
+            + self.vision * work.image_tokens
         )
 
     def predict_many(self, works: Sequence[StepWork]) -> np.ndarray:
         x = np.array([w.row() for w in works], dtype=np.float64).reshape(-1, len(FEATURES))
-        return x @ np.array([self.const, self.prefill, self.decode, self.attn, self.attn_decode])
+        return x @ self.coefficients()
+
+    def coefficients(self) -> np.ndarray:
+        """The coefficients in ``FEATURES`` order."""
+        return np.array(
+            [self.const, self.prefill, self.decode, self.attn, self.attn_decode, self.vision]
+        )
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -134,12 +168,14 @@ def fit(
     """
     if len(works) != len(seconds):
         raise ValueError(f"{len(works)} steps but {len(seconds)} times")
-    if len(works) < len(FEATURES):
-        raise ValueError(f"need at least {len(FEATURES)} steps to fit the cost model")
-    x = np.array([w.row() for w in works], dtype=np.float64)
+    x = np.array([w.row() for w in works], dtype=np.float64).reshape(-1, len(FEATURES))
     y = np.asarray(seconds, dtype=np.float64)
     if not np.all(np.isfinite(y)) or np.any(y < 0):
         raise ValueError("step times must be finite and non-negative")
+    # a feature no step has (image tokens in a window without images) is not fitted
+    need = max(1 + int(np.sum(np.any(x[:, 1:] != 0, axis=0))), len(FEATURES) - 1)
+    if len(works) < need:
+        raise ValueError(f"need at least {need} steps to fit the cost model")
     w = np.ones_like(y) if weights is None else np.asarray(weights, dtype=np.float64)
     if w.shape != y.shape or not np.all(np.isfinite(w)) or np.any(w <= 0):
         raise ValueError("weights must be one finite positive number per step")
@@ -168,6 +204,7 @@ def fit(
         decode=float(coef[2]),
         attn=float(coef[3]),
         attn_decode=float(coef[4]),
+        vision=float(coef[5]),
         num_steps=len(y),
         rel_err_p50=float(np.percentile(rel, 50)),
         rel_err_p95=float(np.percentile(rel, 95)),

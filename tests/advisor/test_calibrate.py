@@ -192,3 +192,38 @@ def test_cli_calibrate_writes_the_record_predict_reads(engine: str, tmp_path: An
     assert json.loads(out.read_text())["requests"] == 4
     _Engine.refuse_prompt = True
     assert main([*args, "--out", str(tmp_path / "bad.json")]) == 1
+
+
+def test_the_vision_encoder_has_its_own_term() -> None:
+    import pandas as pd
+
+    from advisor.fit import step_works
+    from engine.core.cost_model import fit
+
+    # a chunk of 512 tokens of a request whose prompt is 80% image tokens: 410 image tokens
+    chunks = [
+        {"request_id": "img", "kind": "prefill", "start": 0, "num_tokens": 512},
+        {"request_id": "chat", "kind": "decode", "start": 99, "num_tokens": 1},
+    ]
+    work = StepWork.from_chunks(chunks, {"img": 0.8})
+    assert work.image_tokens == 410 and work.prefill_tokens == 512
+    assert StepWork.from_chunks(chunks).image_tokens == 0
+    # the store side counts them the same way
+    df = pd.DataFrame([{**c, "engine_id": "e", "run_id": "r", "step": 1} for c in chunks])
+    row = step_works(df, frozenset({"img"}), {"img": 0.8}).iloc[0]
+    assert int(row["image_tokens"]) == 410 and int(row["image_prefill_tokens"]) == 512
+    # fitted: image tokens cost 2x a text prefill token more, and the fit finds it
+    truth = CostModel(const=0.005, prefill=3e-4, decode=5e-4, attn=6e-8, vision=6e-4)
+    rng = np.random.default_rng(0)
+    works = [
+        StepWork(int(n), int(d), chunk_pairs(0, int(n)), 0, int(n * s))
+        for n, d, s in zip(
+            rng.integers(1, 1024, 300),
+            rng.integers(0, 8, 300),
+            rng.choice([0, 0, 0.9], 300),
+            strict=True,
+        )
+    ]
+    model = fit(works, list(truth.predict_many(works)))
+    assert model.vision == pytest.approx(6e-4, rel=1e-3)
+    assert CostModel.from_dict({"const": 1, "prefill": 0, "decode": 0, "attn": 0}).vision == 0
