@@ -84,10 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--seed", type=int, default=0, help="seeds the drawn scatter")
     pr.add_argument(
         "--fit-method",
-        choices=("ols", "relative"),
-        default="ols",
-        help="ordinary least squares (engine.core.cost_model.fit, the default) or least squares on "
-        "relative errors (short steps count as much as long ones)",
+        choices=("sqrt", "ols", "relative"),
+        default="sqrt",
+        help="least squares with each step weighted by 1/sqrt(its duration) (the default: short "
+        "and long steps both count), ordinary least squares (engine.core.cost_model.fit: long "
+        "steps dominate) or least squares on relative errors (short steps count as much as "
+        "long ones)",
     )
     pr.add_argument(
         "--warmup-s",

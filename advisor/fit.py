@@ -320,11 +320,27 @@ def relative_fit(works: list[StepWork], measured: Any) -> CostModel:
     return fit(works, list(y), weights=list(1.0 / np.maximum(y, 1e-6)))
 
 
-FITTERS = {"ols": lambda works, y: fit(works, list(y)), "relative": relative_fit}
+def sqrt_fit(works: list[StepWork], measured: Any) -> CostModel:
+    """Least squares with each step weighted by 1 / sqrt(its duration): between ``ols`` (a
+    500 ms step counts 10,000 times a 5 ms one) and :func:`relative_fit` (equal), a 500 ms
+    step counts 100 times a 5 ms one."""
+    y = np.asarray(measured, dtype=np.float64)
+    return fit(works, list(y), weights=list(1.0 / np.sqrt(np.maximum(y, 1e-6))))
+
+
+# the default: short steps (the inter-token latency) and long ones (the queue, TTFT) both
+# count (issue 19a: with OLS the fit missed decode steps of one sequence by 10-30% in the
+# steps it was fitted on, a 500 ms step weighing as 10,000 of them)
+DEFAULT_METHOD = "sqrt"
+FITTERS = {
+    "ols": lambda works, y: fit(works, list(y)),
+    "relative": relative_fit,
+    "sqrt": sqrt_fit,
+}
 
 
 def robust_fit(
-    works: list[StepWork], measured: np.ndarray, method: str = "ols"
+    works: list[StepWork], measured: np.ndarray, method: str = DEFAULT_METHOD
 ) -> tuple[CostModel, np.ndarray]:
     """Least squares on the steps that behave like the model: fit, drop the steps whose
     log(measured / predicted) is more than ``TRIM_K`` robust standard deviations (1.4826 MAD)
@@ -373,6 +389,7 @@ def fit_quality(
     decode: np.ndarray,
     image_prefill: np.ndarray,
     start_ns: np.ndarray,
+    calibration_prefill_steps: int = 0,
 ) -> dict[str, Any]:
     """Whether a fit can carry a prediction to other budgets, and why not: the residuals per
     step shape (decode only, prefill, prefill of requests with images: the vision encoder),
@@ -409,7 +426,8 @@ def fit_quality(
         reasons.append(
             f"relative error p50 {100 * rel_p50:.0f}% (over {100 * POOR_REL_ERR_P50:.0f}%)"
         )
-    n_prefill = int((prefill > 0).sum())
+    # a calibration's steps (``advisor.calibrate``) pin the chunk cost down as well
+    n_prefill = int((prefill > 0).sum()) + calibration_prefill_steps
     if n_prefill < MIN_PREFILL_STEPS:
         reasons.append(
             f"only {n_prefill} steps with prefill (needs {MIN_PREFILL_STEPS}): the cost of a "
@@ -462,7 +480,7 @@ CARRY_SPREAD = 0.15
 def bootstrap_coefs(
     works: list[StepWork],
     measured: np.ndarray,
-    method: str = "ols",
+    method: str = DEFAULT_METHOD,
     resamples: int = BOOT_RESAMPLES,
     seed: int = BOOT_SEED,
 ) -> list[list[float]]:
@@ -524,7 +542,7 @@ def calibration_fit(
     measured: np.ndarray,
     cal_works: list[StepWork],
     cal_measured: np.ndarray,
-    method: str = "ols",
+    method: str = DEFAULT_METHOD,
 ) -> tuple[CostModel, np.ndarray, dict[str, Any], list[StepWork], np.ndarray]:
     """The window's steps and a calibration's, fitted together. The calibration ran at
     another moment (the machine's speed moves with the load on it) and on an idle engine, so
@@ -573,7 +591,7 @@ def _seconds(steps: pd.DataFrame) -> np.ndarray:
     return (steps["end_ns"] - steps["start_ns"]).to_numpy(dtype=np.int64) / 1e9
 
 
-NOISE_BINNING = "count"  # noise_model's binning for fits
+NOISE_BINNING = "duration"  # noise_model's binning for fits
 NOISE_WITH_CALIBRATION = False  # the calibration's steps (level-matched) join the noise pool
 
 
@@ -596,7 +614,7 @@ def _noise(
 def fit_steps(
     steps: pd.DataFrame,
     selection: dict[str, Any] | None = None,
-    method: str = "ols",
+    method: str = DEFAULT_METHOD,
     resamples: int = BOOT_RESAMPLES,
     calibration: pd.DataFrame | None = None,
 ) -> FitReport:
@@ -638,6 +656,7 @@ def fit_steps(
         decode=usable["decode_tokens"].to_numpy(dtype=np.int64),
         image_prefill=image,
         start_ns=usable["start_ns"].to_numpy(dtype=np.int64),
+        calibration_prefill_steps=int(cal_info.get("num_steps", 0)),
     )
     report = FitReport(
         model=model,
@@ -680,12 +699,13 @@ def fit_from_store(
     run_id: str | None = None,
     since: float | None = None,
     until: float | None = None,
-    method: str = "ols",
+    method: str = DEFAULT_METHOD,
     resamples: int = BOOT_RESAMPLES,
     calibration: Sequence[tuple[float, float]] = (),
 ) -> FitReport:
     """Fit the cost model to the steps of the selection (see ``storage.queries`` for filters);
-    ``method`` "ols" (``engine.core.cost_model.fit``) or "relative" (:func:`relative_fit`);
+    ``method`` "sqrt" (:func:`sqrt_fit`, the default), "ols" (``engine.core.cost_model.fit``)
+    or "relative" (:func:`relative_fit`);
     ``resamples`` as :func:`fit_steps`; ``calibration``: (since, until) spans of the same
     engine whose steps a calibration ran (``advisor.calibrate``), fitted with the window's."""
     steps = load_steps(db, engine_id=engine_id, run_id=run_id, since=since, until=until)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from advisor.client import ClientDelay, ClientDraw, load_client_delay
-from advisor.fit import CARRY_SPREAD, FitReport, carry_spread, fit_from_store
+from advisor.fit import CARRY_SPREAD, DEFAULT_METHOD, FitReport, carry_spread, fit_from_store
 from advisor.overload import WindowLoad
 from advisor.pareto import front_budgets, front_pairs
 from advisor.recommend import Recommendation, Slo, recommend
@@ -52,7 +52,7 @@ def predict_from_store(
     noise: bool = True,
     seed: int = 0,
     warmup_s: float = 0.0,
-    fit_method: str = "ols",
+    fit_method: str = DEFAULT_METHOD,
     client: ClientDelay | str | None = None,
     max_steps: int | None = 2_000_000,
     caps: Sequence[int] = (0,),
@@ -169,6 +169,7 @@ def predict_traffic(
             window_ns=(round(warmup_s * 1e9), max(round(traffic.duration_s * 1e9), 1)),
             client=None if client is None else (lambda k=k: ClientDraw(client, seed + 1 + k)),
             caps=caps,
+            image_requests=shares.keys(),
         )
         for k in range(draws)
     ]

@@ -257,6 +257,7 @@ def replay(
                         gap_ns=gap_ns,
                         warm_prefixes=warm,
                         max_steps=2_000_000,
+                        image_requests=image_share_of(traffic).keys(),
                     )
                     fig = figures(
                         res,
@@ -583,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-itl-ms", type=float, default=50.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fit-method", choices=("ols", "relative"), default="ols")
+    ap.add_argument("--fit-method", choices=("sqrt", "ols", "relative"), default="sqrt")
     ap.add_argument(
         "--draws",
         type=int,

@@ -3,6 +3,7 @@
 A step runs one forward over every chunk it scheduled. Its time is modelled as
 
     t = c0 + c_prefill * P + c_decode * D + c_attn * A + c_attn_decode * Ad + c_vision * I
+        + c_multi_row * M
 
 where ``P`` is the number of prefill tokens, ``D`` the number of decode tokens and ``A`` the
 attention pairs: for each chunk of ``n`` new tokens starting at position ``s``, every new token
@@ -17,7 +18,11 @@ token reads its context from the cache slot by slot, a prefill chunk runs one ke
 contiguous keys, so a decode pair costs ``c_attn + c_attn_decode`` (both kept non-negative).
 ``I`` is the image placeholder tokens among the step's prefill tokens: the vision encoder runs
 on the bands of an image its chunk reaches (``engine/model/runner.py``), work the language
-model's terms do not count.
+model's terms do not count. ``M`` is 1 for a step of more than one token row and 0 for a lone
+decode: on the CPU engine a one-row step runs its linear layers as matrix-vector products, and
+measured (issue 19a, demo preset, one thread) a lone decode took 6.4 ms, two decodes 11 ms, four
+13 ms: without ``M`` the fit's per-decode cost came out at 3 ms and steps of 4-16 decodes at
+other budgets 1.3-1.9x too long.
 
 Fitted by ordinary least squares (numpy), it is the instrument's reference for what a step
 should cost: a served step much slower than its prediction is time the engine did not spend
@@ -39,6 +44,7 @@ FEATURES = (
     "attention_pairs",
     "decode_pairs",
     "image_tokens",
+    "multi_row",
 )
 
 
@@ -98,12 +104,14 @@ class StepWork:
             float(self.attention_pairs),
             float(self.decode_pairs),
             float(self.image_tokens),
+            1.0 if self.prefill_tokens + self.decode_tokens >= 2 else 0.0,
         ]
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per step = ``const + prefill*P + decode*D + attn*A + attn_decode*Ad + vision*I``."""
+    """Seconds per step = ``const + prefill*P + decode*D + attn*A + attn_decode*Ad + vision*I
+    + multi_row*M`` (``M``: the step has more than one token row)."""
 
     const: float
     prefill: float
@@ -114,6 +122,8 @@ class CostModel:
     attn_decode: float = 0.0
     # seconds per image token (the vision encoder; 0 in a model fitted before the term existed)
     vision: float = 0.0
+    # seconds a step of more than one row costs beyond a lone decode (0 in an older model)
+    multi_row: float = 0.0
     # how well it fits the steps it was fitted on: relative error |pred - t| / t
     num_steps: int = 0
     rel_err_p50: float = 0.0
@@ -128,6 +138,7 @@ class CostModel:
             + self.attn * work.attention_pairs
             + self.attn_decode * work.decode_pairs
             + self.vision * work.image_tokens
+            + (self.multi_row if work.prefill_tokens + work.decode_tokens >= 2 else 0.0)
         )
 
     def predict_many(self, works: Sequence[StepWork]) -> np.ndarray:
@@ -137,7 +148,15 @@ class CostModel:
     def coefficients(self) -> np.ndarray:
         """The coefficients in ``FEATURES`` order."""
         return np.array(
-            [self.const, self.prefill, self.decode, self.attn, self.attn_decode, self.vision]
+            [
+                self.const,
+                self.prefill,
+                self.decode,
+                self.attn,
+                self.attn_decode,
+                self.vision,
+                self.multi_row,
+            ]
         )
 
     def to_dict(self) -> dict[str, float | int]:
@@ -172,15 +191,16 @@ def fit(
     y = np.asarray(seconds, dtype=np.float64)
     if not np.all(np.isfinite(y)) or np.any(y < 0):
         raise ValueError("step times must be finite and non-negative")
-    # a feature no step has (image tokens in a window without images) is not fitted
-    need = max(1 + int(np.sum(np.any(x[:, 1:] != 0, axis=0))), len(FEATURES) - 1)
+    need = max(1 + int(np.sum(np.ptp(x[:, 1:], axis=0) > 0)), 5)
     if len(works) < need:
         raise ValueError(f"need at least {need} steps to fit the cost model")
     w = np.ones_like(y) if weights is None else np.asarray(weights, dtype=np.float64)
     if w.shape != y.shape or not np.all(np.isfinite(w)) or np.any(w <= 0):
         raise ValueError("weights must be one finite positive number per step")
     xw, yw = x * w[:, None], y * w
-    active = [i for i in range(x.shape[1]) if i == 0 or np.ptp(x[:, i]) > 0 or x[:, i].any()]
+    # a feature that never varies is the constant's to carry (a column of ones beside it, or
+    # of zeros: image tokens in a window without images, a multi-row step in every step)
+    active = [i for i in range(x.shape[1]) if i == 0 or np.ptp(x[:, i]) > 0]
     coef = np.zeros(x.shape[1])
     while True:
         # scale columns so that tokens (~1e3) and pairs (~1e7) are solved with equal care
@@ -205,6 +225,7 @@ def fit(
         attn=float(coef[3]),
         attn_decode=float(coef[4]),
         vision=float(coef[5]),
+        multi_row=float(coef[6]),
         num_steps=len(y),
         rel_err_p50=float(np.percentile(rel, 50)),
         rel_err_p95=float(np.percentile(rel, 95)),

@@ -145,13 +145,13 @@ def test_calibration_pins_the_prefill_cost_the_window_cannot() -> None:
     assert len(inliers) == len(fit_works) == len(works) + len(cal_works) == len(y)
     # the calibration's level is matched to the window's (about 1.1x, its prefill steps' median)
     assert 1.0 < info["level"] < 1.3 and info["num_steps"] == len(cal_works)
-    # 128-token chunks at long context: the calibrated fit within 8% of the window's speed,
+    # 128-token chunks at long context: the calibrated fit within 12% of the window's speed,
     # the window alone (6 noisy 1024-token chunks) further off
     probe = [StepWork(128, 0, chunk_pairs(s, 128)) for s in range(0, 3900, 128)]
     truth = float(np.sum(MODEL.predict_many(probe))) * 1.1
     err_cal = abs(float(np.sum(model.predict_many(probe))) - truth) / truth
     err_alone = abs(float(np.sum(alone.predict_many(probe))) - truth) / truth
-    assert err_cal < 0.08 and err_cal < err_alone
+    assert err_cal < 0.12 and err_cal < err_alone
 
 
 def test_duration_bins_keep_long_steps_apart() -> None:
@@ -227,3 +227,45 @@ def test_the_vision_encoder_has_its_own_term() -> None:
     model = fit(works, list(truth.predict_many(works)))
     assert model.vision == pytest.approx(6e-4, rel=1e-3)
     assert CostModel.from_dict({"const": 1, "prefill": 0, "decode": 0, "attn": 0}).vision == 0
+
+
+def test_a_burst_of_image_requests_enters_one_a_step() -> None:
+    from advisor.simulate import EngineShape, SimRequest, simulate
+
+    reqs = [
+        SimRequest(f"img-{i}", 1_000, tuple(range(i * 10_000, i * 10_000 + 300)), 2, "vlm")
+        for i in range(3)
+    ] + [SimRequest("chat", 1_000, tuple(range(90_000, 90_040)), 2, "chat")]
+    shape = EngineShape(num_kv_blocks=1024)
+
+    def first_steps(**kw: Any) -> list[set[str]]:
+        res = simulate(
+            reqs, shape, token_budget=4096, step_ns=lambda plan: 1_000_000, record_steps=True, **kw
+        )
+        return [{c.request_id for c in s.chunks if c.kind == "prefill"} for s in res.steps[:3]]
+
+    # without image ids: the three images (and the chat request) share the first step
+    assert first_steps()[0] == {"img-0", "img-1", "img-2", "chat"}
+    # the served engine takes one in per step, and what arrived after it waits with it
+    got = first_steps(image_requests={"img-0", "img-1", "img-2"})
+    assert got == [{"img-0"}, {"img-1"}, {"img-2", "chat"}]
+    # a vLLM engine (no such pipe) is not limited
+    vllm = EngineShape(num_kv_blocks=1024, scheduler="vllm")
+    res = simulate(
+        reqs, vllm, token_budget=4096, step_ns=lambda plan: 1_000_000, record_steps=True,
+        image_requests={"img-0", "img-1", "img-2"},
+    )  # fmt: skip
+    assert len({c.request_id for c in res.steps[0].chunks}) == 4
+
+
+def test_a_lone_decode_has_no_multi_row_cost() -> None:
+    m = CostModel(const=0.006, prefill=0.0, decode=0.001, attn=0.0, multi_row=0.004)
+    assert m.predict(StepWork(0, 1, 100, 100)) == pytest.approx(0.007)
+    assert m.predict(StepWork(0, 2, 200, 200)) == pytest.approx(0.012)
+    assert m.predict(StepWork(5, 0, 15)) == pytest.approx(0.010)
+    works = [StepWork(0, d, 0, 0) for d in (1, 1, 1, 2, 3, 4, 5, 6, 8, 1, 2)]
+    from engine.core.cost_model import fit
+
+    got = fit(works, list(m.predict_many(works)))
+    assert got.multi_row == pytest.approx(0.004, rel=1e-6)
+    assert got.const == pytest.approx(0.006, rel=1e-6)
