@@ -23,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,6 +33,13 @@ logger = logging.getLogger(__name__)
 # contexts (a 3,900-token prompt at budget 128 is 31 chunks with contexts 0 to 3,840)
 PROMPT_TOKENS = (600, 1900, 3900)
 REPEATS = 2
+# then this many short requests at once, each decoding DECODE_TOKENS tokens: decode steps of
+# every batch size up to the largest (a traffic window at one budget holds the batch sizes its
+# queue made; at a smaller budget prefill is slower, more streams overlap, and steps of 7-16
+# decodes were predicted 1.4-1.7x too long from a window of 1-6: issue 19a)
+DECODE_BATCHES = (4, 8, 16)
+DECODE_TOKENS = 32
+DECODE_PROMPT_TOKENS = 48
 TOKEN_RANGE = (10, 250)  # ids drawn from here (inside every preset's vocabulary: 260 bytes)
 
 
@@ -50,6 +58,7 @@ class Calibration:
     repeats: int
     requests: int
     seconds_per_budget: dict[str, float] = field(default_factory=dict)
+    decode_batches: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,11 +98,14 @@ def calibrate(
     seed: int = 0,
     timeout_s: float = 120.0,
     max_model_len: int | None = None,
+    decode_batches: Sequence[int] = DECODE_BATCHES,
 ) -> Calibration:
     """Prefill ``repeats`` fresh prompts of each length in ``prompt_tokens`` at each budget of
         ``budgets`` (ascending), one request at a time, on the engine at ``base_url``; the budget
         is restored afterwards. Prompts are cut to ``max_model_len`` less two tokens (when given);
-    budgets above the engine's ``max_token_budget`` are skipped."""
+    budgets above the engine's ``max_token_budget`` are skipped. Then, at the engine's own
+    budget, each of ``decode_batches`` short requests sent at once (decode steps of that many
+    sequences, fewer as they finish)."""
     base = base_url.rstrip("/")
     view = _call(base + "/v1/scheduler", "GET", None, None, timeout_s)
     before = int(view["token_budget"])
@@ -121,6 +133,29 @@ def calibrate(
                     _call(base + "/v1/completions", "POST", body, None, timeout_s)
                     n += 1
             per_budget[str(b)] = time.perf_counter() - tb
+        _call(base + "/v1/scheduler", "PUT", {"token_budget": before}, control_token, timeout_s)
+        for size in decode_batches:
+            prompts = [
+                [rng.randrange(lo, hi) for _ in range(DECODE_PROMPT_TOKENS)] for _ in range(size)
+            ]
+            bodies = [
+                {
+                    "model": model,
+                    "prompt": p,
+                    "max_tokens": DECODE_TOKENS,
+                    "stream": False,
+                    "ignore_eos": True,
+                }
+                for p in prompts
+            ]
+            with ThreadPoolExecutor(max_workers=max(1, size)) as pool:
+                futures = [
+                    pool.submit(_call, base + "/v1/completions", "POST", b, None, timeout_s)
+                    for b in bodies
+                ]
+                for f in futures:
+                    f.result()
+            n += size
     finally:
         _call(base + "/v1/scheduler", "PUT", {"token_budget": before}, control_token, timeout_s)
     cal = Calibration(
@@ -130,6 +165,7 @@ def calibrate(
         prompt_tokens=[int(x) for x in prompt_tokens],
         repeats=repeats,
         requests=n,
+        decode_batches=[int(x) for x in decode_batches],
         seconds_per_budget=per_budget,
     )
     logger.info(

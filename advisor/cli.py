@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt lengths run at every budget (default 600,1900,3900)",
     )
     ca.add_argument("--repeats", type=int, default=2)
+    ca.add_argument(
+        "--decode-batches",
+        type=parse_budgets,
+        default=None,
+        help="then this many short requests at once, each size in turn (default 4,8,16): "
+        "decode steps of every batch size",
+    )
     ca.add_argument("--max-model-len", type=int, help="cut prompts to this context less two")
     ca.add_argument(
         "--control-token",
@@ -241,7 +248,7 @@ def _span(path: str) -> tuple[float, float]:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from advisor.calibrate import PROMPT_TOKENS, CalibrationError, calibrate
+    from advisor.calibrate import DECODE_BATCHES, PROMPT_TOKENS, CalibrationError, calibrate
 
     try:
         cal = calibrate(
@@ -251,6 +258,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             control_token=args.control_token,
             max_model_len=args.max_model_len,
+            decode_batches=args.decode_batches or DECODE_BATCHES,
         )
     except (CalibrationError, OSError, KeyError, ValueError) as exc:
         print(f"advisor: calibration failed: {exc}", file=sys.stderr)

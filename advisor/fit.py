@@ -560,8 +560,11 @@ def calibration_fit(
     raw = None
     if win_prefill.any():
         pw = model.predict_many([w for w, p in zip(works, win_prefill, strict=True) if p])
+        # prefill against prefill (a calibration's decode batches are not what the window's
+        # prefill steps are)
+        cal_prefill = np.array([w.prefill_tokens > 0 for w in cal_works])
         pc = model.predict_many(cal_works)
-        okw, okc = pw > 0, pc > 0
+        okw, okc = pw > 0, (pc > 0) & cal_prefill
         if okw.any() and okc.any():
             rw = float(np.median(measured[win_prefill][okw] / pw[okw]))
             rc = float(np.median(cal_measured[okc] / pc[okc]))

@@ -86,13 +86,18 @@ def test_calibration_runs_every_prompt_at_every_budget_and_restores_the_budget(
         repeats=2,
         control_token="tok",
         max_model_len=200,
+        decode_batches=(2, 3),
     )
-    assert isinstance(cal, Calibration) and cal.budgets == [128, 512] and cal.requests == 8
-    assert cal.until >= cal.since
+    assert isinstance(cal, Calibration) and cal.budgets == [128, 512] and cal.requests == 13
+    assert cal.until >= cal.since and cal.decode_batches == [2, 3]
     puts = [c for c in _Engine.calls if c[0] == "PUT"]
-    assert [p[2]["token_budget"] for p in puts] == [128, 512, 1024]  # the old one restored
+    # the old budget restored before the decode batches, and again at the end
+    assert [p[2]["token_budget"] for p in puts] == [128, 512, 1024, 1024]
     assert all(p[3] == "Bearer tok" for p in puts)
     posts = [c for c in _Engine.calls if c[0] == "POST"]
+    decodes, posts = posts[8:], posts[:8]
+    assert len(decodes) == 5 and all(p[2]["max_tokens"] == 32 for p in decodes)
+    assert len({tuple(p[2]["prompt"]) for p in decodes}) == 5
     # prompts cut to the context less two; fresh random prompts each time; one output token
     assert [len(p[2]["prompt"]) for p in posts] == [100, 198] * 4
     assert len({tuple(p[2]["prompt"]) for p in posts}) == 8
@@ -104,7 +109,7 @@ def test_calibration_runs_every_prompt_at_every_budget_and_restores_the_budget(
 def test_a_refused_prompt_is_an_error_and_the_budget_is_still_restored(engine: str) -> None:
     _Engine.refuse_prompt = True
     with pytest.raises(CalibrationError, match="vocabulary"):
-        calibrate(engine, [256], prompt_tokens=(50,), repeats=1)
+        calibrate(engine, [256], prompt_tokens=(50,), repeats=1, decode_batches=())
     assert _Engine.budget == 1024
 
 
@@ -186,10 +191,10 @@ def test_cli_calibrate_writes_the_record_predict_reads(engine: str, tmp_path: An
 
     out = tmp_path / "cal.json"
     args = ["calibrate", "--url", engine, "--budgets", "128,256", "--prompt-tokens", "40,80"]
-    assert main([*args, "--repeats", "1", "--out", str(out)]) == 0
+    assert main([*args, "--repeats", "1", "--decode-batches", "2", "--out", str(out)]) == 0
     since, until = _span(str(out))
     assert until >= since
-    assert json.loads(out.read_text())["requests"] == 4
+    assert json.loads(out.read_text())["requests"] == 6
     _Engine.refuse_prompt = True
     assert main([*args, "--out", str(tmp_path / "bad.json")]) == 1
 
