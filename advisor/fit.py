@@ -535,6 +535,9 @@ def carry_spread(
 
 
 CAL_DRIFT_WARN = 0.15  # calibration and window levels further apart than this: said so
+# further apart than this: the machine's speed changed between the calibration and the window
+# (other work on it), and a prediction would carry that change: the fit is poor
+CAL_DRIFT_POOR = 0.3
 
 
 def calibration_fit(
@@ -614,6 +617,22 @@ def _noise(
     return noise_model(model.predict_many(works), measured, gaps, binning=NOISE_BINNING)
 
 
+def _with_calibration(quality: dict[str, Any], cal: dict[str, Any]) -> dict[str, Any]:
+    """``quality`` with the calibration's summary, poor when its level is far from 1."""
+    if not cal:
+        return quality
+    out = {**quality, "calibration": cal}
+    raw = cal.get("level_raw")
+    if raw is not None and abs(raw - 1.0) > CAL_DRIFT_POOR:
+        out["poor"] = True
+        out["reasons"] = [
+            *(quality.get("reasons") or ()),
+            f"the window's prefill steps took {raw:.2f}x what the calibration's took for the "
+            "same work: the machine's speed changed between them (other work on it)",
+        ]
+    return out
+
+
 def fit_steps(
     steps: pd.DataFrame,
     selection: dict[str, Any] | None = None,
@@ -671,7 +690,7 @@ def fit_steps(
         step_gap_p90_s=float(np.percentile(gaps, 90)) if gaps.size else 0.0,
         selection=dict(selection or {}),
         noise=_noise(model, works, measured, fit_works, fit_measured, gaps),
-        quality={**quality, "calibration": cal_info} if cal_info else quality,
+        quality=_with_calibration(quality, cal_info),
         boot=bootstrap_coefs(fit_works, fit_measured, method, resamples),
     )
     if quality["poor"]:

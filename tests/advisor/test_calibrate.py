@@ -274,3 +274,13 @@ def test_a_lone_decode_has_no_multi_row_cost() -> None:
     got = fit(works, list(m.predict_many(works)))
     assert got.multi_row == pytest.approx(0.004, rel=1e-6)
     assert got.const == pytest.approx(0.006, rel=1e-6)
+
+
+def test_a_calibration_far_from_the_window_makes_the_fit_poor() -> None:
+    from advisor.fit import _with_calibration
+
+    assert _with_calibration({"poor": False, "reasons": []}, {}) == {"poor": False, "reasons": []}
+    ok = _with_calibration({"poor": False, "reasons": []}, {"level_raw": 1.1})
+    assert not ok["poor"] and ok["calibration"]["level_raw"] == 1.1
+    bad = _with_calibration({"poor": False, "reasons": []}, {"level_raw": 1.45})
+    assert bad["poor"] and "1.45x" in bad["reasons"][0]
