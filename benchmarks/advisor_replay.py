@@ -39,6 +39,7 @@ from benchmarks._common import add_common_args, config_of, setup, write_json
 SCRIPT = "advisor_replay.py"
 FIGURES = ("itl_p99_ms", "itl_max_ms", "ttft_p99_ms")
 SHAPES = ("decode", "prefill", "vision prefill")
+BATCHES = (("decode 1", 1, 1), ("decode 2-6", 2, 6), ("decode 7+", 7, 1 << 30))
 
 
 def step_carry(db: Any, engine_id: str, report: Any, since: float, until: float) -> dict[str, Any]:
@@ -61,8 +62,13 @@ def step_carry(db: Any, engine_id: str, report: Any, since: float, until: float)
         "rel_err_p50": float(np.median(rel)),
         "ratio_p50": float(np.median(ratio)),
     }
-    for name in SHAPES:
-        m = shape == name
+    decodes = busy["decode_tokens"].to_numpy()[ok]
+    groups = {name: shape == name for name in SHAPES}
+    # decode-only steps by batch size (issue 19a: a lone decode, and batches larger than the
+    # fit window held, are where the decode terms carry worst)
+    for name, lo, hi in BATCHES:
+        groups[name] = (shape == "decode") & (decodes >= lo) & (decodes <= hi)
+    for name, m in groups.items():
         if m.any():
             out[name] = {
                 "num_steps": int(m.sum()),
@@ -200,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         for w in r["windows"]:
             s = w["steps"]
-            shapes = ", ".join(f"{n} {s[n]['ratio_p50']:.2f}x" for n in SHAPES if n in s)
+            names = (*SHAPES, *(b[0] for b in BATCHES))
+            shapes = ", ".join(f"{n} {s[n]['ratio_p50']:.2f}x" for n in names if n in s)
             print(
                 f"  {w['budget']:>5}: steps |rel err| p50 {100 * s.get('rel_err_p50', 0):.0f}% "
                 f"(measured/predicted: {shapes})  "
