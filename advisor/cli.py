@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -83,10 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--seed", type=int, default=0, help="seeds the drawn scatter")
     pr.add_argument(
         "--fit-method",
-        choices=("ols", "relative"),
-        default="ols",
-        help="ordinary least squares (engine.core.cost_model.fit, the default) or least squares on "
-        "relative errors (short steps count as much as long ones)",
+        choices=("sqrt", "ols", "relative"),
+        default="sqrt",
+        help="least squares with each step weighted by 1/sqrt(its duration) (the default: short "
+        "and long steps both count), ordinary least squares (engine.core.cost_model.fit: long "
+        "steps dominate) or least squares on relative errors (short steps count as much as "
+        "long ones)",
     )
     pr.add_argument(
         "--warmup-s",
@@ -114,8 +117,46 @@ def build_parser() -> argparse.ArgumentParser:
         "cheapest steps, a step shape it misses, the machine changing speed, too few prefill "
         "steps); by default such a fit gives its figures, flagged, and no recommendation",
     )
+    pr.add_argument(
+        "--calibration",
+        metavar="FILE.json",
+        action="append",
+        default=[],
+        help="a `python -m advisor calibrate --out` record on this engine: its steps (long "
+        "prefill chunks of every budget's size) are fitted with the window's (repeatable)",
+    )
     pr.add_argument("--out", metavar="FILE.json", help="write the prediction document here")
     pr.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    ca = sub.add_parser(
+        "calibrate",
+        help="prefill prompts of a few lengths one at a time at each budget on a served engine "
+        "(its telemetry stores the steps), so that `predict --calibration` pins the cost of "
+        "every chunk size down",
+    )
+    ca.add_argument("--url", required=True, help="the engine's HTTP address")
+    ca.add_argument("--budgets", type=parse_budgets, default=parse_budgets(DEFAULT_BUDGETS))
+    ca.add_argument(
+        "--prompt-tokens",
+        type=parse_budgets,
+        default=None,
+        help="prompt lengths run at every budget (default 600,1900,3900)",
+    )
+    ca.add_argument("--repeats", type=int, default=2)
+    ca.add_argument(
+        "--decode-batches",
+        type=parse_budgets,
+        default=None,
+        help="then this many short requests at once, each size in turn (default 4,8,16): "
+        "decode steps of every batch size",
+    )
+    ca.add_argument("--max-model-len", type=int, help="cut prompts to this context less two")
+    ca.add_argument(
+        "--control-token",
+        default=os.environ.get("CHUNKSCOPE_CONTROL_TOKEN"),
+        help="the engine's control token (default $CHUNKSCOPE_CONTROL_TOKEN)",
+    )
+    ca.add_argument("--out", metavar="FILE.json", required=True, help="the calibration record")
+    ca.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
 
@@ -161,10 +202,13 @@ def main(argv: list[str] | None = None) -> int:
             stream=sys.stderr,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
+    if args.command == "calibrate":
+        return _calibrate(args)
     from advisor.fit import FitError
     from advisor.predict import predict_from_store
 
     try:
+        spans = [_span(path) for path in args.calibration]
         doc = predict_from_store(
             args.db,
             args.budgets,
@@ -184,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             caps=args.caps,
             allow_poor_fit=args.allow_poor_fit,
             draws=args.draws,
+            calibration=spans,
         )
-    except (FitError, ValueError, OSError) as exc:
+    except (FitError, ValueError, OSError, KeyError) as exc:
         print(f"advisor: {exc}", file=sys.stderr)
         return 1
     doc["config"] = {k: v for k, v in vars(args).items() if k != "db"}
@@ -193,4 +238,36 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print(table(doc))
+    return 0
+
+
+def _span(path: str) -> tuple[float, float]:
+    """The (since, until) of a calibration record."""
+    d = json.loads(Path(path).read_text())
+    return float(d["since"]), float(d["until"])
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from advisor.calibrate import DECODE_BATCHES, PROMPT_TOKENS, CalibrationError, calibrate
+
+    try:
+        cal = calibrate(
+            args.url,
+            args.budgets,
+            prompt_tokens=args.prompt_tokens or PROMPT_TOKENS,
+            repeats=args.repeats,
+            control_token=args.control_token,
+            max_model_len=args.max_model_len,
+            decode_batches=args.decode_batches or DECODE_BATCHES,
+        )
+    except (CalibrationError, OSError, KeyError, ValueError) as exc:
+        print(f"advisor: calibration failed: {exc}", file=sys.stderr)
+        return 1
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(cal.to_dict(), indent=2) + "\n")
+    print(
+        f"calibration: {cal.requests} prompts at budgets {cal.budgets} in "
+        f"{cal.until - cal.since:.1f} s (wall {cal.since:.3f} to {cal.until:.3f}); "
+        f"use it with `advisor predict --calibration {args.out}`"
+    )
     return 0

@@ -12,7 +12,7 @@ emission, the inbox, telemetry), which the simulator adds after every step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -52,18 +52,57 @@ class NoiseModel:
     gaps_s: list[float]
 
 
-def noise_model(predicted_s: np.ndarray, measured_s: np.ndarray, gaps_s: np.ndarray) -> NoiseModel:
+def duration_bins(pred: np.ndarray, factor: float, min_steps: int) -> list[np.ndarray]:
+    """Index ranges of ``pred`` (sorted ascending) cut by duration: a bin closes once it holds
+    ``min_steps`` steps and the next prediction is over ``factor`` times the bin's first; a
+    last bin with fewer than ``min_steps`` joins the one before it. A 300 ms step then draws
+    the scatter of steps of its own length, not of the 10-30 ms ones that share an
+    equal-count top bin with it (long steps scatter less: issue 19d)."""
+    bins: list[list[int]] = []
+    cur: list[int] = []
+    for i, p in enumerate(pred):
+        if cur and len(cur) >= min_steps and p > factor * pred[cur[0]]:
+            bins.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        if bins and len(cur) < min_steps:
+            bins[-1].extend(cur)
+        else:
+            bins.append(cur)
+    return [np.asarray(b, dtype=np.int64) for b in bins]
+
+
+NOISE_FACTOR = 1.6  # duration bins: each spans at most this factor (once it holds enough steps)
+NOISE_MIN_STEPS_DURATION = 20
+
+
+def noise_model(
+    predicted_s: np.ndarray,
+    measured_s: np.ndarray,
+    gaps_s: np.ndarray,
+    *,
+    binning: str = "count",
+) -> NoiseModel:
+    """The scatter of ``measured_s`` around ``predicted_s`` per bin of predicted duration:
+    ``binning`` "count" (``NOISE_BINS`` bins of equal count, at least ``NOISE_MIN_STEPS``
+    each) or "duration" (:func:`duration_bins`: bins no wider than ``NOISE_FACTOR``)."""
     ok = predicted_s > 0
     pred, meas = predicted_s[ok], measured_s[ok]
     order = np.argsort(pred, kind="stable")
     pred, ratio = pred[order], (meas / pred)[order]
-    n_bins = max(1, min(NOISE_BINS, len(pred) // NOISE_MIN_STEPS))
+    if binning == "duration":
+        idx = duration_bins(pred, NOISE_FACTOR, NOISE_MIN_STEPS_DURATION)
+        groups = [(pred[i], ratio[i]) for i in idx]
+    elif binning == "count":
+        n_bins = max(1, min(NOISE_BINS, len(pred) // NOISE_MIN_STEPS))
+        groups = list(zip(np.array_split(pred, n_bins), np.array_split(ratio, n_bins), strict=True))
+    else:
+        raise ValueError(f"binning must be 'count' or 'duration', got {binning!r}")
     edges: list[float] = []
     ratios: list[list[float]] = []
     qs = np.linspace(0, 1, NOISE_QUANTILES)
-    for chunk_pred, chunk_ratio in zip(
-        np.array_split(pred, n_bins), np.array_split(ratio, n_bins), strict=True
-    ):
+    for chunk_pred, chunk_ratio in groups:
         if chunk_pred.size == 0:
             continue
         edges.append(float(chunk_pred[-1]))
@@ -124,19 +163,31 @@ class FitReport:
         )
 
 
-def step_works(chunks: pd.DataFrame, image_requests: frozenset[str] = frozenset()) -> pd.DataFrame:
+def step_works(
+    chunks: pd.DataFrame,
+    image_requests: frozenset[str] = frozenset(),
+    image_share: Mapping[str, float] | None = None,
+) -> pd.DataFrame:
     """Per (engine, run, step): prefill tokens, decode tokens and attention pairs of its chunks,
     counted as ``StepWork.from_chunks`` counts them (vectorised); ``image_prefill_tokens``: the
     prefill tokens of requests in ``image_requests`` (those with images: the vision encoder
-    runs in their prefill), a shape the fit's quality is checked on (:func:`fit_quality`)."""
+    runs in their prefill), a shape the fit's quality is checked on (:func:`fit_quality`);
+    ``image_tokens``: the image placeholder tokens among the prefill tokens, counted from
+    ``image_share`` (per request, the share of its prompt that is image tokens) as
+    ``StepWork.from_chunks`` counts them."""
     cols = ["engine_id", "run_id", "step", "prefill_tokens", "decode_tokens", "attention_pairs"]
-    cols += ["decode_pairs", "image_prefill_tokens"]
+    cols += ["decode_pairs", "image_prefill_tokens", "image_tokens"]
     if chunks.empty:
         return pd.DataFrame({c: pd.Series(dtype="int64") for c in cols})
     n = chunks["num_tokens"].to_numpy(dtype=np.int64)
     s = chunks["start"].to_numpy(dtype=np.int64)
     decode = (chunks["kind"] == "decode").to_numpy()
     image = chunks["request_id"].isin(image_requests).to_numpy() if image_requests else False
+    share = (
+        chunks["request_id"].astype(str).map(image_share).fillna(0.0).to_numpy(dtype=np.float64)
+        if image_share
+        else np.zeros(len(chunks))
+    )
     df = pd.DataFrame(
         {
             "engine_id": chunks["engine_id"].to_numpy(),
@@ -147,24 +198,37 @@ def step_works(chunks: pd.DataFrame, image_requests: frozenset[str] = frozenset(
             "attention_pairs": n * s + n * (n + 1) // 2,
             "decode_pairs": np.where(decode, n * s + n * (n + 1) // 2, 0),
             "image_prefill_tokens": np.where(~decode & image, n, 0),
+            "image_tokens": np.where(decode, 0.0, n * share),
         }
     )
-    return df.groupby(["engine_id", "run_id", "step"], as_index=False, sort=True).sum()
+    out = df.groupby(["engine_id", "run_id", "step"], as_index=False, sort=True).sum()
+    out["image_tokens"] = np.round(out["image_tokens"].to_numpy(dtype=np.float64)).astype("int64")
+    return out
 
 
-WORK_COLUMNS = ("prefill_tokens", "decode_tokens", "attention_pairs", "decode_pairs")
+WORK_COLUMNS = (
+    "prefill_tokens",
+    "decode_tokens",
+    "attention_pairs",
+    "decode_pairs",
+    "image_tokens",
+)
 
 
 def step_work_list(steps: pd.DataFrame) -> list[StepWork]:
-    """One ``StepWork`` per row of a :func:`load_steps` frame (``decode_pairs`` 0 if absent)."""
-    dp = steps["decode_pairs"] if "decode_pairs" in steps else pd.Series(0, index=steps.index)
+    """One ``StepWork`` per row of a :func:`load_steps` frame (``decode_pairs`` and
+    ``image_tokens`` 0 if absent)."""
+    zero = pd.Series(0, index=steps.index)
+    dp = steps["decode_pairs"] if "decode_pairs" in steps else zero
+    it = steps["image_tokens"] if "image_tokens" in steps else zero
     return [
-        StepWork(int(p), int(d), int(a), int(q))
-        for p, d, a, q in zip(
+        StepWork(int(p), int(d), int(a), int(q), int(i))
+        for p, d, a, q, i in zip(
             steps["prefill_tokens"],
             steps["decode_tokens"],
             steps["attention_pairs"],
             dp,
+            it,
             strict=True,
         )
     ]
@@ -186,6 +250,18 @@ def busy_gaps_s(steps: pd.DataFrame) -> np.ndarray:
     return np.concatenate(out) if out else np.empty(0)
 
 
+def image_shares(reqs: pd.DataFrame) -> dict[str, float]:
+    """Per request with images: the share of its prompt that is image placeholder tokens."""
+    if reqs.empty or "num_image_tokens" not in reqs:
+        return {}
+    img = reqs["num_image_tokens"].fillna(0).to_numpy(dtype=np.float64)
+    prompt = reqs["num_prompt_tokens"].fillna(0).to_numpy(dtype=np.float64)
+    ok = (img > 0) & (prompt > 0)
+    ids = reqs["request_id"].astype(str).to_numpy()
+    rows = zip(ids[ok], img[ok], prompt[ok], strict=True)
+    return {str(i): float(min(1.0, a / b)) for i, a, b in rows}
+
+
 def load_steps(
     db: Engine,
     *,
@@ -204,6 +280,7 @@ def load_steps(
             attention_pairs=[],
             decode_pairs=[],
             image_prefill_tokens=[],
+            image_tokens=[],
         )
     reqs = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     images = frozenset(
@@ -211,6 +288,7 @@ def load_steps(
         if not reqs.empty
         else ()
     )
+    share = image_shares(reqs)
     works = []
     for (eid, rid), g in steps.groupby(["engine_id", "run_id"], sort=False):
         chunks = queries.step_chunks(
@@ -220,7 +298,7 @@ def load_steps(
             step_from=int(g["step"].min()),
             step_to=int(g["step"].max()),
         )
-        works.append(step_works(chunks, images))
+        works.append(step_works(chunks, images, share))
     work = pd.concat(works, ignore_index=True) if works else step_works(pd.DataFrame())
     merged = steps.merge(work, on=["engine_id", "run_id", "step"], how="left")
     for c in (*WORK_COLUMNS, "image_prefill_tokens"):
@@ -242,11 +320,27 @@ def relative_fit(works: list[StepWork], measured: Any) -> CostModel:
     return fit(works, list(y), weights=list(1.0 / np.maximum(y, 1e-6)))
 
 
-FITTERS = {"ols": lambda works, y: fit(works, list(y)), "relative": relative_fit}
+def sqrt_fit(works: list[StepWork], measured: Any) -> CostModel:
+    """Least squares with each step weighted by 1 / sqrt(its duration): between ``ols`` (a
+    500 ms step counts 10,000 times a 5 ms one) and :func:`relative_fit` (equal), a 500 ms
+    step counts 100 times a 5 ms one."""
+    y = np.asarray(measured, dtype=np.float64)
+    return fit(works, list(y), weights=list(1.0 / np.sqrt(np.maximum(y, 1e-6))))
+
+
+# the default: short steps (the inter-token latency) and long ones (the queue, TTFT) both
+# count (issue 19a: with OLS the fit missed decode steps of one sequence by 10-30% in the
+# steps it was fitted on, a 500 ms step weighing as 10,000 of them)
+DEFAULT_METHOD = "sqrt"
+FITTERS = {
+    "ols": lambda works, y: fit(works, list(y)),
+    "relative": relative_fit,
+    "sqrt": sqrt_fit,
+}
 
 
 def robust_fit(
-    works: list[StepWork], measured: np.ndarray, method: str = "ols"
+    works: list[StepWork], measured: np.ndarray, method: str = DEFAULT_METHOD
 ) -> tuple[CostModel, np.ndarray]:
     """Least squares on the steps that behave like the model: fit, drop the steps whose
     log(measured / predicted) is more than ``TRIM_K`` robust standard deviations (1.4826 MAD)
@@ -295,6 +389,7 @@ def fit_quality(
     decode: np.ndarray,
     image_prefill: np.ndarray,
     start_ns: np.ndarray,
+    calibration_prefill_steps: int = 0,
 ) -> dict[str, Any]:
     """Whether a fit can carry a prediction to other budgets, and why not: the residuals per
     step shape (decode only, prefill, prefill of requests with images: the vision encoder),
@@ -331,7 +426,8 @@ def fit_quality(
         reasons.append(
             f"relative error p50 {100 * rel_p50:.0f}% (over {100 * POOR_REL_ERR_P50:.0f}%)"
         )
-    n_prefill = int((prefill > 0).sum())
+    # a calibration's steps (``advisor.calibrate``) pin the chunk cost down as well
+    n_prefill = int((prefill > 0).sum()) + calibration_prefill_steps
     if n_prefill < MIN_PREFILL_STEPS:
         reasons.append(
             f"only {n_prefill} steps with prefill (needs {MIN_PREFILL_STEPS}): the cost of a "
@@ -384,7 +480,7 @@ CARRY_SPREAD = 0.15
 def bootstrap_coefs(
     works: list[StepWork],
     measured: np.ndarray,
-    method: str = "ols",
+    method: str = DEFAULT_METHOD,
     resamples: int = BOOT_RESAMPLES,
     seed: int = BOOT_SEED,
 ) -> list[list[float]]:
@@ -399,7 +495,7 @@ def bootstrap_coefs(
     for _ in range(resamples if n >= len(FEATURES) else 0):
         idx = rng.integers(0, n, n)
         m, _ = robust_fit([works[i] for i in idx], measured[idx], method)
-        out.append([m.const, m.prefill, m.decode, m.attn, m.attn_decode])
+        out.append([float(v) for v in m.coefficients()])
     return out
 
 
@@ -438,20 +534,134 @@ def carry_spread(
     return float((np.quantile(t, 0.9) - np.quantile(t, 0.1)) / med)
 
 
+CAL_DRIFT_WARN = 0.15  # calibration and window levels further apart than this: said so
+# further apart than this: the machine's speed changed between the calibration and the window
+# (other work on it), and a prediction would carry that change: the fit is poor
+CAL_DRIFT_POOR = 0.3
+
+
+def calibration_fit(
+    works: list[StepWork],
+    measured: np.ndarray,
+    cal_works: list[StepWork],
+    cal_measured: np.ndarray,
+    method: str = DEFAULT_METHOD,
+) -> tuple[CostModel, np.ndarray, dict[str, Any], list[StepWork], np.ndarray]:
+    """The window's steps and a calibration's, fitted together. The calibration ran at
+    another moment (the machine's speed moves with the load on it) and on an idle engine, so
+    its level is matched to the window's first: a fit on both, then the calibration's times
+    scaled by ``level`` = (the window's prefill steps' median measured / predicted) over (the
+    calibration steps' median), and refitted. The calibration then sets how the cost grows with
+    chunk size and context, the window how fast the machine is. ``level`` is kept within
+    [0.5, 2]; without prefill steps in the window it is the decode-free part's best guess, 1.
+    Returns the model, the inlier mask (window steps first), a summary, and the steps and
+    times the model was fitted on."""
+    all_works = works + cal_works
+    model, _ = robust_fit(all_works, np.concatenate([measured, cal_measured]), method)
+    win_prefill = np.array([w.prefill_tokens > 0 for w in works])
+    level = 1.0
+    raw = None
+    if win_prefill.any():
+        pw = model.predict_many([w for w, p in zip(works, win_prefill, strict=True) if p])
+        # prefill against prefill (a calibration's decode batches are not what the window's
+        # prefill steps are)
+        cal_prefill = np.array([w.prefill_tokens > 0 for w in cal_works])
+        pc = model.predict_many(cal_works)
+        okw, okc = pw > 0, (pc > 0) & cal_prefill
+        if okw.any() and okc.any():
+            rw = float(np.median(measured[win_prefill][okw] / pw[okw]))
+            rc = float(np.median(cal_measured[okc] / pc[okc]))
+            raw = rw / rc
+            level = float(np.clip(raw, 0.5, 2.0))
+    scaled = cal_measured * level
+    y = np.concatenate([measured, scaled])
+    model, inliers = robust_fit(all_works, y, method)
+    pc = model.predict_many(cal_works)
+    ok = pc > 0
+    info = {
+        "num_steps": len(cal_works),
+        "level": level,
+        "level_raw": raw,
+        "num_window_prefill_steps": int(win_prefill.sum()),
+        "ratio_p50_after": float(np.median(scaled[ok] / pc[ok])) if ok.any() else None,
+        "drift": bool(raw is not None and abs(raw - 1.0) > CAL_DRIFT_WARN),
+    }
+    return model, inliers, info, all_works, y
+
+
+def _usable(steps: pd.DataFrame) -> pd.DataFrame:
+    return steps[(steps["end_ns"] >= steps["start_ns"]) & (steps["num_scheduled_tokens"] > 0)]
+
+
+def _seconds(steps: pd.DataFrame) -> np.ndarray:
+    return (steps["end_ns"] - steps["start_ns"]).to_numpy(dtype=np.int64) / 1e9
+
+
+NOISE_BINNING = "duration"  # noise_model's binning for fits
+NOISE_WITH_CALIBRATION = False  # the calibration's steps (level-matched) join the noise pool
+
+
+def _noise(
+    model: CostModel,
+    works: list[StepWork],
+    measured: np.ndarray,
+    fit_works: list[StepWork],
+    fit_measured: np.ndarray,
+    gaps: np.ndarray,
+) -> NoiseModel:
+    """The noise model of a fit: the window's steps' scatter around ``model`` (and the
+    calibration's, when ``NOISE_WITH_CALIBRATION``: ``fit_works`` holds the window's steps
+    first, then the calibration's)."""
+    if NOISE_WITH_CALIBRATION and len(fit_works) > len(works):
+        return noise_model(model.predict_many(fit_works), fit_measured, gaps, binning=NOISE_BINNING)
+    return noise_model(model.predict_many(works), measured, gaps, binning=NOISE_BINNING)
+
+
+def _with_calibration(quality: dict[str, Any], cal: dict[str, Any]) -> dict[str, Any]:
+    """``quality`` with the calibration's summary, poor when its level is far from 1."""
+    if not cal:
+        return quality
+    out = {**quality, "calibration": cal}
+    raw = cal.get("level_raw")
+    if raw is not None and abs(raw - 1.0) > CAL_DRIFT_POOR:
+        out["poor"] = True
+        out["reasons"] = [
+            *(quality.get("reasons") or ()),
+            f"the window's prefill steps took {raw:.2f}x what the calibration's took for the "
+            "same work: the machine's speed changed between them (other work on it)",
+        ]
+    return out
+
+
 def fit_steps(
     steps: pd.DataFrame,
     selection: dict[str, Any] | None = None,
-    method: str = "ols",
+    method: str = DEFAULT_METHOD,
     resamples: int = BOOT_RESAMPLES,
+    calibration: pd.DataFrame | None = None,
 ) -> FitReport:
     """Fit the cost model to steps as returned by :func:`load_steps`; ``resamples`` refits on
-    resampled steps for ``FitReport.boot`` (0: none, and no :func:`carry_spread` check)."""
-    usable = steps[(steps["end_ns"] >= steps["start_ns"]) & (steps["num_scheduled_tokens"] > 0)]
+    resampled steps for ``FitReport.boot`` (0: none, and no :func:`carry_spread` check).
+
+    ``calibration``: steps of a calibration (``advisor.calibrate``: long prefill chunks of
+    every budget's size on the idle engine), fitted together with ``steps`` after their level
+    is matched to the window's (:func:`calibration_fit`); the noise model, the pauses and the
+    fit's verdict are the window's own."""
+    usable = _usable(steps)
     if len(usable) < 4:
         raise FitError(f"need at least 4 steps with tokens to fit, the selection has {len(usable)}")
     works = step_work_list(usable)
-    measured = (usable["end_ns"] - usable["start_ns"]).to_numpy(dtype=np.int64) / 1e9
-    model, inliers = robust_fit(works, measured, method)
+    measured = _seconds(usable)
+    cal_info: dict[str, Any] = {}
+    cal = _usable(calibration) if calibration is not None else None
+    if cal is not None and len(cal) >= len(FEATURES):
+        cal_works = step_work_list(cal)
+        model, inliers, cal_info, fit_works, fit_measured = calibration_fit(
+            works, measured, cal_works, _seconds(cal), method
+        )
+    else:
+        model, inliers = robust_fit(works, measured, method)
+        fit_works, fit_measured = works, measured
     gaps = busy_gaps_s(steps)
     predicted = model.predict_many(works)
     rel_all = np.abs(predicted - measured) / np.maximum(measured, 1e-9)
@@ -468,19 +678,20 @@ def fit_steps(
         decode=usable["decode_tokens"].to_numpy(dtype=np.int64),
         image_prefill=image,
         start_ns=usable["start_ns"].to_numpy(dtype=np.int64),
+        calibration_prefill_steps=int(cal_info.get("num_steps", 0)),
     )
     report = FitReport(
         model=model,
         num_steps=len(works),
-        num_outliers=int((~inliers).sum()),
+        num_outliers=int((~inliers[: len(works)]).sum()),
         rel_err_p50_all=float(np.percentile(rel_all, 50)),
         rel_err_p95_all=float(np.percentile(rel_all, 95)),
         step_gap_s=float(np.median(gaps)) if gaps.size else 0.0,
         step_gap_p90_s=float(np.percentile(gaps, 90)) if gaps.size else 0.0,
         selection=dict(selection or {}),
-        noise=noise_model(predicted, measured, gaps),
-        quality=quality,
-        boot=bootstrap_coefs(works, measured, method, resamples),
+        noise=_noise(model, works, measured, fit_works, fit_measured, gaps),
+        quality=_with_calibration(quality, cal_info),
+        boot=bootstrap_coefs(fit_works, fit_measured, method, resamples),
     )
     if quality["poor"]:
         logger.warning("poor fit of the step-cost model: %s", "; ".join(quality["reasons"]))
@@ -510,12 +721,28 @@ def fit_from_store(
     run_id: str | None = None,
     since: float | None = None,
     until: float | None = None,
-    method: str = "ols",
+    method: str = DEFAULT_METHOD,
     resamples: int = BOOT_RESAMPLES,
+    calibration: Sequence[tuple[float, float]] = (),
 ) -> FitReport:
     """Fit the cost model to the steps of the selection (see ``storage.queries`` for filters);
-    ``method`` "ols" (``engine.core.cost_model.fit``) or "relative" (:func:`relative_fit`);
-    ``resamples`` as :func:`fit_steps`."""
+    ``method`` "sqrt" (:func:`sqrt_fit`, the default), "ols" (``engine.core.cost_model.fit``)
+    or "relative" (:func:`relative_fit`);
+    ``resamples`` as :func:`fit_steps`; ``calibration``: (since, until) spans of the same
+    engine whose steps a calibration ran (``advisor.calibrate``), fitted with the window's."""
     steps = load_steps(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
-    selection = {"engine_id": engine_id, "run_id": run_id, "since": since, "until": until}
-    return fit_steps(steps, {**selection, "method": method}, method, resamples)
+    selection: dict[str, Any] = {
+        "engine_id": engine_id,
+        "run_id": run_id,
+        "since": since,
+        "until": until,
+    }
+    cal = None
+    if calibration:
+        parts = [
+            load_steps(db, engine_id=engine_id, run_id=run_id, since=a, until=b)
+            for a, b in calibration
+        ]
+        cal = pd.concat(parts, ignore_index=True)
+        selection["calibration"] = [[float(a), float(b)] for a, b in calibration]
+    return fit_steps(steps, {**selection, "method": method}, method, resamples, cal)

@@ -8,11 +8,11 @@ import logging
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from advisor.client import ClientDelay, ClientDraw, load_client_delay
-from advisor.fit import CARRY_SPREAD, FitReport, carry_spread, fit_from_store
+from advisor.fit import CARRY_SPREAD, DEFAULT_METHOD, FitReport, carry_spread, fit_from_store
 from advisor.overload import WindowLoad
 from advisor.pareto import front_budgets, front_pairs
 from advisor.recommend import Recommendation, Slo, recommend
@@ -52,19 +52,22 @@ def predict_from_store(
     noise: bool = True,
     seed: int = 0,
     warmup_s: float = 0.0,
-    fit_method: str = "ols",
+    fit_method: str = DEFAULT_METHOD,
     client: ClientDelay | str | None = None,
     max_steps: int | None = 2_000_000,
     caps: Sequence[int] = (0,),
     allow_poor_fit: bool = False,
     draws: int = 1,
+    calibration: Sequence[tuple[float, float]] = (),
 ) -> dict[str, Any]:
     """Predicted figures per budget (and long-prefill cap, ``caps``) for the traffic of
     [since, until], measured from ``since + warmup_s`` (as a sweep window discards its
     warm-up), step times from a fit on the steps of [fit_since, fit_until] (default: the same
     window). ``client`` (a ``ClientDelay``
     or the path of a ``python -m loadgen --out`` result against this engine) adds the
-    client's delivery, so the figures are what a load generator would measure."""
+    client's delivery, so the figures are what a load generator would measure.
+    ``calibration``: (since, until) spans of a calibration on the same engine
+    (``advisor.calibrate``) whose steps the fit adds (``advisor.fit.fit_from_store``)."""
     if isinstance(client, str):
         client = load_client_delay(client)
     from storage import db as dbm
@@ -75,7 +78,13 @@ def predict_from_store(
         fsince = since if fit_since is None else fit_since
         funtil = until if fit_until is None else fit_until
         report = fit_from_store(
-            db, engine_id=engine_id, run_id=run_id, since=fsince, until=funtil, method=fit_method
+            db,
+            engine_id=engine_id,
+            run_id=run_id,
+            since=fsince,
+            until=funtil,
+            method=fit_method,
+            calibration=calibration,
         )
         traffic = observed_traffic(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
         load = observed_load(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
@@ -143,6 +152,7 @@ def predict_traffic(
     if not traffic.requests:
         raise ValueError("no request arrived in the selected window: nothing to simulate")
     reqs, warm = to_sim_requests(traffic, shape.block_size)
+    shares = image_share_of(traffic)
     if draws < 1:
         raise ValueError(f"draws must be at least 1, got {draws}")
     t0 = time.perf_counter()
@@ -151,12 +161,15 @@ def predict_traffic(
             reqs,
             shape,
             sorted({int(b) for b in budgets}),
-            timing=lambda k=k: step_timing(report, step_gap=step_gap, noise=noise, seed=seed + k),
+            timing=lambda k=k: step_timing(
+                report, step_gap=step_gap, noise=noise, seed=seed + k, image_share=shares
+            ),
             warm_prefixes=warm,
             max_steps=max_steps,
             window_ns=(round(warmup_s * 1e9), max(round(traffic.duration_s * 1e9), 1)),
             client=None if client is None else (lambda k=k: ClientDraw(client, seed + 1 + k)),
             caps=caps,
+            image_requests=shares.keys(),
         )
         for k in range(draws)
     ]
@@ -258,20 +271,36 @@ def median_windows(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, A
 
 
 def step_timing(
-    report: FitReport, *, step_gap: bool = True, noise: bool = True, seed: int = 0
+    report: FitReport,
+    *,
+    step_gap: bool = True,
+    noise: bool = True,
+    seed: int = 0,
+    image_share: Mapping[str, float] | None = None,
 ) -> tuple[StepTime, int | GapTime]:
-    """The (step time, pause) functions of one simulation."""
+    """The (step time, pause) functions of one simulation; ``image_share`` (per request id,
+    the share of its prompt that is image tokens: :func:`image_share_of`) gives the vision
+    encoder's term its work (without it, image tokens cost what text prefill tokens do)."""
     rng = random.Random(seed)
     n = report.noise
     if noise and n is not None and n.ratios:
-        step = noisy_step_ns(report.step_seconds, n.edges_s, n.ratios, rng)
+        step = noisy_step_ns(report.step_seconds, n.edges_s, n.ratios, rng, image_share)
     else:
-        step = cost_model_step_ns(report.step_seconds)
+        step = cost_model_step_ns(report.step_seconds, image_share)
     if not step_gap:
         return step, 0
     if noise and n is not None and n.gaps_s:
         return step, drawn_gap_ns(n.gaps_s, rng)
     return step, round(report.step_gap_s * 1e9)
+
+
+def image_share_of(traffic: Any) -> dict[str, float]:
+    """Per request of ``traffic`` with images: the share of its prompt that is image tokens."""
+    return {
+        str(r.request_id): min(1.0, r.num_image_tokens / r.num_prompt_tokens)
+        for r in traffic.requests
+        if r.num_image_tokens > 0 and r.num_prompt_tokens > 0
+    }
 
 
 def _redact(url: str) -> str:

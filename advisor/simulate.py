@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import logging
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,13 @@ class EngineShape:
     # whose step planning to replay: "chunkscope" (engine.core.scheduler) or "vllm"
     # (advisor.vllm_policy: vLLM v1's order, for an engine whose hello says engine_kind "vllm")
     scheduler: str = "chunkscope"
+    # requests with images the served engine takes in per step (0: no limit). chunkscope's
+    # server hands each request to the engine process through a pipe, which the engine reads
+    # between steps; a request with an image is megabytes of pixels, and the next message is
+    # not there yet when the engine has read one: a burst of image requests enters one per
+    # step (issue 19a, vlm_mix at 4096: five images arriving within 0.3 s were scheduled in
+    # five successive steps; simulated without it, three of them shared a 2.7 s step)
+    image_requests_per_step: int = 1
 
 
 @dataclass(frozen=True)
@@ -113,11 +120,15 @@ StepTime = Callable[[StepPlan], int]
 GapTime = Callable[[], int]
 
 
-def cost_model_step_ns(predict_s: Callable[[StepWork], float]) -> StepTime:
-    """A step-time function from a cost model's ``predict`` (seconds of a ``StepWork``)."""
+def cost_model_step_ns(
+    predict_s: Callable[[StepWork], float], image_share: Mapping[str, float] | None = None
+) -> StepTime:
+    """A step-time function from a cost model's ``predict`` (seconds of a ``StepWork``);
+    ``image_share``: per request id, the share of its prompt that is image tokens (the vision
+    encoder's work, ``StepWork.image_tokens``)."""
 
     def step_ns(plan: StepPlan) -> int:
-        return max(0, round(predict_s(StepWork.from_chunks(plan.chunks)) * 1e9))
+        return max(0, round(predict_s(StepWork.from_chunks(plan.chunks, image_share)) * 1e9))
 
     return step_ns
 
@@ -127,12 +138,14 @@ def noisy_step_ns(
     edges_s: Sequence[float],
     ratios: Sequence[Sequence[float]],
     rng: random.Random,
+    image_share: Mapping[str, float] | None = None,
 ) -> StepTime:
     """The prediction times a measured/predicted ratio drawn from the steps of similar
-    predicted duration (``advisor.fit.NoiseModel``): measured scatter, replayed."""
+    predicted duration (``advisor.fit.NoiseModel``): measured scatter, replayed
+    (``image_share`` as :func:`cost_model_step_ns`)."""
 
     def step_ns(plan: StepPlan) -> int:
-        pred = max(0.0, predict_s(StepWork.from_chunks(plan.chunks)))
+        pred = max(0.0, predict_s(StepWork.from_chunks(plan.chunks, image_share)))
         k = min(bisect.bisect_left(edges_s, pred), len(ratios) - 1)
         return max(0, round(pred * rng.choice(ratios[k]) * 1e9))
 
@@ -157,6 +170,7 @@ def simulate(
     max_steps: int | None = None,
     long_prefill_token_threshold: int = 0,
     cap_changes: Iterable[tuple[int, int]] = (),
+    image_requests: Collection[str] = (),
 ) -> SimResult:
     """Run ``requests`` through a fresh scheduler at ``token_budget`` and long-prefill cap
     ``long_prefill_token_threshold`` (0: off).
@@ -165,6 +179,9 @@ def simulate(
     step starting at or after ``time_ns`` (as a live change is). ``gap_ns`` is the pause after
     each step (a constant or a function drawing one). ``warm_prefixes`` are token sequences
     whose full blocks are in the prefix cache at the start. ``max_steps`` cuts a runaway simulation.
+    ``image_requests``: the ids of requests with images; a chunkscope engine takes them in at
+    most ``shape.image_requests_per_step`` a step, and the requests after one wait with it
+    (the engine reads its commands in order).
     """
     changes = sorted(
         [(int(t), "token_budget", int(b)) for t, b in budget_changes]
@@ -200,9 +217,16 @@ def simulate(
     start_ns = now
     i = c = 0
     num_steps = 0
+    with_images = frozenset(image_requests)
+    image_limit = shape.image_requests_per_step if shape.scheduler == "chunkscope" else 0
     while i < len(pending) or sched.has_unfinished():
+        taken_images = 0
         while i < len(pending) and pending[i].arrival_ns <= now:
             r = pending[i]
+            if r.request_id in with_images:
+                if image_limit and taken_images >= image_limit:
+                    break
+                taken_images += 1
             sched.add(
                 Request(
                     r.request_id,
@@ -229,6 +253,8 @@ def simulate(
         plan = sched.schedule()
         if plan.is_empty:
             if i < len(pending):
+                # the next arrival (or, when requests wait behind an image taken in just now,
+                # the same moment again: the engine reads its next command on its next loop)
                 now = max(now, pending[i].arrival_ns)
                 continue
             break  # work left that can never be scheduled (a request larger than the cache)
@@ -406,6 +432,7 @@ def predict_budgets(
     window_ns: tuple[int, int] | None = None,
     client: Callable[[], Any] | None = None,
     caps: Sequence[int] = (0,),
+    image_requests: Collection[str] = (),
 ) -> list[dict[str, Any]]:
     """One figures dict per (budget, cap) (``budget`` and ``cap`` first; a cap at or above the
     budget is skipped: it cuts nothing), each from its own simulation over ``window_ns``
@@ -425,6 +452,7 @@ def predict_budgets(
             warm_prefixes=warm_prefixes,
             max_steps=max_steps,
             long_prefill_token_threshold=cap,
+            image_requests=image_requests,
         )
         lo, hi = window_ns if window_ns is not None else (None, None)
         draw = client() if client is not None else None

@@ -210,7 +210,7 @@ def replay(
     against the baseline fit's prediction, median ratio, decode-only steps and all)."""
     from advisor.client import ClientDraw, load_client_delay
     from advisor.fit import FitError, FitReport, fit_from_store, load_steps, step_work_list
-    from advisor.predict import median_windows, step_timing
+    from advisor.predict import image_share_of, median_windows, step_timing
     from advisor.simulate import figures, simulate
     from advisor.traffic import engine_shape, observed_traffic, to_sim_requests
     from storage import db as dbm
@@ -246,7 +246,9 @@ def replay(
 
                 runs = []
                 for k in range(draws):  # as predict_traffic(draws=): the median of k draws
-                    step_ns, gap_ns = step_timing(rep, seed=seed + k)
+                    step_ns, gap_ns = step_timing(
+                        rep, seed=seed + k, image_share=image_share_of(traffic)
+                    )
                     res = simulate(
                         reqs,
                         shape,
@@ -255,6 +257,7 @@ def replay(
                         gap_ns=gap_ns,
                         warm_prefixes=warm,
                         max_steps=2_000_000,
+                        image_requests=image_share_of(traffic).keys(),
                     )
                     fig = figures(
                         res,
@@ -297,6 +300,22 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
     proc, url = start_engine(a, collector.url, engine_id)
     slo = Slo(a.slo_itl_ms, a.slo_ttft_ms)
     try:
+        cal_spans: list[tuple[float, float]] = []
+        cal_doc: dict[str, Any] | None = None
+        if a.calibrate:
+            from advisor.calibrate import calibrate
+
+            cal = calibrate(
+                url,
+                sorted({*a.budgets, a.baseline_budget}),
+                control_token=CONTROL_TOKEN,
+                max_model_len=a.max_model_len,
+                seed=a.seed,
+            )
+            cal_doc = cal.to_dict()
+            (work / f"{profile}-calibration.json").write_text(json.dumps(cal_doc))
+            wait_for_store(db_url, engine_id, cal.until)
+            cal_spans = [(cal.since, cal.until)]
         base_out = work / f"{profile}-baseline.json"
         loadgen(
             ["--url", url, "--profile", lg_profile, "--rate", f"{rate:g}", "--duration",
@@ -321,6 +340,7 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
             fit_method=a.fit_method,
             client=None if a.engine_side else str(base_out),
             draws=a.draws,
+            calibration=cal_spans if a.use_calibration else (),
         )
         predict_s = time.perf_counter() - t_pred
         pred_path = work / f"{profile}-predictions.json"
@@ -421,6 +441,8 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
             "until": until,
             "summary": base["summary"]["overall"],
         },
+        "calibration": cal_doc,
+        "calibration_used": bool(cal_spans) and a.use_calibration,
         "fit": pred["fit"],
         "traffic": pred["traffic"],
         "predict_s": predict_s,
@@ -562,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-itl-ms", type=float, default=50.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fit-method", choices=("ols", "relative"), default="ols")
+    ap.add_argument("--fit-method", choices=("sqrt", "ols", "relative"), default="sqrt")
     ap.add_argument(
         "--draws",
         type=int,
@@ -595,6 +617,19 @@ def main(argv: list[str] | None = None) -> int:
         "sweep and the advisor must report the windows overloaded and recommend nothing",
     )
     ap.add_argument("--overload-window-s", type=float, default=25.0)
+    ap.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="skip the calibration (advisor.calibrate: prompts of a few lengths prefilled one "
+        "at a time at every budget) run on each engine before its baseline",
+    )
+    ap.add_argument(
+        "--no-use-calibration",
+        dest="use_calibration",
+        action="store_false",
+        help="run the calibration (its steps stay in the store) but fit on the baseline alone",
+    )
     a = ap.parse_args(argv)
     name = "advisor.json"
     if a.workloads == "holdout":

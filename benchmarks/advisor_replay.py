@@ -39,6 +39,7 @@ from benchmarks._common import add_common_args, config_of, setup, write_json
 SCRIPT = "advisor_replay.py"
 FIGURES = ("itl_p99_ms", "itl_max_ms", "ttft_p99_ms")
 SHAPES = ("decode", "prefill", "vision prefill")
+BATCHES = (("decode 1", 1, 1), ("decode 2-6", 2, 6), ("decode 7+", 7, 1 << 30))
 
 
 def step_carry(db: Any, engine_id: str, report: Any, since: float, until: float) -> dict[str, Any]:
@@ -61,8 +62,13 @@ def step_carry(db: Any, engine_id: str, report: Any, since: float, until: float)
         "rel_err_p50": float(np.median(rel)),
         "ratio_p50": float(np.median(ratio)),
     }
-    for name in SHAPES:
-        m = shape == name
+    decodes = busy["decode_tokens"].to_numpy()[ok]
+    groups = {name: shape == name for name in SHAPES}
+    # decode-only steps by batch size (issue 19a: a lone decode, and batches larger than the
+    # fit window held, are where the decode terms carry worst)
+    for name, lo, hi in BATCHES:
+        groups[name] = (shape == "decode") & (decodes >= lo) & (decodes <= hi)
+    for name, m in groups.items():
         if m.any():
             out[name] = {
                 "num_steps": int(m.sum()),
@@ -72,8 +78,23 @@ def step_carry(db: Any, engine_id: str, report: Any, since: float, until: float)
     return out
 
 
+def calibration_spans(work: Path, workload: str) -> list[tuple[float, float]]:
+    """The calibration span ``benchmarks.advisor`` kept for ``workload`` (none if it ran none)."""
+    path = work / f"{workload}-calibration.json"
+    if not path.exists():
+        return []
+    d = json.loads(path.read_text())
+    return [(float(d["since"]), float(d["until"]))]
+
+
 def replay_workload(
-    work: Path, workload: str, *, baseline_budget: int, draws: int, seed: int
+    work: Path,
+    workload: str,
+    *,
+    baseline_budget: int,
+    draws: int,
+    seed: int,
+    use_calibration: bool = True,
 ) -> dict[str, Any]:
     from advisor.fit import fit_from_store
     from advisor.predict import fit_carry
@@ -88,7 +109,8 @@ def replay_workload(
     since, until = base["run"]["wall_start"], base["run"]["wall_end"]
     db = dbm.connect(url, readonly=True)
     try:
-        report = fit_from_store(db, engine_id=engine_id, since=since, until=until)
+        cal = calibration_spans(work, workload) if use_calibration else []
+        report = fit_from_store(db, engine_id=engine_id, since=since, until=until, calibration=cal)
         traffic = observed_traffic(db, engine_id=engine_id, since=since, until=until)
         quality = fit_carry(report, traffic, [w["budget"] for w in sweep["windows"]])
         carry = {baseline_budget: step_carry(db, engine_id, report, since, until)}
@@ -118,6 +140,7 @@ def replay_workload(
     return {
         "work_dir": str(work),
         "workload": workload,
+        "calibration_used": bool(cal),
         "fit": {k: v for k, v in report.model.to_dict().items()},
         "fit_quality": quality,
         "recommends": not quality.get("poor"),
@@ -140,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-budget", type=int, default=1024)
     ap.add_argument("--draws", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--no-calibration",
+        dest="use_calibration",
+        action="store_false",
+        help="fit on the baseline window alone, leaving out the calibration's steps",
+    )
     a = ap.parse_args(argv)
     out_dir = setup(a)
     results = []
@@ -150,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             results.append(
                 replay_workload(
-                    work, workload, baseline_budget=a.baseline_budget, draws=a.draws, seed=a.seed
+                    work,
+                    workload,
+                    baseline_budget=a.baseline_budget,
+                    draws=a.draws,
+                    seed=a.seed,
+                    use_calibration=a.use_calibration,
                 )
             )
     if not results:
@@ -172,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         for w in r["windows"]:
             s = w["steps"]
-            shapes = ", ".join(f"{n} {s[n]['ratio_p50']:.2f}x" for n in SHAPES if n in s)
+            names = (*SHAPES, *(b[0] for b in BATCHES))
+            shapes = ", ".join(f"{n} {s[n]['ratio_p50']:.2f}x" for n in names if n in s)
             print(
                 f"  {w['budget']:>5}: steps |rel err| p50 {100 * s.get('rel_err_p50', 0):.0f}% "
                 f"(measured/predicted: {shapes})  "

@@ -19,7 +19,7 @@ from advisor.predict import predict_traffic
 from advisor.recommend import Slo
 from advisor.simulate import EngineShape
 from advisor.traffic import ObservedRequest, Traffic
-from engine.core.cost_model import CostModel, StepWork, chunk_pairs
+from engine.core.cost_model import FEATURES, CostModel, StepWork, chunk_pairs
 
 MODEL = CostModel(const=0.007, prefill=3e-4, decode=5e-4, attn=6e-8, attn_decode=1.5e-6)
 PROMPTS = [(2500, 0), (60, 32), (3000, 0)]
@@ -57,7 +57,7 @@ def _window(n_prefill: int, disturbed: float, seed: int = 0) -> tuple[list[StepW
 def test_many_prefill_steps_pin_the_cost_down() -> None:
     works, t = _window(40, 1.0)
     boot = bootstrap_coefs(works, t)
-    assert len(boot) == BOOT_RESAMPLES and all(len(row) == 5 for row in boot)
+    assert len(boot) == BOOT_RESAMPLES and all(len(row) == len(FEATURES) for row in boot)
     for b in (128, 512, 4096):
         assert carry_spread(boot, PROMPTS, b) < 0.05
 

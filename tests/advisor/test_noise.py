@@ -86,12 +86,16 @@ def test_robust_fit_leaves_out_stretched_steps() -> None:
     measured[stretched] *= 10.0  # another process took the cores for these steps
     model, inliers = robust_fit(works, measured)
     assert not inliers[stretched].any() and inliers[~stretched].mean() > 0.99
-    for got, want in ((model.const, true.const), (model.prefill, true.prefill)):
+    # the constant of a step of several rows (nearly every step here: a lone decode or an empty
+    # step is one in a few hundred, too few to split const from multi_row)
+    const = model.const + model.multi_row
+    for got, want in ((const, true.const), (model.prefill, true.prefill)):
         assert abs(got - want) / want < 0.05
     assert abs(model.decode - true.decode) / true.decode < 0.05
     assert abs(model.attn - true.attn) / true.attn < 0.05
     plain = fit_plain(works, measured)
-    assert abs(plain.const - true.const) / true.const > 0.2  # what least squares alone does
+    # what least squares alone does
+    assert abs(plain.prefill - true.prefill) / true.prefill > 0.2
 
 
 def fit_plain(works: list[StepWork], measured: np.ndarray) -> CostModel:
