@@ -46,7 +46,7 @@ import numpy as np
 
 from advisor.fit import FitReport
 from advisor.overload import WindowLoad
-from advisor.predict import step_timing
+from advisor.predict import image_share_of, step_timing
 from advisor.simulate import ITL_CLASS, EngineShape, SimResult, simulate
 from advisor.traffic import Traffic, to_sim_requests
 
@@ -238,11 +238,14 @@ def predict_settings(
     max_steps: int = 200_000,
 ) -> list[Prediction]:
     """Replay ``traffic`` at each setting through the engine's scheduler (the advisor's
-    simulator), step times from ``report`` with its scatter, the same draws for each."""
+    simulator), step times from ``report`` with its scatter (image requests' steps with the
+    fit's vision term, one image request admitted per step, as the advisor predicts), the same
+    draws for each."""
     reqs, warm = to_sim_requests(traffic, shape.block_size)
+    shares = image_share_of(traffic)  # the vision term's cost and one image request per step
     out = []
     for s in settings:
-        step_ns, gap_ns = step_timing(report, seed=seed)
+        step_ns, gap_ns = step_timing(report, seed=seed, image_share=shares)
         res = simulate(
             reqs,
             shape,
@@ -252,6 +255,7 @@ def predict_settings(
             warm_prefixes=warm,
             max_steps=max_steps,
             long_prefill_token_threshold=s.cap,
+            image_requests=shares.keys(),
         )
         out.append(_score(res, s, slo, round(traffic.duration_s * 1e9)))
     return out

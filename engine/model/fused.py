@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("fused_ops.c")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 SOURCE_F32 = Path(__file__).with_name("fused_ops_f32.c")
-FLAGS_F32 = ["-O3", "-march=native", "-fopenmp-simd"]
+FLAGS_F32 = ["-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math"]
 
 _state: dict[str, object] = {}
 _switch = {"on": True}

@@ -1,10 +1,12 @@
 /* Row-wise fp32 operations of the decoder step, each in one pass over a row (chunkscope; see
- * fused.py). Plain C for the vectorizer (-O3 -march=native -fopenmp-simd), so it builds on any
- * CPU with a C compiler. torch runs each of these as several elementwise ops (RMSNorm: pow, mean,
- * add, rsqrt, two muls; rotary: two muls, a cat of a negated half, an add; silu x up: silu, mul),
- * each a dispatch and a pass over the tensor: at a decode step's few rows the dispatches are the
- * cost. Results are torch's up to fp32 summation order (the RMS) and the exp inside silu.
- * Rows of n elements with a row stride in elements.
+ * fused.py). Plain C for the vectorizer (-O3 -march=native -fopenmp-simd -fno-trapping-math:
+ * the last lets it select between values computed on both sides of a comparison; nothing here
+ * reads the floating-point exception flags), so it builds on any CPU with a C compiler. torch
+ * runs each of these as several elementwise ops (RMSNorm: pow, mean, add, rsqrt, two muls;
+ * rotary: two muls, a cat of a negated half, an add; silu x up: silu, mul), each a dispatch and
+ * a pass over the tensor: at a decode step's few rows the dispatches are the cost. Results are
+ * torch's up to fp32 summation order (the RMS) and the exp inside silu. Rows of n elements with
+ * a row stride in elements.
  */
 #include <math.h>
 #include <stdint.h>
@@ -52,9 +54,11 @@ void f32_silu_mul(const float *gu, long gs, int rows, int n, float *out, long os
         float *o = out + (long)r * os;
 #pragma omp simd
         for (int i = 0; i < n; i++) {
-            const float e = exp_neg(-fabsf(g[i])); /* exp(-|g|), in (0, 1] */
-            const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-            o[i] = g[i] * sig * u[i];
+            const float x = g[i];
+            const float e = exp_neg(x < 0.0f ? x : -x); /* exp(-|x|), in (0, 1] */
+            const float inv = 1.0f / (1.0f + e), ei = e * inv;
+            const float sig = x < 0.0f ? ei : inv; /* both computed, one selected: vectorizes */
+            o[i] = x * sig * u[i];
         }
     }
 }

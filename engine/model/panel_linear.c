@@ -91,6 +91,9 @@ static inline void block_few(int mr, const float *x, long xs, const float *panel
     store(mr, a, bias, out, os, nv);
 }
 
+static __thread float *scratch; /* a group's packed rows */
+static __thread size_t scratch_cap;
+
 /* out [rows][n] (row stride os) = x [rows][k] (row stride xs) . W^T (+ bias) over the panels p.
  * Returns 0, or -1 when scratch memory fails. */
 int panel_linear(const float *x, long xs, int rows, const float *p, int n, int k,
@@ -108,8 +111,13 @@ int panel_linear(const float *x, long xs, int rows, const float *p, int n, int k
     long group = MB_BYTES / ((long)k * (long)sizeof(float));
     group = group < MR ? MR : group / MR * MR;
     long gmax = rows < group ? (rows + MR - 1) / MR * MR : group;
-    float *xt = malloc(sizeof(float) * (size_t)gmax * (size_t)k);
-    if (!xt) return -1;
+    size_t need = sizeof(float) * (size_t)gmax * (size_t)k;
+    if (need > scratch_cap) { /* grown once per thread, kept: no allocation per call */
+        float *grown = realloc(scratch, need);
+        if (!grown) return -1;
+        scratch = grown, scratch_cap = need;
+    }
+    float *xt = scratch;
     for (int g0 = 0; g0 < rows; g0 += (int)group) {
         int g1 = rows - g0 < group ? rows : g0 + (int)group;
         for (int m0 = g0; m0 < g1; m0 += MR) {
@@ -130,6 +138,5 @@ int panel_linear(const float *x, long xs, int rows, const float *p, int n, int k
             }
         }
     }
-    free(xt);
     return 0;
 }

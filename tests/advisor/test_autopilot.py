@@ -209,3 +209,22 @@ def test_request_meets_each_slo() -> None:
     assert not request_meets(0.5, [0.06] * 50, slo, "chat")
     with pytest.raises(ValueError):
         AutopilotSlo(itl_ms=0, ttft_ms=100)
+
+
+def test_image_steps_cost_the_fits_vision_term() -> None:
+    """The autopilot simulates image requests as the advisor does: their prefill steps pay the
+    fit's vision term (seconds per image token), so a slow encoder shows in the predicted TTFT."""
+    from advisor.autopilot import predict_settings
+
+    reqs = [ObservedRequest("c0", "chat", 0.1, 64, 0, 0, 20)]
+    reqs += [ObservedRequest(f"v{k}", "vlm", 0.5 + k, 1300, 1196, 0, 10) for k in range(4)]
+    images = Traffic(reqs, 0.0, 8.0)
+    base = CostModel(0.005, 1e-4, 5e-4, 0.0, num_steps=500, rel_err_p50=0.05, r2=0.99)
+    slow = CostModel(0.005, 1e-4, 5e-4, 0.0, vision=5e-4, num_steps=500, rel_err_p50=0.05, r2=0.99)
+    got = {}
+    for name, model in (("no encoder cost", base), ("0.5 ms an image token", slow)):
+        report = FitReport(model, 500, 0.0, 0.0)
+        (pred,) = predict_settings(report, images, SHAPE, [Setting(2048)], GENEROUS)
+        got[name] = pred.ttft_p99_ms
+    # 1,196 image tokens at 0.5 ms each: ~0.6 s more before an image request's first token
+    assert got["0.5 ms an image token"] - got["no encoder cost"] == pytest.approx(598, rel=0.1)
