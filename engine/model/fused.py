@@ -47,49 +47,41 @@ def _why_not() -> str | None:
     )
 
 
-def _load() -> ctypes.CDLL | None:
-    why = _why_not()
+def _load(source: Path, flags: list[str], prefix: str, why: str | None, what: str):  # type: ignore[no-untyped-def]
+    """Build and load ``source``, whose three functions are named ``prefix`` + rms_norm, rope,
+    silu_mul; None (the reason logged once at INFO) when ``why`` says it cannot run or the build
+    fails."""
     if why is None:
         try:
-            dll = ctypes.CDLL(str(ckernel.build(SOURCE, FLAGS)))
-            dll.fused_rms_norm.argtypes = [_P, _L, _P, _I, _I, _F, _P, _L]
-            dll.fused_rope.argtypes = [_P, _L, _I, _I, _I, _P, _P, _L]
-            dll.fused_silu_mul.argtypes = [_P, _L, _I, _I, _P, _L]
-            for f in (dll.fused_rms_norm, dll.fused_rope, dll.fused_silu_mul):
-                f.restype = None
+            dll = ctypes.CDLL(str(ckernel.build(source, flags)))
+            signatures = {
+                "rms_norm": [_P, _L, _P, _I, _I, _F, _P, _L],
+                "rope": [_P, _L, _I, _I, _I, _P, _P, _L],
+                "silu_mul": [_P, _L, _I, _I, _P, _L],
+            }
+            for name, argtypes in signatures.items():
+                fn = getattr(dll, prefix + name)
+                fn.argtypes, fn.restype = argtypes, None
             return dll
         except (RuntimeError, OSError) as e:
             why = f"build or load failed: {e}"
-    logger.info("fused bf16 CPU ops not used: %s; torch's ops run instead", why)
+    logger.info("fused %s CPU ops not used: %s; torch's ops run instead", what, why)
     return None
 
 
 def library() -> ctypes.CDLL | None:
+    """The bf16 ops (AVX512-BF16 CPUs)."""
     if "dll" not in _state:
-        _state["dll"] = _load()
+        _state["dll"] = _load(SOURCE, FLAGS, "fused_", _why_not(), "bf16")
     return _state["dll"]  # type: ignore[return-value]
 
 
-def _load_f32() -> ctypes.CDLL | None:
-    why = "CHUNKSCOPE_FUSED_OPS=0" if os.environ.get("CHUNKSCOPE_FUSED_OPS", "1") == "0" else None
-    if why is None:
-        try:
-            dll = ctypes.CDLL(str(ckernel.build(SOURCE_F32, FLAGS_F32)))
-            dll.f32_rms_norm.argtypes = [_P, _L, _P, _I, _I, _F, _P, _L]
-            dll.f32_rope.argtypes = [_P, _L, _I, _I, _I, _P, _P, _L]
-            dll.f32_silu_mul.argtypes = [_P, _L, _I, _I, _P, _L]
-            for f in (dll.f32_rms_norm, dll.f32_rope, dll.f32_silu_mul):
-                f.restype = None
-            return dll
-        except (RuntimeError, OSError) as e:
-            why = f"build or load failed: {e}"
-    logger.info("fused fp32 CPU ops not used: %s; torch's ops run instead", why)
-    return None
-
-
 def library_f32() -> ctypes.CDLL | None:
+    """The fp32 ops (any CPU with a C compiler)."""
     if "f32" not in _state:
-        _state["f32"] = _load_f32()
+        off = os.environ.get("CHUNKSCOPE_FUSED_OPS", "1") == "0"
+        why = "CHUNKSCOPE_FUSED_OPS=0" if off else None
+        _state["f32"] = _load(SOURCE_F32, FLAGS_F32, "f32_", why, "fp32")
     return _state["f32"]  # type: ignore[return-value]
 
 
