@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import amx, paged_decode
+from engine.model.attention import amx, paged_decode, vec
 from engine.model.attention.common import (
     AttentionMetadata,
     SeqSlice,
@@ -96,9 +96,23 @@ class SplitMetadata(AttentionMetadata):
     block_size: int = 16
     torch_built: bool = False
     ranges_checked: bool = False  # the AMX call's rows and block ids (once per step)
+    chunks_checked: bool = False  # the same for the AVX-512 chunk kernel's call
+    _chunks: tuple[torch.Tensor, torch.Tensor] | None = None
     # the torch path's decodes for the in-place kernel; ``decode_groups`` is then built only if
     # a layer cannot use it (once, from ``paged.seqs``)
     paged: PagedDecodes | None = None
+
+    def chunk_info(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seqs int32 [C, 3], table int64 [C, W]) of the step's chunks (q_len > 1), for the
+        AVX-512 chunk kernel; built once per step."""
+        if self._chunks is None:
+            assert self.seq_info is not None and self.block_table is not None
+            rows = [i for i, s in enumerate(self.seqs) if s.q_len > 1]
+            self._chunks = (
+                self.seq_info[rows].contiguous(),
+                self.block_table[rows].contiguous(),
+            )
+        return self._chunks
 
     def torch_parts(self, decode_kernel: bool = False) -> SplitMetadata:
         """Build (once) what the torch path needs: each chunk's prefix location, and the
@@ -170,6 +184,9 @@ class SplitBackend:
         self.amx_paged = True
         # the torch path's decodes read in place from the cache (attention/paged_decode.py)
         self._decode_kernel = paged_decode.enabled()
+        # the torch path's chunks on the AVX-512 kernel where AMX does not take the step
+        # (attention/vec.py; CHUNKSCOPE_VEC_ATTENTION=0 turns it off)
+        self._vec = vec.enabled()
 
     def _paged_ready(self) -> bool:
         """Whether a bf16 step will go to the paged AMX kernel (then the torch path's metadata
@@ -219,9 +236,7 @@ class SplitBackend:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         assert isinstance(meta, SplitMetadata)
-        num_heads = q.shape[1]
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        groups = num_heads // num_kv_heads
+        groups = q.shape[1] // k_cache.shape[2]
         k_flat, v_flat = store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if self._amx and self.amx_paged and meta.seq_info is not None and amx.usable(q, k_cache):
@@ -233,6 +248,32 @@ class SplitBackend:
             meta.ranges_checked = True  # every layer's cache has the same shape
             return out
         meta.torch_parts(self._decode_ready())
+        chunks = meta.chunk_info() if self._vec and meta.split_prefills else None
+        if chunks is not None and vec.usable(q, k_cache):
+            # every chunk causally over its prefix and own keys in one call, read in place
+            vec.attention_paged(
+                q, k_cache, v_cache, chunks[0], chunks[1], out,
+                check_ranges=not meta.chunks_checked,
+            )  # fmt: skip
+            meta.chunks_checked = True
+        else:
+            self._torch_chunks(q, k, v, k_flat, v_flat, meta, out, groups)
+        return self._decodes(q, k_cache, k_flat, v_flat, meta, out)
+
+    def _torch_chunks(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        meta: SplitMetadata,
+        out: torch.Tensor,
+        groups: int,
+    ) -> None:
+        """The chunks through torch's flash kernel: prefix and diagonal, merged."""
+        num_heads = q.shape[1]
+        num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
         for p in meta.split_prefills:
             s = p.seq
             rows = slice(s.q_start, s.q_start + s.q_len)
@@ -263,6 +304,20 @@ class SplitBackend:
             lse_pre = lse_pre.reshape(num_heads, s.q_len)
             merged = merge(pre, lse_pre, diag.squeeze(0), lse_diag.squeeze(0))
             out[rows] = merged.transpose(0, 1)
+
+    def _decodes(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        meta: SplitMetadata,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """The step's decodes: the in-place kernel, else gathered groups through SDPA."""
+        num_heads = q.shape[1]
+        num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
+        groups = num_heads // num_kv_heads
         paged = meta.paged
         if paged is not None and paged_decode.usable(q, k_cache):
             paged_decode.paged_decode(

@@ -1,0 +1,316 @@
+/* Prefill-chunk attention over the paged KV cache on AVX-512 FMA, fp32 arithmetic (chunkscope;
+ * see vec.py). For CPUs with AVX-512 but no AMX, where torch's flash kernel computes its two
+ * products with MKL's sgemm (on AMD CPUs MKL's AVX2 code: ~75 GFLOP/s on one Zen 5 core).
+ *
+ * A job is one sequence's chunk for one K/V head: the G query heads that share it, stacked as
+ * rows (row r = query head g * q_len + i at position start + i), each row causal over keys
+ * 0 .. its position (prefix and the chunk's own keys in one online softmax: no mask tensor, no
+ * merge). Keys are read through the block table where they lie (fp32 caches; bf16 ones are
+ * widened chunk by chunk into a staging buffer). Keys come in chunks of 256 (K and V: 128 KiB,
+ * they stay in L2) and every tile of 16 query rows passes over a chunk before the next one:
+ *   1. S^T = K . Q^T, 8 keys at a time: for each of the 64 dims one load of Q^T's row (16
+ *      queries, pre-scaled by scale * log2 e) and 8 FMAs with one key's value broadcast each;
+ *      one zmm = one key's scores for the tile's 16 queries, so a query's max over a block of
+ *      keys is an element-wise max (no horizontal reduction);
+ *   2. online softmax per block of 32 keys: the running output is rescaled only when a max
+ *      moved; P^T = 2^(S^T - max), masked keys exactly 0;
+ *   3. O[q] += P[q][j] V[j]: 6 query rows x 4 vectors of 16 dims kept in registers, each key's
+ *      value row loaded once per 6 queries, P broadcast.
+ * Key blocks past a tile's last position are skipped; only keys past a row's position are
+ * masked. fp32 accumulation; the output rounded to bf16 (nearest even) in bf16 mode.
+ * Head dim 64 only; one thread. Build: -O3 -mavx512f -mavx512bw -mavx512dq -mfma.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define HEAD_DIM 64
+#define TQ 16 /* query rows per tile */
+#define KB 32 /* keys per softmax block */
+#ifndef CHUNK_KEYS
+#define CHUNK_KEYS 256 /* keys per chunk (a multiple of KB) */
+#endif
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* 2^x for x <= 0 (clamped at -126): Cephes' exp2f polynomial on [-0.5, 0.5], relative error
+ * ~2e-7. */
+ALWAYS_INLINE __m512 exp2_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+ALWAYS_INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+ALWAYS_INLINE uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Per-thread scratch, grown as needed (kept between calls). */
+typedef struct {
+    float (*qt)[HEAD_DIM][TQ]; /* per tile: Q^T, scaled to base-2 exponents */
+    float (*ot)[TQ][HEAD_DIM]; /* per tile: running output rows */
+    float (*mt)[TQ], (*st)[TQ]; /* per tile: running max, sum */
+    int32_t (*tpos)[TQ];        /* per tile: row positions (pad rows: the tile's first) */
+    int *tmin, *tmax;
+    const float **krow, **vrow; /* a chunk's key and value rows */
+    float *kst, *vst;           /* bf16 mode: a chunk widened to fp32 */
+    size_t cap[10];
+} workspace;
+
+static __thread workspace ws;
+
+static int grow(void **p, size_t *cap, size_t need) {
+    if (need <= *cap) return 0;
+    need = need * 3 / 2 + 64;
+    void *q = aligned_alloc(64, (need + 63) / 64 * 64);
+    if (!q) return -1;
+    free(*p);
+    *p = q;
+    *cap = need;
+    return 0;
+}
+
+static int reserve(int rows, int bf16) {
+    size_t nt = (size_t)(rows + TQ - 1) / TQ, ck = CHUNK_KEYS;
+    if (grow((void **)&ws.qt, &ws.cap[0], nt * sizeof(*ws.qt)) ||
+        grow((void **)&ws.ot, &ws.cap[1], nt * sizeof(*ws.ot)) ||
+        grow((void **)&ws.mt, &ws.cap[2], nt * sizeof(*ws.mt)) ||
+        grow((void **)&ws.st, &ws.cap[3], nt * sizeof(*ws.st)) ||
+        grow((void **)&ws.tpos, &ws.cap[4], nt * sizeof(*ws.tpos)) ||
+        grow((void **)&ws.tmin, &ws.cap[5], nt * sizeof(int)) ||
+        grow((void **)&ws.tmax, &ws.cap[6], nt * sizeof(int)) ||
+        grow((void **)&ws.krow, &ws.cap[7], ck * sizeof(void *)) ||
+        grow((void **)&ws.vrow, &ws.cap[8], ck * sizeof(void *)))
+        return -3;
+    if (bf16 && grow((void **)&ws.kst, &ws.cap[9], 2 * ck * HEAD_DIM * sizeof(float))) return -3;
+    ws.vst = ws.kst ? ws.kst + ck * HEAD_DIM : NULL;
+    return 0;
+}
+
+/* S^T for nk (<= 8) keys starting at row pointer k[0..nk): s[u] = K[u] . Q^T (16 queries). */
+ALWAYS_INLINE void scores(const int nk, const float *const *k, const float (*qt)[TQ], __m512 *s) {
+    __m512 a[8];
+    for (int u = 0; u < nk; u++) a[u] = _mm512_setzero_ps();
+    for (int d = 0; d < HEAD_DIM; d++) {
+        __m512 q = _mm512_load_ps(qt[d]);
+        for (int u = 0; u < nk; u++) a[u] = _mm512_fmadd_ps(_mm512_set1_ps(k[u][d]), q, a[u]);
+    }
+    for (int u = 0; u < nk; u++) s[u] = a[u];
+}
+
+/* O[q0 .. q0 + nq) += P[q][j] V[j] over nk keys; p[j][q] are the probabilities. */
+ALWAYS_INLINE void accumulate(const int nq, int q0, int nk, const float *const *v,
+                              const float (*p)[TQ], float (*o)[HEAD_DIM]) {
+    __m512 a[6][4];
+    for (int i = 0; i < nq; i++)
+        for (int c = 0; c < 4; c++) a[i][c] = _mm512_load_ps(o[q0 + i] + 16 * c);
+    for (int j = 0; j < nk; j++) {
+        const float *vr = v[j];
+        __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16),
+               v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
+        for (int i = 0; i < nq; i++) {
+            __m512 pj = _mm512_set1_ps(p[j][q0 + i]);
+            a[i][0] = _mm512_fmadd_ps(pj, v0, a[i][0]);
+            a[i][1] = _mm512_fmadd_ps(pj, v1, a[i][1]);
+            a[i][2] = _mm512_fmadd_ps(pj, v2, a[i][2]);
+            a[i][3] = _mm512_fmadd_ps(pj, v3, a[i][3]);
+        }
+    }
+    for (int i = 0; i < nq; i++)
+        for (int c = 0; c < 4; c++) _mm512_store_ps(o[q0 + i] + 16 * c, a[i][c]);
+}
+
+static void scores_any(int nk, const float *const *k, const float (*qt)[TQ], __m512 *s) {
+    switch (nk) {
+    case 8: scores(8, k, qt, s); break;
+    case 7: scores(7, k, qt, s); break;
+    case 6: scores(6, k, qt, s); break;
+    case 5: scores(5, k, qt, s); break;
+    case 4: scores(4, k, qt, s); break;
+    case 3: scores(3, k, qt, s); break;
+    case 2: scores(2, k, qt, s); break;
+    default: scores(1, k, qt, s); break;
+    }
+}
+
+static void accumulate_any(int nq, int q0, int nk, const float *const *v, const float (*p)[TQ],
+                           float (*o)[HEAD_DIM]) {
+    switch (nq) {
+    case 6: accumulate(6, q0, nk, v, p, o); break;
+    case 5: accumulate(5, q0, nk, v, p, o); break;
+    case 4: accumulate(4, q0, nk, v, p, o); break;
+    case 3: accumulate(3, q0, nk, v, p, o); break;
+    case 2: accumulate(2, q0, nk, v, p, o); break;
+    default: accumulate(1, q0, nk, v, p, o); break;
+    }
+}
+
+/* Tile t (nq real rows) over keys [j0, j1) whose rows are krow/vrow[j - c0]. */
+static void tile_block(int t, int nq, int j0, int j1, int c0) {
+    float sbuf[KB][TQ] __attribute__((aligned(64)));
+    const __m512i pos = _mm512_load_si512(ws.tpos[t]);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int b0 = j0; b0 < j1; b0 += KB) {
+        int b1 = b0 + KB < j1 ? b0 + KB : j1, nk = b1 - b0;
+        __m512 s[KB];
+        for (int u = 0; u < nk; u += 8)
+            scores_any(nk - u < 8 ? nk - u : 8, ws.krow + (b0 - c0) + u, ws.qt[t], s + u);
+        __m512 mx = ninf;
+        __mmask16 keep[KB];
+        int masked = b1 - 1 > ws.tmin[t];
+        for (int u = 0; u < nk; u++) {
+            keep[u] = masked ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(b0 + u)) : 0xffff;
+            mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(ninf, keep[u], s[u]));
+        }
+        __m512 old = _mm512_load_ps(ws.mt[t]);
+        __m512 mnew = _mm512_max_ps(old, mx);
+        __mmask16 moved = _mm512_cmp_ps_mask(mnew, old, _CMP_GT_OQ);
+        __m512 sum = _mm512_load_ps(ws.st[t]);
+        if (moved) { /* rescale the rows whose max moved (the first block: from -inf, all 0) */
+            __m512 alpha = exp2_neg(_mm512_sub_ps(old, mnew));
+            sum = _mm512_mul_ps(sum, alpha);
+            float al[TQ] __attribute__((aligned(64)));
+            _mm512_store_ps(al, alpha);
+            for (int q = 0; q < nq; q++) {
+                if (!((moved >> q) & 1)) continue;
+                __m512 aq = _mm512_set1_ps(al[q]);
+                for (int c = 0; c < 4; c++)
+                    _mm512_store_ps(ws.ot[t][q] + 16 * c,
+                                    _mm512_mul_ps(_mm512_load_ps(ws.ot[t][q] + 16 * c), aq));
+            }
+            _mm512_store_ps(ws.mt[t], mnew);
+        }
+        for (int u = 0; u < nk; u++) {
+            __m512 e = _mm512_maskz_mov_ps(keep[u], exp2_neg(_mm512_sub_ps(s[u], mnew)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_store_ps(sbuf[u], e);
+        }
+        _mm512_store_ps(ws.st[t], sum);
+        for (int q0 = 0; q0 < nq; q0 += 6)
+            accumulate_any(nq - q0 < 6 ? nq - q0 : 6, q0, nk, ws.vrow + (b0 - c0),
+                           (const float(*)[TQ])sbuf, ws.ot[t]);
+    }
+}
+
+/*
+ * The attention of each sequence's q_len query rows at positions [ctx_len - q_len, ctx_len),
+ * causal over its keys [0, ctx_len) (the step's own K/V already stored), read through its
+ * block table.
+ * dtype: 0 = fp32, 1 = bf16 (q, caches and out alike). Strides in elements.
+ * q: [tokens][kv_heads * groups][64] (strides q_ts, q_hs; d contiguous); query head
+ *   kv * groups + g uses K/V head kv.
+ * seqs: int32 [nseq][3] = q_start, q_len, ctx_len; table: int64 [nseq][table_w] block ids.
+ * k_cache, v_cache: slot s = block * block_size + i of head h at cache + s*kv_ts + h*kv_hs.
+ * out: row of token t, query head hq at out + t*o_ts + hq*o_hs.
+ * Returns 0, or -2 (bad arguments), -3 (out of memory).
+ */
+int vec_attention_paged(int dtype, const void *q, long q_ts, long q_hs, int kv_heads, int groups,
+                        int nseq, const int32_t *seqs, const int64_t *table, long table_w,
+                        int block_size, const void *k_cache, const void *v_cache, long kv_ts,
+                        long kv_hs, float scale, void *out, long o_ts, long o_hs) {
+    if (block_size < 1 || kv_heads < 1 || groups < 1 || (dtype != 0 && dtype != 1)) return -2;
+    const int bf16 = dtype == 1;
+    const float c = scale * 1.44269504088896341f; /* scores in base-2 exponents */
+    for (int s = 0; s < nseq; s++) {
+        int q_len = seqs[3 * s + 1], n = seqs[3 * s + 2];
+        if (q_len < 1 || n < q_len || (n + block_size - 1) / block_size > table_w) return -2;
+    }
+    for (int s = 0; s < nseq; s++) {
+        const int q0 = seqs[3 * s], q_len = seqs[3 * s + 1], n = seqs[3 * s + 2];
+        const int start = n - q_len, rows = groups * q_len, nt = (rows + TQ - 1) / TQ;
+        const int64_t *blocks = table + (long)s * table_w;
+        if (reserve(rows, bf16)) return -3;
+        for (int t = 0; t < nt; t++) { /* positions: the same for every K/V head */
+            int lo = TQ * t, hi = rows < lo + TQ ? rows : lo + TQ, mn = n, mx = 0;
+            for (int r = lo; r < hi; r++) {
+                int p = start + r % q_len;
+                mn = p < mn ? p : mn;
+                mx = p > mx ? p : mx;
+            }
+            for (int m = 0; m < TQ; m++) ws.tpos[t][m] = lo + m < hi ? start + (lo + m) % q_len : mn;
+            ws.tmin[t] = mn, ws.tmax[t] = mx;
+        }
+        for (int h = 0; h < kv_heads; h++) {
+            for (int t = 0; t < nt; t++) { /* Q^T, scaled; the running state cleared */
+                memset(ws.qt[t], 0, sizeof(*ws.qt));
+                memset(ws.ot[t], 0, sizeof(*ws.ot));
+                _mm512_store_ps(ws.mt[t], _mm512_set1_ps(-INFINITY));
+                _mm512_store_ps(ws.st[t], _mm512_setzero_ps());
+                for (int m = 0; m < TQ && TQ * t + m < rows; m++) {
+                    int r = TQ * t + m;
+                    long off = (long)(q0 + r % q_len) * q_ts + ((long)h * groups + r / q_len) * q_hs;
+                    if (bf16) {
+                        const uint16_t *qr = (const uint16_t *)q + off;
+                        for (int d = 0; d < HEAD_DIM; d++) ws.qt[t][d][m] = bf16_to_f32(qr[d]) * c;
+                    } else {
+                        const float *qr = (const float *)q + off;
+                        for (int d = 0; d < HEAD_DIM; d++) ws.qt[t][d][m] = qr[d] * c;
+                    }
+                }
+            }
+            for (int c0 = 0; c0 < n; c0 += CHUNK_KEYS) {
+                int c1 = n - c0 < CHUNK_KEYS ? n : c0 + CHUNK_KEYS;
+                for (int j = c0; j < c1; j++) {
+                    long slot = blocks[j / block_size] * block_size + j % block_size;
+                    long off = slot * kv_ts + (long)h * kv_hs;
+                    if (bf16) {
+                        float *kd = ws.kst + (long)(j - c0) * HEAD_DIM;
+                        float *vd = ws.vst + (long)(j - c0) * HEAD_DIM;
+                        const uint16_t *ks = (const uint16_t *)k_cache + off;
+                        const uint16_t *vs = (const uint16_t *)v_cache + off;
+                        for (int d = 0; d < HEAD_DIM; d += 16) {
+                            __m512i k16 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(ks + d)));
+                            __m512i v16 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vs + d)));
+                            _mm512_storeu_ps(kd + d, _mm512_castsi512_ps(_mm512_slli_epi32(k16, 16)));
+                            _mm512_storeu_ps(vd + d, _mm512_castsi512_ps(_mm512_slli_epi32(v16, 16)));
+                        }
+                        ws.krow[j - c0] = kd, ws.vrow[j - c0] = vd;
+                    } else {
+                        ws.krow[j - c0] = (const float *)k_cache + off;
+                        ws.vrow[j - c0] = (const float *)v_cache + off;
+                    }
+                }
+                for (int t = 0; t < nt; t++) {
+                    if (c0 > ws.tmax[t]) continue; /* the whole chunk is past this tile's rows */
+                    int j1 = c1 < ws.tmax[t] + 1 ? c1 : ws.tmax[t] + 1;
+                    int nq = rows - TQ * t < TQ ? rows - TQ * t : TQ;
+                    tile_block(t, nq, c0, j1, c0);
+                }
+            }
+            for (int t = 0; t < nt; t++) { /* out = O / sum */
+                for (int m = 0; m < TQ && TQ * t + m < rows; m++) {
+                    int r = TQ * t + m;
+                    long off = (long)(q0 + r % q_len) * o_ts + ((long)h * groups + r / q_len) * o_hs;
+                    float inv = 1.0f / ws.st[t][m];
+                    if (bf16) {
+                        uint16_t *o = (uint16_t *)out + off;
+                        for (int d = 0; d < HEAD_DIM; d++) o[d] = f32_to_bf16(ws.ot[t][m][d] * inv);
+                    } else {
+                        float *o = (float *)out + off;
+                        for (int d = 0; d < HEAD_DIM; d++) o[d] = ws.ot[t][m][d] * inv;
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
