@@ -23,6 +23,11 @@ reading K/V through the block table (no gather, no mask); the torch path's metad
 built (``SplitMetadata.torch_parts``, built on first use). ``CHUNKSCOPE_AMX_ATTENTION=0`` turns
 the kernel off.
 
+Where AMX does not take the step, on CPUs with AVX-512 (fp32 or bf16, head dim 64, one torch
+thread), the step's chunks go to our AVX-512 kernel instead of the two flash calls: one call per
+layer, each chunk causally over its prefix and own keys in one online softmax, K/V read through
+the block table (``vec.attention_paged``; ``CHUNKSCOPE_VEC_ATTENTION=0`` turns it off).
+
 A chunk at position 0 is one causal call. Decodes (one query each) are served by the paged
 decode kernel (``paged_decode``: C, reads each sequence's K/V in place through its block table,
 fp32 and bf16, one torch thread; ``CHUNKSCOPE_DECODE_KERNEL=0`` turns it off). Where it cannot
