@@ -121,13 +121,19 @@ MATRIX_FLAGS = frozenset(
 )  # fmt: skip
 
 
+_AT_START: dict[str, Any] = {}
+
+
 def provenance(script: str) -> dict[str, Any]:
-    return {
-        "script": script,
-        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
-        **git_state(),
-        "machine": machine_info(),
-    }
+    """Where the numbers come from: the tree as it was when the run started (``setup``), and,
+    when it moved during the run (a commit or an edit), the tree at the end as well."""
+    now = git_state()
+    started = _AT_START.get("git") or now
+    doc = {"script": script, "command": [Path(sys.argv[0]).name, *sys.argv[1:]], **started}
+    if now != started:
+        doc["git_at_end"] = now
+    doc["machine"] = machine_info()
+    return doc
 
 
 # --- command line -------------------------------------------------------------------------------
@@ -148,8 +154,10 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
 
 
 def setup(args: argparse.Namespace) -> Path:
-    """Apply the common arguments; return the folder results go to."""
+    """Apply the common arguments (and note the tree's state: the run's provenance); return the
+    folder results go to."""
     logging.basicConfig(level=logging.WARNING)
+    _AT_START["git"] = git_state()
     if args.threads is not None:
         import torch
 

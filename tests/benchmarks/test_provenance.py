@@ -63,6 +63,22 @@ def test_write_json_records_provenance_and_config(common: ModuleType, tmp_path: 
     assert m["cpu_count"] >= 1 and m["platform"] and m["python"]
 
 
+def test_provenance_is_the_tree_at_start_and_a_move_is_recorded(
+    common: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit made while a benchmark runs must not pass for the code that ran."""
+    states = iter([{"git_commit": "a" * 40, "git_dirty": False}, {"git_commit": "b" * 40,
+                   "git_dirty": False}])  # fmt: skip
+    monkeypatch.setattr(common, "git_state", lambda: next(states))
+    ap = argparse.ArgumentParser()
+    common.add_common_args(ap)
+    common.setup(ap.parse_args(["--out-dir", str(tmp_path)]))
+    common.write_json(tmp_path / "r.json", {}, script="x.py", config={})
+    prov = json.loads((tmp_path / "r.json").read_text())["provenance"]
+    assert prov["git_commit"] == "a" * 40
+    assert prov["git_at_end"]["git_commit"] == "b" * 40
+
+
 def test_quick_results_never_land_in_results_dir(common: ModuleType) -> None:
     ap = argparse.ArgumentParser()
     common.add_common_args(ap)
