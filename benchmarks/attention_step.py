@@ -15,7 +15,9 @@ Arms: (sdpa, split) x (float32, bfloat16) by default, or any of sdpa, split, spl
 AMX kernel off), split-prefix (the AMX kernel on the prefix call only, as before issue 20d),
 split-nofused (torch's row ops instead of engine/model/fused.py's), split-nopanel (torch's fp32
 linear instead of engine/model/panel_linear.py's), split-novec (torch's flash kernel for the
-chunks instead of engine/model/attention/vec.py's), engines built up front;
+chunks instead of engine/model/attention/vec.py's), split-nopacked (CHUNKSCOPE_PACKED_LINEAR=0:
+torch's linear instead of engine/model/packed_linear.py's oneDNN-packed weights, bf16 and, on
+non-Intel AVX-512 CPUs, fp32), engines built up front;
 each repetition runs the whole workload once per arm, arms in a rotating order, so other
 processes' noise hits every arm. GEMM rates are timed before and after the arms (best of
 both).  -> results/attention_step.json (or --output)
@@ -101,6 +103,7 @@ def build_engine(folder: Path, backend: str, dtype: str, max_len: int):  # type:
         "split-noamx": "CHUNKSCOPE_AMX_ATTENTION",  # the AMX attention kernel
         "split-nopanel": "CHUNKSCOPE_PANEL_LINEAR",  # fp32 panel linears (torch's linear)
         "split-novec": "CHUNKSCOPE_VEC_ATTENTION",  # the AVX-512 chunk attention kernel
+        "split-nopacked": "CHUNKSCOPE_PACKED_LINEAR",  # oneDNN-packed weights (torch's linear)
     }
     if backend in switched_off:
         var = switched_off[backend]
@@ -263,6 +266,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             ("split-nofused", "without fused row ops"),
             ("split-nopanel", "without panel linears"),
             ("split-novec", "without the AVX-512 chunk kernel"),
+            ("split-nopacked", "without oneDNN-packed linears"),
         ):
             off, on = per_arm.get(f"{base}/{dtype}"), per_arm.get(f"split/{dtype}")
             if not (off and on):
@@ -356,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         "split-prefix (the AMX kernel on the prefix call only), split-nofused (torch's row ops "
         "instead of engine/model/fused.py's), split-nopanel (torch's fp32 linear instead of "
         "engine/model/panel_linear.py's), split-novec (torch's flash kernel for the chunks "
-        "instead of engine/model/attention/vec.py's)",
+        "instead of engine/model/attention/vec.py's), split-nopacked (CHUNKSCOPE_PACKED_LINEAR=0: "
+        "torch's linear instead of engine/model/packed_linear.py's oneDNN-packed weights)",
     )
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prompt-len", type=int, default=6000)

@@ -54,6 +54,20 @@ def x86_unavailable(switch: str, features: tuple[str, ...]) -> str | None:
     return "the CPU lacks " + ", ".join(missing) if missing else None
 
 
+def cpu_vendor(cpuinfo: str | None = None) -> str | None:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``, ...) from ``cpuinfo`` (the
+    text of ``/proc/cpuinfo``, read when None), or None where there is none (not Linux x86)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        if line.startswith("vendor_id"):
+            return line.partition(":")[2].strip() or None
+    return None
+
+
 _LOCAL_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)
 
 

@@ -1,9 +1,10 @@
 """Replace a model's ``nn.Linear`` layers by faster equivalents, each checked on a probe first.
 
-Used by the loader's weight packings (``packed_linear``: bf16 for oneDNN; ``panel_linear``: fp32
-panels for a C kernel). A layer is swapped only when the new module's product on a few random
-rows matches the plain one within the packing's own tolerance; the first refusal or mismatch
-stops the swap there, the layers not yet swapped staying plain.
+Used by the loader's weight packings (``packed_linear``: bf16, and fp32 on non-Intel AVX-512
+CPUs, for oneDNN; ``panel_linear``: fp32 panels for a C kernel). A layer is swapped only when the
+new module's product on a few random rows matches the plain one within the packing's own
+tolerance; the first refusal or mismatch stops the swap there, the layers not yet swapped
+staying plain.
 """
 
 from __future__ import annotations

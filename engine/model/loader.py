@@ -65,7 +65,7 @@ def load_model(
         model.init_synthetic(seed)
     else:
         load_safetensors(model, source.folder)
-    pack_linears(model, dtype, device)  # bf16 on CPU: weights packed once for oneDNN
+    pack_linears(model, dtype, device)  # bf16 on CPU, fp32 on non-Intel AVX-512: packed for oneDNN
     pack_panels(model, dtype, device)  # fp32 on AVX2-class CPUs: 16-output panels, one C kernel
     tokenizer = make_tokenizer(source.folder, source.arch.vocab_size, source.arch.eos_token_id)
     return LoadedModel(source.name, source.arch, model, tokenizer)

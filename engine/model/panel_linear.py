@@ -12,8 +12,9 @@ batch: a row's result does not depend on the other rows.
 
 Used for fp32 CPU models loaded with one torch thread (the kernel is single-threaded; MKL
 parallelizes) on x86-64 CPUs without AVX-512 (the kernel uses 8-float vectors; on AVX-512 CPUs
-MKL's wider kernels stay: not measured here), when the library builds (``ckernel.build``, ``cc
--O3 -march=native``). ``CHUNKSCOPE_PANEL_LINEAR=0`` turns it off. The results equal ``linear``'s
+wider kernels serve: oneDNN's with packed weights on non-Intel ones, ``packed_linear``, and
+MKL's on Intel ones), when the library builds (``ckernel.build``, ``cc -O3 -march=native``).
+``CHUNKSCOPE_PANEL_LINEAR=0`` turns it off. The results equal ``linear``'s
 up to fp32 summation order (checked on a probe when each layer is packed).
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.model import ckernel
+from engine.model import ckernel, packed_linear
 from engine.model.linear_swap import swap_linears
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ def why_not(dtype: torch.dtype, device: torch.device) -> str | None:
         return f"{ENV_SWITCH}=0"
     if device.type != "cpu" or dtype != torch.float32:
         return f"only fp32 on CPU (here {dtype} on {device.type})"
+    if packed_linear.why_not(dtype, device) is None:  # the loader packs first: nothing left
+        return "oneDNN packs fp32 weights on this CPU (packed_linear)"
     if torch.get_num_threads() != 1:
         return f"{torch.get_num_threads()} torch threads (the kernel is single-threaded)"
     why = ckernel.x86_unavailable(ENV_SWITCH, ("avx2", "fma"))

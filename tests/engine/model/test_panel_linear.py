@@ -107,11 +107,17 @@ def test_every_linear_of_a_model_is_replaced() -> None:
 def test_nothing_is_packed_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "only fp32 on CPU" in str(why_not(torch.bfloat16, CPU))
     assert why_not(torch.float32, torch.device("cuda")) is not None
+    monkeypatch.setenv("CHUNKSCOPE_PACKED_LINEAR", "0")  # else oneDNN's packing may come first
     torch.set_num_threads(2)
     assert "2 torch threads" in str(why_not(torch.float32, CPU))
     torch.set_num_threads(1)
+    monkeypatch.delenv("CHUNKSCOPE_PACKED_LINEAR")
     monkeypatch.setattr(panel_linear.ckernel, "x86_unavailable", lambda s, f: None)  # AVX-512
-    assert "AVX-512" in str(why_not(torch.float32, CPU))
+    monkeypatch.setattr(panel_linear.ckernel, "cpu_vendor", lambda: "GenuineIntel")
+    assert "AVX-512" in str(why_not(torch.float32, CPU))  # MKL's fp32 GEMM on Intel
+    monkeypatch.setattr(panel_linear.ckernel, "cpu_vendor", lambda: "AuthenticAMD")
+    if torch.backends.mkldnn.is_available():  # oneDNN packs fp32 on other AVX-512 CPUs
+        assert "oneDNN packs fp32" in str(why_not(torch.float32, CPU))
     monkeypatch.undo()
     monkeypatch.setenv("CHUNKSCOPE_PANEL_LINEAR", "0")
     model = _Toy().eval()
