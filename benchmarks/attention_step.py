@@ -9,7 +9,8 @@ at contexts 506 .. 6,000. Per step: the step time (``StepEvent`` start to end), 
 inside the attention backend's ``forward`` (all layers), and the bounds: the step's attention
 FLOPs (QK^T and PV of every query against the keys it sees, all layers) and its linear FLOPs
 (2 x non-embedding parameters x tokens, plus the sampled rows' lm_head) over the GEMM rate of
-the step's dtype, timed here. Then 12 decode-only steps of the six streams.
+the step's dtype, timed here (the faster of torch's matmul and oneDNN's packed-weight product
+where the engine uses it: ``gemm_rate``). Then 12 decode-only steps of the six streams.
 
 Arms: (sdpa, split) x (float32, bfloat16) by default, or any of sdpa, split, split-noamx (the
 AMX kernel off), split-prefix (the AMX kernel on the prefix call only, as before issue 20d),
@@ -61,12 +62,23 @@ class TimedBackend:
 
 
 def gemm_rate(dtype: Any, n: int, reps: int) -> float:
-    """FLOP/s of an n x n x n matmul in ``dtype`` (best of ``reps`` after a warm-up)."""
+    """FLOP/s of an n x n x n product in ``dtype``: the faster of torch's matmul and, where the
+    engine packs this dtype's weights for oneDNN (``packed_linear``), oneDNN's product with a
+    packed weight (on AMD CPUs MKL's fp32 ``matmul`` runs its AVX2 code, oneDNN AVX-512: the
+    bound is the machine's rate, not one library's). Best of ``reps`` after a warm-up."""
     import torch
 
+    from engine.model import packed_linear
+
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(reps))
+    products = [lambda: a @ b]
+    if packed_linear.why_not(dtype, torch.device("cpu")) is None:
+        w = torch.ops.mkldnn._reorder_linear_weight(b, packed_linear.BATCH_HINT)
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""))
+    best = float("inf")
+    for product in products:
+        product()
+        best = min(best, *(_timed(product) for _ in range(reps)))
     return 2 * n**3 / best
 
 

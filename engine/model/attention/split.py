@@ -24,9 +24,10 @@ built (``SplitMetadata.torch_parts``, built on first use). ``CHUNKSCOPE_AMX_ATTE
 the kernel off.
 
 Where AMX does not take the step, on CPUs with AVX-512 (fp32 or bf16, head dim 64, one torch
-thread), the step's chunks go to our AVX-512 kernel instead of the two flash calls: one call per
-layer, each chunk causally over its prefix and own keys in one online softmax, K/V read through
-the block table (``vec.attention_paged``; ``CHUNKSCOPE_VEC_ATTENTION=0`` turns it off).
+thread), the whole step goes to our AVX-512 kernel the same way: one call per layer, each chunk
+causally over its prefix and own keys in one online softmax, each decode's query heads over its
+keys, K/V read through the block table (``vec.attention_paged``; ``CHUNKSCOPE_VEC_ATTENTION=0``
+turns it off).
 
 A chunk at position 0 is one causal call. Decodes (one query each) are served by the paged
 decode kernel (``paged_decode``: C, reads each sequence's K/V in place through its block table,
@@ -101,23 +102,9 @@ class SplitMetadata(AttentionMetadata):
     block_size: int = 16
     torch_built: bool = False
     ranges_checked: bool = False  # the AMX call's rows and block ids (once per step)
-    chunks_checked: bool = False  # the same for the AVX-512 chunk kernel's call
-    _chunks: tuple[torch.Tensor, torch.Tensor] | None = None
     # the torch path's decodes for the in-place kernel; ``decode_groups`` is then built only if
     # a layer cannot use it (once, from ``paged.seqs``)
     paged: PagedDecodes | None = None
-
-    def chunk_info(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seqs int32 [C, 3], table int64 [C, W]) of the step's chunks (q_len > 1), for the
-        AVX-512 chunk kernel; built once per step."""
-        if self._chunks is None:
-            assert self.seq_info is not None and self.block_table is not None
-            rows = [i for i, s in enumerate(self.seqs) if s.q_len > 1]
-            self._chunks = (
-                self.seq_info[rows].contiguous(),
-                self.block_table[rows].contiguous(),
-            )
-        return self._chunks
 
     def torch_parts(self, decode_kernel: bool = False) -> SplitMetadata:
         """Build (once) what the torch path needs: each chunk's prefix location, and the
@@ -194,14 +181,13 @@ class SplitBackend:
         self._vec = vec.enabled()
 
     def _paged_ready(self) -> bool:
-        """Whether a bf16 step will go to the paged AMX kernel (then the torch path's metadata
-        is built only if a layer falls back to it)."""
-        return (
-            self._amx
-            and self.amx_paged
-            and torch.get_num_threads() == 1
-            and amx.prefix_kernel() is not None
-        )
+        """Whether a step will go to one of the whole-step kernels, AMX (bf16) or AVX-512 (then
+        the torch path's metadata is built only if a layer falls back to it)."""
+        if torch.get_num_threads() != 1:
+            return False
+        if self._amx and self.amx_paged and amx.prefix_kernel() is not None:
+            return True
+        return self._vec and vec.kernel() is not None
 
     def prepare_metadata(
         self, seqs: list[SeqSlice], block_size: int, device: torch.device
@@ -252,17 +238,16 @@ class SplitBackend:
             )  # fmt: skip
             meta.ranges_checked = True  # every layer's cache has the same shape
             return out
-        meta.torch_parts(self._decode_ready())
-        chunks = meta.chunk_info() if self._vec and meta.split_prefills else None
-        if chunks is not None and vec.usable(q, k_cache):
-            # every chunk causally over its prefix and own keys in one call, read in place
+        if self._vec and meta.seq_info is not None and vec.usable(q, k_cache):
+            # the same on AVX-512 FMA (fp32 arithmetic), where AMX does not take the step
             vec.attention_paged(
-                q, k_cache, v_cache, chunks[0], chunks[1], out,
-                check_ranges=not meta.chunks_checked,
+                q, k_cache, v_cache, meta.seq_info, meta.block_table, out,
+                check_ranges=not meta.ranges_checked,
             )  # fmt: skip
-            meta.chunks_checked = True
-        else:
-            self._torch_chunks(q, k, v, k_flat, v_flat, meta, out, groups)
+            meta.ranges_checked = True
+            return out
+        meta.torch_parts(self._decode_ready())
+        self._torch_chunks(q, k, v, k_flat, v_flat, meta, out, groups)
         return self._decodes(q, k_cache, k_flat, v_flat, meta, out)
 
     def _torch_chunks(

@@ -1,5 +1,5 @@
-/* Prefill-chunk attention over the paged KV cache on AVX-512 FMA, fp32 arithmetic (chunkscope;
- * see vec.py). For CPUs with AVX-512 but no AMX, where torch's flash kernel computes its two
+/* A step's attention over the paged KV cache on AVX-512 FMA, fp32 arithmetic: prefill chunks
+ * and decodes (chunkscope; see vec.py). For CPUs with AVX-512 but no AMX, where torch's flash kernel computes its two
  * products with MKL's sgemm (on AMD CPUs MKL's AVX2 code: ~75 GFLOP/s on one Zen 5 core).
  *
  * A job is one sequence's chunk for one K/V head: the G query heads that share it, stacked as
@@ -17,7 +17,8 @@
  *   3. O[q] += P[q][j] V[j]: 6 query rows x 4 vectors of 16 dims kept in registers, each key's
  *      value row loaded once per 6 queries, P broadcast.
  * Key blocks past a tile's last position are skipped; only keys past a row's position are
- * masked. fp32 accumulation; the output rounded to bf16 (nearest even) in bf16 mode.
+ * masked. A decode (one query row per head) takes its own path (decode_head): a 16-row tile
+ * would leave 14 of 16 lanes idle. fp32 accumulation; the output rounded to bf16 (nearest even) in bf16 mode.
  * Head dim 64 only; one thread. Build: -O3 -mavx512f -mavx512bw -mavx512dq -mfma.
  */
 #include <immintrin.h>
@@ -33,6 +34,7 @@
 #define CHUNK_KEYS 256 /* keys per chunk (a multiple of KB) */
 #endif
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define MAX_GROUPS 16 /* query heads per K/V head */
 
 /* 2^x for x <= 0 (clamped at -126): Cephes' exp2f polynomial on [-0.5, 0.5], relative error
  * ~2e-7. */
@@ -73,7 +75,8 @@ typedef struct {
     int *tmin, *tmax;
     const float **krow, **vrow; /* a chunk's key and value rows */
     float *kst, *vst;           /* bf16 mode: a chunk widened to fp32 */
-    size_t cap[10];
+    float *sc;                  /* a decode's scores, then probabilities: [groups][n] */
+    size_t cap[10], cap_sc;
 } workspace;
 
 static __thread workspace ws;
@@ -211,23 +214,113 @@ static void tile_block(int t, int nq, int j0, int j1, int c0) {
     }
 }
 
+/* 64 bf16 values at p widened to fp32 (exact) in four vectors. */
+ALWAYS_INLINE void widen64(const uint16_t *p, __m512 v[4]) {
+    for (int c = 0; c < 4; c++)
+        v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16 * c))), 16));
+}
+
+ALWAYS_INLINE void load64(int bf16, const void *base, long off, __m512 v[4]) {
+    if (bf16) {
+        widen64((const uint16_t *)base + off, v);
+    } else {
+        const float *f = (const float *)base + off;
+        for (int c = 0; c < 4; c++) v[c] = _mm512_loadu_ps(f + 16 * c);
+    }
+}
+
+/* A decode (one query token) for K/V head h: its G query heads over keys [0, n), K/V read in
+ * place through the block table. Pass 1: each key row loaded once for the G heads, a score per
+ * head by 4 FMAs and a horizontal sum; pass 2: 2^(s - max) and the sums, 16 keys a vector;
+ * pass 3: O[g] += p V, each value row loaded once for the G heads (4 heads' 64-dim sums in
+ * registers at a time). */
+static void decode_head(int bf16, const float (*qv)[HEAD_DIM], int groups, int n,
+                        const int64_t *blocks, int block_size, const void *k_cache,
+                        const void *v_cache, long kv_ts, long hoff, float *sc, long sc_stride,
+                        void *out, long ooff, long o_hs) {
+    float mx[MAX_GROUPS];
+    for (int g = 0; g < groups; g++) mx[g] = -INFINITY;
+    for (int j = 0; j < n; j++) {
+        long off = (blocks[j / block_size] * block_size + j % block_size) * kv_ts + hoff;
+        __m512 k[4];
+        load64(bf16, k_cache, off, k);
+        for (int g = 0; g < groups; g++) {
+            __m512 a = _mm512_mul_ps(_mm512_load_ps(qv[g]), k[0]);
+            a = _mm512_fmadd_ps(_mm512_load_ps(qv[g] + 16), k[1], a);
+            a = _mm512_fmadd_ps(_mm512_load_ps(qv[g] + 32), k[2], a);
+            a = _mm512_fmadd_ps(_mm512_load_ps(qv[g] + 48), k[3], a);
+            float s = _mm512_reduce_add_ps(a);
+            sc[g * sc_stride + j] = s;
+            mx[g] = s > mx[g] ? s : mx[g];
+        }
+    }
+    float inv[MAX_GROUPS];
+    for (int g = 0; g < groups; g++) {
+        float *row = sc + g * sc_stride;
+        const __m512 m = _mm512_set1_ps(mx[g]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < n; j += 16) {
+            __mmask16 live = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+            __m512 e = _mm512_maskz_mov_ps(
+                live, exp2_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row + j), m)));
+            _mm512_mask_storeu_ps(row + j, live, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    for (int g0 = 0; g0 < groups; g0 += 4) {
+        const int ng = groups - g0 < 4 ? groups - g0 : 4;
+        __m512 a[4][4];
+        for (int g = 0; g < 4; g++)
+            for (int c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            long off = (blocks[j / block_size] * block_size + j % block_size) * kv_ts + hoff;
+            __m512 v[4];
+            load64(bf16, v_cache, off, v);
+            for (int g = 0; g < 4; g++) {
+                if (g >= ng) break;
+                __m512 p = _mm512_set1_ps(sc[(g0 + g) * sc_stride + j]);
+                for (int c = 0; c < 4; c++) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
+            }
+        }
+        for (int g = 0; g < ng; g++) {
+            long o = ooff + (long)(g0 + g) * o_hs;
+            __m512 iv = _mm512_set1_ps(inv[g0 + g]);
+            for (int c = 0; c < 4; c++) {
+                __m512 r = _mm512_mul_ps(a[g][c], iv);
+                if (bf16) {
+                    float f[16];
+                    _mm512_storeu_ps(f, r);
+                    uint16_t *dst = (uint16_t *)out + o + 16 * c;
+                    for (int i = 0; i < 16; i++) dst[i] = f32_to_bf16(f[i]);
+                } else {
+                    _mm512_storeu_ps((float *)out + o + 16 * c, r);
+                }
+            }
+        }
+    }
+}
+
 /*
  * The attention of each sequence's q_len query rows at positions [ctx_len - q_len, ctx_len),
  * causal over its keys [0, ctx_len) (the step's own K/V already stored), read through its
- * block table.
+ * block table: chunks (q_len > 1) and decodes (q_len 1) alike.
  * dtype: 0 = fp32, 1 = bf16 (q, caches and out alike). Strides in elements.
  * q: [tokens][kv_heads * groups][64] (strides q_ts, q_hs; d contiguous); query head
  *   kv * groups + g uses K/V head kv.
  * seqs: int32 [nseq][3] = q_start, q_len, ctx_len; table: int64 [nseq][table_w] block ids.
  * k_cache, v_cache: slot s = block * block_size + i of head h at cache + s*kv_ts + h*kv_hs.
  * out: row of token t, query head hq at out + t*o_ts + hq*o_hs.
- * Returns 0, or -2 (bad arguments), -3 (out of memory).
+ * Returns 0, or -2 (bad arguments: groups above 16 among them), -3 (out of memory).
  */
 int vec_attention_paged(int dtype, const void *q, long q_ts, long q_hs, int kv_heads, int groups,
                         int nseq, const int32_t *seqs, const int64_t *table, long table_w,
                         int block_size, const void *k_cache, const void *v_cache, long kv_ts,
                         long kv_hs, float scale, void *out, long o_ts, long o_hs) {
-    if (block_size < 1 || kv_heads < 1 || groups < 1 || (dtype != 0 && dtype != 1)) return -2;
+    if (block_size < 1 || kv_heads < 1 || groups < 1 || groups > MAX_GROUPS ||
+        (dtype != 0 && dtype != 1))
+        return -2;
     const int bf16 = dtype == 1;
     const float c = scale * 1.44269504088896341f; /* scores in base-2 exponents */
     for (int s = 0; s < nseq; s++) {
@@ -238,6 +331,23 @@ int vec_attention_paged(int dtype, const void *q, long q_ts, long q_hs, int kv_h
         const int q0 = seqs[3 * s], q_len = seqs[3 * s + 1], n = seqs[3 * s + 2];
         const int start = n - q_len, rows = groups * q_len, nt = (rows + TQ - 1) / TQ;
         const int64_t *blocks = table + (long)s * table_w;
+        if (q_len == 1) { /* a decode: the query heads' scores in a row per head */
+            if (grow((void **)&ws.sc, &ws.cap_sc, (size_t)groups * (n + 16) * sizeof(float)))
+                return -3;
+            for (int h = 0; h < kv_heads; h++) {
+                float qv[MAX_GROUPS][HEAD_DIM] __attribute__((aligned(64)));
+                for (int g = 0; g < groups; g++) {
+                    long off = (long)q0 * q_ts + ((long)h * groups + g) * q_hs;
+                    for (int d = 0; d < HEAD_DIM; d++)
+                        qv[g][d] = c * (bf16 ? bf16_to_f32(((const uint16_t *)q)[off + d])
+                                             : ((const float *)q)[off + d]);
+                }
+                decode_head(bf16, (const float(*)[HEAD_DIM])qv, groups, n, blocks, block_size,
+                            k_cache, v_cache, kv_ts, (long)h * kv_hs, ws.sc, n + 16, out,
+                            (long)q0 * o_ts + (long)h * groups * o_hs, o_hs);
+            }
+            continue;
+        }
         if (reserve(rows, bf16)) return -3;
         for (int t = 0; t < nt; t++) { /* positions: the same for every K/V head */
             int lo = TQ * t, hi = rows < lo + TQ ? rows : lo + TQ, mn = n, mx = 0;

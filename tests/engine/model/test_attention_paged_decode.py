@@ -38,9 +38,10 @@ CASES = [
 
 @pytest.fixture(autouse=True)
 def no_amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CPUs with AMX a bf16 step goes whole to the AMX kernel; these tests are of the path
-    that runs elsewhere (fp32, or no AMX)."""
+    """On CPUs with AMX a bf16 step goes whole to the AMX kernel, and on other AVX-512 CPUs to
+    the AVX-512 one; these tests are of the path that runs elsewhere (no AVX-512)."""
     monkeypatch.setenv("CHUNKSCOPE_AMX_ATTENTION", "0")
+    monkeypatch.setenv("CHUNKSCOPE_VEC_ATTENTION", "0")
 
 
 @pytest.fixture

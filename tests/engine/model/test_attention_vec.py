@@ -109,6 +109,10 @@ LAYOUTS = [
     ("no GQA", [(50, 130)], 16, 2, 1),
     ("one K/V head, GQA 4", [(33, 513)], 16, 1, 4),
     ("512 over 6,000", [(512, 6000)], 16, 2, 2),
+    ("decodes beside a chunk", [(1, 200), (64, 700), (1, 1), (1, 17), (1, 1000)], 16, 2, 2),
+    ("decodes, GQA 8", [(1, 300), (1, 33)], 16, 1, 8),
+    ("decodes, block size 7, GQA 4", [(1, 90), (1, 7)], 7, 2, 4),
+    ("decodes, GQA 16", [(1, 50)], 16, 1, 16),
 ]
 
 
@@ -128,7 +132,9 @@ def test_fp32_max_rising_in_a_later_chunk() -> None:
     torch.testing.assert_close(_run(*case).double(), _reference(*case), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("spec", [[(37, 45)], [(64, 700), (9, 1000)], [(512, 2100)]])
+@pytest.mark.parametrize(
+    "spec", [[(37, 45)], [(64, 700), (9, 1000)], [(512, 2100)], [(1, 300), (1, 45), (40, 500)]]
+)
 def test_bf16_within_bf16_noise(spec) -> None:  # type: ignore[no-untyped-def]
     q, kc, vc, seqs, table = _layout(spec, 16)
     q16, k16, v16 = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
@@ -171,6 +177,16 @@ def test_future_key_is_unseen_and_each_past_key_counts() -> None:
             assert torch.equal(
                 _run(q, k3, vc, seqs, table)[: i + 1], _run(*_layout([(40, 90)], 16))[: i + 1]
             )
+
+
+def test_usable_only_where_the_kernel_serves() -> None:
+    q, kc, _, _, _ = _layout([(4, 20)], 16)
+    assert vec.usable(q, kc) and vec.usable(q.bfloat16(), kc.bfloat16())
+    assert not vec.usable(q, kc.bfloat16())  # mixed dtypes
+    assert not vec.usable(q.half(), kc.half())
+    assert not vec.usable(q[..., :32], kc[..., :32])  # head dim 32
+    wide = torch.zeros(4, 17, 64)  # 17 query heads on one K/V head
+    assert not vec.usable(wide, kc[:, :, :1])
 
 
 def test_refuses_bad_input() -> None:
