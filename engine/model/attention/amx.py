@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from engine.model import ckernel
+from engine.model.attention.common import check_paged_step
 
 logger = logging.getLogger(__name__)
 
@@ -168,38 +169,11 @@ def attention_paged(
     dll = prefix_kernel()
     if dll is None:
         raise RuntimeError("the AMX attention kernel is not available")
-    num_blocks, block_size, kv_heads, dim = k_cache.shape
+    seqs, table = check_paged_step(
+        q, k_cache, v_cache, seqs, table, out, HEAD_DIM, (torch.bfloat16,), check_ranges
+    )
+    block_size, kv_heads, dim = k_cache.shape[1:]
     heads = q.shape[1]
-    if (
-        v_cache.shape != k_cache.shape
-        or k_cache.stride() != v_cache.stride()
-        or dim != HEAD_DIM
-        or q.shape[2] != dim
-        or heads % kv_heads
-        or out.shape != q.shape
-        or out.dtype != torch.bfloat16
-        or q.stride(2) != 1
-        or out.stride(2) != 1
-        or k_cache.stride(3) != 1
-        or k_cache.stride(0) != block_size * k_cache.stride(1)
-    ):
-        raise ValueError(
-            f"bad shapes: q {tuple(q.shape)}, out {tuple(out.shape)}, cache {tuple(k_cache.shape)}"
-        )
-    if seqs.dtype != torch.int32 or table.dtype != torch.int64 or seqs.shape[0] != table.shape[0]:
-        raise ValueError("seqs must be int32 [S, 3] and table int64 [S, W]")
-    seqs, table = seqs.contiguous(), table.contiguous()
-    if (
-        check_ranges
-        and seqs.numel()
-        and (
-            int(seqs[:, 0].min()) < 0
-            or int((seqs[:, 0] + seqs[:, 1]).max()) > q.shape[0]
-            or int(table.max()) >= num_blocks
-            or int(table.min()) < 0
-        )
-    ):
-        raise ValueError("query rows or block ids out of range")
     rc = dll.amx_attention_paged(
         q.data_ptr(), q.stride(0), q.stride(1), kv_heads, heads // kv_heads,
         seqs.shape[0], seqs.data_ptr(), table.data_ptr(), table.shape[1], block_size,

@@ -143,6 +143,61 @@ def store_kv(
     return k_flat, v_flat
 
 
+def check_paged_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqs: torch.Tensor,
+    table: torch.Tensor,
+    out: torch.Tensor,
+    head_dim: int,
+    dtypes: tuple[torch.dtype, ...],
+    check_ranges: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The arguments of a whole-step attention kernel (``amx``, ``vec``), checked before their
+    pointers go to C: ``q`` and ``out`` ``[T, Hq, head_dim]``, the caches ``[num_blocks,
+    block_size, Hkv, head_dim]`` with one stride, all of one dtype in ``dtypes``, the last dims
+    contiguous, ``Hq`` a multiple of ``Hkv``; ``seqs`` int32 ``[S, 3]`` (q_start, q_len,
+    ctx_len) and ``table`` int64 ``[S, W]``; with ``check_ranges`` the query rows and block ids
+    in range. Returns ``seqs`` and ``table`` contiguous; raises ValueError saying what is wrong
+    (nothing is written)."""
+    num_blocks, block_size, kv_heads, dim = k_cache.shape
+    if (
+        q.dtype not in dtypes
+        or not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype)
+        or v_cache.shape != k_cache.shape
+        or k_cache.stride() != v_cache.stride()
+        or dim != head_dim
+        or q.dim() != 3
+        or q.shape[2] != dim
+        or q.shape[1] % kv_heads
+        or out.shape != q.shape
+        or q.stride(2) != 1
+        or out.stride(2) != 1
+        or k_cache.stride(3) != 1
+        or k_cache.stride(0) != block_size * k_cache.stride(1)
+    ):
+        raise ValueError(
+            f"bad shapes or dtypes: q {tuple(q.shape)} {q.dtype}, out {tuple(out.shape)} "
+            f"{out.dtype}, cache {tuple(k_cache.shape)} {k_cache.dtype}"
+        )
+    if seqs.dtype != torch.int32 or table.dtype != torch.int64 or seqs.shape[0] != table.shape[0]:
+        raise ValueError("seqs must be int32 [S, 3] and table int64 [S, W]")
+    seqs, table = seqs.contiguous(), table.contiguous()
+    if (
+        check_ranges
+        and seqs.numel()
+        and (
+            int(seqs[:, 0].min()) < 0
+            or int((seqs[:, 0] + seqs[:, 1]).max()) > q.shape[0]
+            or int(table.max()) >= num_blocks
+            or int(table.min()) < 0
+        )
+    ):
+        raise ValueError("query rows or block ids out of range")
+    return seqs, table
+
+
 class AttentionBackend(Protocol):
     name: str
 
