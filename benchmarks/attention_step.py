@@ -110,6 +110,7 @@ def build_engine(folder: Path, backend: str, dtype: str, max_len: int):  # type:
     if backend == "split-prefix":  # the AMX kernel on the prefix call only (before issue 20d)
         engine = build_engine(folder, "split", dtype, max_len)
         engine.runner.backend.inner.amx_paged = False
+        engine.runner.backend.inner._vec = False  # nor the AVX-512 whole-step kernel
         return engine
     switched_off = {  # the split backend with one of our kernels switched off at load
         "split-noamx": "CHUNKSCOPE_AMX_ATTENTION",  # the AMX attention kernel

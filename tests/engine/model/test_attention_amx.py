@@ -35,6 +35,13 @@ FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 @pytest.fixture(autouse=True)
+def no_vec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the AMX kernel off, a bf16 step here is to go to torch's flash kernel (the
+    references below), not to the AVX-512 kernel (attention/vec.py) these CPUs can also run."""
+    monkeypatch.setenv("CHUNKSCOPE_VEC_ATTENTION", "0")
+
+
+@pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
