@@ -176,8 +176,8 @@ class SplitBackend:
         self.amx_paged = True
         # the torch path's decodes read in place from the cache (attention/paged_decode.py)
         self._decode_kernel = paged_decode.enabled()
-        # the torch path's chunks on the AVX-512 kernel where AMX does not take the step
-        # (attention/vec.py; CHUNKSCOPE_VEC_ATTENTION=0 turns it off)
+        # the whole step on the AVX-512 kernel where AMX does not take it (attention/vec.py;
+        # CHUNKSCOPE_VEC_ATTENTION=0 turns it off)
         self._vec = vec.enabled()
 
     def _paged_ready(self) -> bool:
