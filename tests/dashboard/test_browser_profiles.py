@@ -43,7 +43,9 @@ START_BUDGET = 4096
 CUT_BUDGET = {"rag": 256, "vlm": 128, "mixed": 256}
 MIN_RATIO = 3.0
 MIN_WINDOW_S = 8.0  # each window lasts at least this long
-MAX_WINDOW_S = 75.0  # and at most this long waiting for a long prompt among chat streams
+# and at most this long waiting for a long prompt among chat streams (with the AVX-512 kernels a
+# chat stream ends sooner, so a long prompt finds one streaming less often: 75 s once fell short)
+MAX_WINDOW_S = 150.0
 
 
 @dataclass
@@ -243,11 +245,16 @@ def test_story_in_five_steps(story: Story, profile: str) -> None:
     ctrl = queries.controls(db)
     row = ctrl[(ctrl["applied_at_step"] == int(step)) & (ctrl["new_value"] == CUT_BUDGET[profile])]
     assert not row.empty, ctrl
-    cut = float(row["applied_at"].dropna().iloc[0]) if row["applied_at"].notna().any() else None
-    if cut is None:  # the applied step's start is in the store a moment later
-        time.sleep(2.0)
+    # the applied step's start reaches the store with that step's event, which comes after the
+    # step ends (a long step, or a busy machine, can take seconds): wait for it, bounded
+    deadline = time.time() + 30.0
+    while not row["applied_at"].notna().any():
+        assert time.time() < deadline, f"step {step}'s start never reached the store: {ctrl}"
+        time.sleep(0.5)
         ctrl = queries.controls(db)
-        cut = float(ctrl[ctrl["applied_at_step"] == int(step)]["applied_at"].iloc[0])
+        ours = (ctrl["applied_at_step"] == int(step)) & (ctrl["new_value"] == CUT_BUDGET[profile])
+        row = ctrl[ours]
+    cut = float(row["applied_at"].dropna().iloc[0])
 
     # step 5: a long prompt among chat streams after the cut, then the store's verdict. When the
     # window after falls short, one more window after it is measured (both are recorded): one
