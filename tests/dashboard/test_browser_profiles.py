@@ -44,7 +44,7 @@ CUT_BUDGET = {"rag": 256, "vlm": 128, "mixed": 256}
 MIN_RATIO = 3.0
 MIN_WINDOW_S = 8.0  # each window lasts at least this long
 # and at most this long waiting for a long prompt among chat streams (with the AVX-512 kernels a
-# chat stream ends sooner, so a long prompt finds one streaming less often: 75 s once fell short)
+# chat stream ends sooner, so a long prompt finds one streaming less often; the bound is generous)
 MAX_WINDOW_S = 150.0
 
 
