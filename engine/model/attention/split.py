@@ -95,13 +95,13 @@ class PagedDecodes:
 @dataclass
 class SplitMetadata(AttentionMetadata):
     split_prefills: list[SplitPrefill] = field(default_factory=list)
-    # for the AMX kernel: int32 [S, 3] (q_start, q_len, ctx_len) of every sequence (its block
-    # ids in ``block_table``)
+    # for the whole-step kernels (AMX, AVX-512): int32 [S, 3] (q_start, q_len, ctx_len) of every
+    # sequence (its block ids in ``block_table``)
     seq_info: torch.Tensor | None = None
     seqs: list[SeqSlice] = field(default_factory=list)
     block_size: int = 16
     torch_built: bool = False
-    ranges_checked: bool = False  # the AMX call's rows and block ids (once per step)
+    ranges_checked: bool = False  # a whole-step call's rows and block ids (once per step)
     # the torch path's decodes for the in-place kernel; ``decode_groups`` is then built only if
     # a layer cannot use it (once, from ``paged.seqs``)
     paged: PagedDecodes | None = None
