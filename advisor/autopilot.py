@@ -27,11 +27,16 @@ How it decides, every tick:
    (the runner: one look-back, so the evidence is not one window seen a few times over), and
    the autopilot falls back to the operator's starting setting and stays there for
    ``fallback_hold_s`` (``fallback``, saying so).
-4. **Pick**: most requests predicted to meet the SLOs; ties to the lower predicted tail (longest
-   gap), then the smaller change from the current setting. **Hysteresis**: it moves only when the
-   pick beats the current setting by at least ``margin`` requests (``max(1, margin_frac * n)``),
-   the same pick won ``confirm`` ticks in a row, and ``min_dwell_s`` passed since the last change;
-   otherwise it holds.
+4. **Pick**: most requests predicted to meet the SLOs; ties to the one with more requests whose
+   every token gap stays within the ITL SLO (``num_meet_tail``: a request whose p99 met the SLO
+   but one of whose gaps did not is one stall from missing it), then the lower predicted tail
+   (longest gap), then the smaller change from the current setting. **Hysteresis**: it moves
+   only when the pick beats the current setting by at least ``margin`` requests
+   (``max(1, margin_frac * n)``) meeting the SLOs, or meets as many and beats it by ``margin``
+   on ``num_meet_tail``; the same pick won ``confirm`` ticks in a row (one tick when it gains
+   ``fast_margins`` margins or more: a burst that the current setting is predicted to fail
+   badly is not noise, and a tick's wait is a share of the burst), and ``min_dwell_s`` passed
+   since the last change; otherwise it holds.
 """
 
 from __future__ import annotations
@@ -154,6 +159,8 @@ class Prediction:
     # gaps whose later token came by then, TTFT cut at then for requests still waiting
     itl_seen_p99_ms: float | None = None
     ttft_seen_p99_ms: float | None = None
+    # of num_meet, those whose longest token gap is also within the ITL SLO
+    num_meet_tail: int | None = None
 
     def brief(self) -> str:
         def ms(v: float | None) -> str:
@@ -176,7 +183,14 @@ class Prediction:
             "unfinished": self.unfinished,
             "itl_seen_p99_ms": self.itl_seen_p99_ms,
             "ttft_seen_p99_ms": self.ttft_seen_p99_ms,
+            "num_meet_tail": self.num_meet_tail,
         }
+
+    def meet_key(self) -> tuple[int, int]:
+        """What the pick maximizes first: requests meeting the SLOs, then those of them whose
+        every gap is within the ITL SLO."""
+        tail = self.num_meet if self.num_meet_tail is None else self.num_meet_tail
+        return self.num_meet, tail
 
 
 def _p99(values: list[float]) -> float | None:
@@ -195,6 +209,7 @@ def _score(
     all_seen: list[float] = []
     ttft_seen: list[float] = []
     meet = 0
+    meet_tail = 0
     for o in result.requests:
         t = o.token_times_ns
         ttft = (t[0] - o.arrival_ns) / 1e9 if t else None
@@ -205,7 +220,9 @@ def _score(
         everyone += gaps
         if o.traffic_class == ITL_CLASS:
             chat += gaps
-        meet += request_meets(ttft, gaps, slo, o.traffic_class)
+        ok = request_meets(ttft, gaps, slo, o.traffic_class)
+        meet += ok
+        meet_tail += ok and (not gaps or max(gaps) * 1e3 <= slo.itl_ms)
         if horizon_ns is not None and o.arrival_ns <= horizon_ns:
             first = t[0] if t else horizon_ns
             ttft_seen.append((min(first, horizon_ns) - o.arrival_ns) / 1e6)
@@ -224,6 +241,7 @@ def _score(
         unfinished=result.unfinished,
         itl_seen_p99_ms=_p99(chat_seen or all_seen),
         ttft_seen_p99_ms=_p99(ttft_seen),
+        num_meet_tail=meet_tail,
     )
 
 
@@ -282,6 +300,7 @@ class AutopilotConfig:
     min_fit_r2: float = 0.5
     margin_frac: float = 0.05
     confirm: int = 2
+    fast_margins: int = 3  # a gain of this many margins moves after one tick
     min_dwell_s: float = 4.0
     part_tolerance: float = 0.5
     part_ticks: int = 3
@@ -493,7 +512,7 @@ class Autopilot:
         best = max(
             preds,
             key=lambda p: (
-                p.num_meet,
+                *p.meet_key(),
                 -(p.itl_max_ms if p.itl_max_ms is not None else math.inf),
                 -p.setting.distance(cur),
             ),
@@ -504,19 +523,32 @@ class Autopilot:
             self._pick, self._pick_ticks = best.setting, 1
         margin = max(1, math.ceil(cfg.margin_frac * n))
         gain = best.num_meet - here.num_meet
+        gain_tail = best.meet_key()[1] - here.meet_key()[1]
+        # a tie in requests meeting the SLOs goes to the setting that keeps more of them clear
+        # of a stall past the ITL SLO, by the same margin
+        enough = gain >= margin or (gain >= 0 and gain_tail >= margin)
+        confirm = 1 if gain >= cfg.fast_margins * margin else cfg.confirm
         dwell = self._last_change is None or now - self._last_change >= cfg.min_dwell_s
-        if best.setting != cur and gain >= margin and self._pick_ticks >= cfg.confirm and dwell:
+        if best.setting != cur and enough and self._pick_ticks >= confirm and dwell:
             self._pick_ticks = 0
+            why = (
+                f" ({gain} more of {n} requests meet {self.slo.text()})"
+                if gain >= margin
+                else (
+                    f" (as many of {n} requests meet {self.slo.text()}; {gain_tail} more keep "
+                    f"every token gap within {self.slo.itl_ms:g} ms)"
+                )
+            )
             return Decision(
                 "change",
                 best.setting,
                 cur,
-                change_reason(best, here, f" ({gain} more of {n} requests meet {self.slo.text()})"),
+                change_reason(best, here, why),
                 chosen=best,
                 left=here,
                 predictions=tuple(preds),
             )
-        if best.setting == cur or gain < margin:
+        if best.setting == cur or not enough:
             why = (
                 "it is the best predicted"
                 if best.setting == cur
@@ -525,7 +557,7 @@ class Autopilot:
         elif not dwell:
             why = f"{best.setting.label()} waits out the {cfg.min_dwell_s:g} s dwell"
         else:
-            why = f"{best.setting.label()} needs {cfg.confirm} ticks in a row"
+            why = f"{best.setting.label()} needs {confirm} ticks in a row"
         return keep(
             "hold",
             f"autopilot holds {cur.label()}: predicted {here.brief()}; {why}",

@@ -337,6 +337,7 @@ class Runner:
             self.db, engine_id=o.engine_id, run_id=self.run_id, since=since, until=now
         )
         d = self.pilot.decide(now, fit, traffic, shape, obs, load)
+        decided_s = time.time() - now
         logger.info("%s", d.reason)
         if d.changes:
             self.apply(d)
@@ -348,6 +349,9 @@ class Runner:
                 **d.to_dict(),
                 "observed": obs.__dict__,
                 "fit_error": fit if isinstance(fit, str) else None,
+                # the tick's own time, reads and fit included: what a decision lags the store
+                "tick_s": decided_s,
+                "num_arrivals": len(traffic.requests),
             }
             self._log.write(json.dumps(entry) + "\n")
             self._log.flush()

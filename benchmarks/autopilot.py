@@ -168,12 +168,15 @@ def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec]
     total = bounds["quiet2"][1]
     specs: list[RequestSpec] = []
     conv = _azure(TRACES / "AzureLLMInferenceTrace_conv.csv")
-    for t, inp, out in _stretch(conv, rng, args.chat_rate, total):
+    scale = float(getattr(args, "load_scale", 1.0))
+    if not scale > 0:
+        raise ValueError(f"--load-scale must be positive, got {scale}")
+    for t, inp, out in _stretch(conv, rng, args.chat_rate * scale, total):
         n = int(np.clip(inp * args.chat_prompt_scale, args.chat_min, args.chat_max))
         o = int(np.clip(out * args.chat_output_scale, 4, args.chat_output_max))
         specs.append(RequestSpec(0, "chat", t, o, (Segment(f"chat/{seed}/{len(specs)}", n),)))
     code = _azure(TRACES / "AzureLLMInferenceTrace_code.csv")
-    for t, inp, out in _stretch(code, rng, args.rag_rate, r1 - r0):
+    for t, inp, out in _stretch(code, rng, args.rag_rate * scale, r1 - r0):
         n = int(np.clip(inp * args.rag_prompt_scale, args.rag_min, args.rag_max))
         o = int(np.clip(out, 2, args.rag_output_max))
         specs.append(RequestSpec(0, "rag", r0 + t, o, (Segment(f"rag/{seed}/{len(specs)}", n),)))
@@ -193,7 +196,7 @@ def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec]
     # phase holds rate x length requests: a very bursty window (cv 12: shape 0.007) would
     # otherwise put either none or dozens of requests in one phase, whatever the rate
     shape = 1.0 / max(cv, 0.1) ** 2
-    n_img = max(1, round(args.image_rate * (i1 - i0)))
+    n_img = max(1, round(args.image_rate * scale * (i1 - i0)))
     gaps = rng.gamma(shape, 1.0, size=n_img + 1)
     offsets = np.cumsum(gaps)[:-1] / max(float(gaps.sum()), 1e-12) * (i1 - i0)
     for t in offsets:
@@ -428,6 +431,18 @@ def autopilot_figures(
         "kinds": kinds,
         "num_changes": len(changes),
         "changes": changes,
+        # every tick, compact: when (s from the arm's start), what, the setting after it, the
+        # tick's own duration and the arrivals it replayed
+        "tick_log": [
+            {
+                "t_s": round(d["time"] - t0, 2),
+                "kind": d["kind"],
+                "to": f"{d['budget']}/{d['cap']}",
+                "tick_s": None if d.get("tick_s") is None else round(d["tick_s"], 3),
+                "n": d.get("num_arrivals"),
+            }
+            for d in ds
+        ],
         "phases": per_phase,
         "exit_status": served["autopilot_exit"],
         "tail": served["autopilot_tail"],
@@ -541,6 +556,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-ttft-rag-ms", type=float, default=8000.0)
     ap.add_argument("--slo-ttft-vlm-ms", type=float, default=6000.0)
+    ap.add_argument(
+        "--load-scale",
+        type=float,
+        default=1.0,
+        help="multiplies the chat, RAG and image rates (benchmarks/autopilot_load.py chooses it "
+        "for the engine's speed)",
+    )
     ap.add_argument("--chat-rate", type=float, default=0.5)
     ap.add_argument("--chat-prompt-scale", type=float, default=0.2)
     ap.add_argument("--chat-min", type=int, default=32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -60,8 +61,9 @@ GENEROUS = AutopilotSlo(itl_ms=10_000.0, ttft_ms=60_000.0)  # every setting meet
 
 def test_picks_the_known_best_after_confirming() -> None:
     # At 16384 a RAG prompt is one ~0.4 s step that every chat gap waits for (ITL SLO 100 ms);
-    # at 1024 a step is ~0.1 s plus decode; at 256 every request meets both SLOs.
-    ap = pilot()
+    # at 1024 a step is ~0.1 s plus decode; at 256 every request meets both SLOs. (A gain this
+    # large moves at once by default: ``fast_margins`` out of reach here, to test ``confirm``.)
+    ap = pilot(fast_margins=10_000)
     first = ap.decide(0.0, fit(), traffic(), SHAPE)
     assert first.kind == "hold" and first.setting == Setting(16384)
     assert "needs 2 ticks" in first.reason
@@ -73,6 +75,69 @@ def test_picks_the_known_best_after_confirming() -> None:
     assert itl == pytest.approx(round(second.chosen.itl_p99_ms or 0), abs=0.5)
     assert ttft == pytest.approx(round(second.chosen.ttft_p99_ms or 0), abs=0.5)
     assert "left budget 16384 cap off: predicted chat ITL p99" in second.reason
+
+
+def burst(seed: int = 0, seconds: float = 20.0) -> Traffic:
+    """Chat at 4/s and a 4000-token RAG prompt every second."""
+    rng = random.Random(seed)
+    reqs, t, i = [], 0.0, 0
+    while t < seconds:
+        t += rng.expovariate(4.0)
+        reqs.append(ObservedRequest(f"c{i}", "chat", t, 64, 0, 0, 40))
+        i += 1
+    reqs += [ObservedRequest(f"r{k}", "rag", k + 0.5, 4000, 0, 0, 20) for k in range(20)]
+    reqs.sort(key=lambda r: r.arrival)
+    return Traffic(reqs, 0.0, seconds)
+
+
+def test_a_large_predicted_gain_moves_at_once() -> None:
+    # a RAG prompt a second: at 16384 a fifth of the requests miss, a gain of many margins
+    # (margin: 5% of the requests) is not noise, and waiting a tick costs a share of the burst
+    ap = pilot()
+    d = ap.decide(0.0, fit(), burst(), SHAPE)
+    assert d.kind == "change" and d.setting == Setting(256), d.reason
+    n = len(burst().requests)
+    assert d.chosen is not None and d.left is not None
+    assert d.chosen.num_meet - d.left.num_meet >= 3 * math.ceil(0.05 * n)
+    # a gain of one margin (traffic(): 3 of 42) still waits for a second tick
+    ap = pilot()
+    first = ap.decide(0.0, fit(), traffic(), SHAPE)
+    assert first.kind == "hold" and "needs 2 ticks" in first.reason, first.reason
+
+
+def long_chat(seed: int = 0, seconds: float = 20.0) -> Traffic:
+    """Chat streams of 200 tokens at 1/s and a 4000-token RAG prompt every 5 s: a chat
+    stream sees at most one RAG step, one gap in 199, which its p99 does not see."""
+    rng = random.Random(seed)
+    reqs, t, i = [], 0.0, 0
+    while t < seconds:
+        t += rng.expovariate(1.0)
+        reqs.append(ObservedRequest(f"c{i}", "chat", t, 64, 0, 0, 200))
+        i += 1
+    reqs += [ObservedRequest(f"r{k}", "rag", 5.0 * k + 1.0, 4000, 0, 0, 20) for k in range(4)]
+    reqs.sort(key=lambda r: r.arrival)
+    return Traffic(reqs, 0.0, seconds)
+
+
+def test_a_tie_goes_to_the_setting_without_stalls() -> None:
+    # Every setting meets the p99 and TTFT SLOs; at 16384 a chat stream's one gap behind a RAG
+    # prompt (~0.4 s) is past the 100 ms ITL SLO, at 256 none is: the tie goes to 256, with
+    # the margin and confirmation a gain in requests needs, and the reason says why
+    ap = pilot(start=Setting(16384), slo=AutopilotSlo(itl_ms=100.0, ttft_ms=10_000.0))
+    first = ap.decide(0.0, fit(), long_chat(), SHAPE)
+    assert first.kind == "hold", first.reason
+    by = {p.setting: p for p in first.predictions}
+    assert by[Setting(256)].num_meet == by[Setting(16384)].num_meet
+    assert (by[Setting(256)].num_meet_tail or 0) > (by[Setting(16384)].num_meet_tail or 0)
+    d = ap.decide(1.0, fit(), long_chat(), SHAPE)
+    assert d.kind == "change" and d.setting == Setting(256), d.reason
+    assert "keep every token gap within 100 ms" in d.reason
+    # an explicit tail SLO counts the stalls in num_meet itself: then it is a plain gain
+    strict = AutopilotSlo(itl_ms=100.0, ttft_ms=10_000.0, tail_itl_ms=100.0)
+    ap = pilot(start=Setting(16384), slo=strict, fast_margins=10_000)
+    ap.decide(0.0, fit(), long_chat(), SHAPE)
+    d = ap.decide(1.0, fit(), long_chat(), SHAPE)
+    assert d.kind == "change" and "more of" in d.reason, d.reason
 
 
 def test_does_not_flap_on_noise() -> None:

@@ -52,6 +52,24 @@ def test_replay_is_seeded_and_phased(bench: ModuleType) -> None:
     assert info["num_requests"]["vlm"] == len(vlm)
 
 
+@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")
+def test_load_scale_multiplies_every_rate(bench: ModuleType) -> None:
+    base = ["--phase-s", "20,35,35,20", "--traces-dir", str(TRACES)]
+    one, _ = bench.build_replay(bench.build_parser().parse_args(base), 0)
+    args = bench.build_parser().parse_args([*base, "--load-scale", "3"])
+    three, info = bench.build_replay(args, 0)
+
+    def count(specs: list, cls: str) -> int:
+        return sum(s.traffic_class == cls for s in specs)
+
+    assert count(three, "vlm") == round(args.image_rate * 3 * 35)
+    assert count(three, "chat") > 2 * count(one, "chat")
+    assert count(three, "rag") > count(one, "rag")
+    assert info["num_requests"]["chat"] == count(three, "chat")
+    with pytest.raises(ValueError, match="load-scale"):
+        bench.build_replay(bench.build_parser().parse_args([*base, "--load-scale", "0"]), 0)
+
+
 def _rec(i: int, cls: str, sent: float, ttft: float, gaps: list[float]) -> RequestRecord:
     r = RequestRecord(i, cls, sent, 10, 100)
     r.status, r.ttft_s, r.itl_s = "ok", ttft, gaps
@@ -89,6 +107,9 @@ def test_figures_per_phase_and_summary(bench: ModuleType) -> None:
     rag = ap["phases"]["rag"]
     assert rag["ticks_with_prediction"] == 2 and rag["predicted_chat_itl_p99_ms"] == 400.0
     assert ap["num_changes"] == 1 and ap["changes"][0]["to"] == "1024/0"
+    assert [(t["t_s"], t["kind"], t["to"]) for t in ap["tick_log"]] == [
+        (11.0, "hold", "256/0"), (15.0, "hold", "256/0"), (16.0, "change", "1024/0"),
+    ]  # fmt: skip
     static = {**fig, "arm": "2048/0", "autopilot": False, "goodput_rps": 0.04}
     best = {**fig, "arm": "256/0", "autopilot": False, "goodput_rps": 0.05}
     [row] = bench.summary([{"seed": 0, "arms": [static, fig, best]}])["per_seed"]
