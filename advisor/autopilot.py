@@ -222,7 +222,7 @@ def _score(
             chat += gaps
         ok = request_meets(ttft, gaps, slo, o.traffic_class)
         meet += ok
-        meet_tail += ok and (not gaps or max(gaps) * 1e3 <= slo.itl_ms)
+        meet_tail += bool(ok and (not gaps or float(max(gaps)) * 1e3 <= slo.itl_ms))
         if horizon_ns is not None and o.arrival_ns <= horizon_ns:
             first = t[0] if t else horizon_ns
             ttft_seen.append((min(first, horizon_ns) - o.arrival_ns) / 1e6)
@@ -234,14 +234,14 @@ def _score(
     return Prediction(
         setting=setting,
         num_requests=len(result.requests),
-        num_meet=meet,
+        num_meet=int(meet),
         itl_p99_ms=float(np.percentile(itl, 99)) if itl.size else None,
         itl_max_ms=float(itl.max()) if itl.size else None,
         ttft_p99_ms=_p99(ttfts),
         unfinished=result.unfinished,
         itl_seen_p99_ms=_p99(chat_seen or all_seen),
         ttft_seen_p99_ms=_p99(ttft_seen),
-        num_meet_tail=meet_tail,
+        num_meet_tail=int(meet_tail),
     )
 
 

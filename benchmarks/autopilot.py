@@ -288,6 +288,7 @@ def serve_arm(
     load0 = os.getloadavg()[0]
     outcome = asyncio.run(execute(specs, cfg, tokens, drain_timeout_s=args.drain_s))
     ap_out = ""
+    died = proc is not None and proc.poll() is not None  # before the arm ended: no autopilot
     if proc is not None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -295,6 +296,12 @@ def serve_arm(
         except subprocess.TimeoutExpired:
             proc.kill()
             ap_out = proc.communicate()[0]
+    if died:
+        # an arm the autopilot did not steer to its end measures the setting it died at
+        raise RuntimeError(
+            f"the autopilot exited with status {proc.returncode if proc else None} before the "
+            f"arm ended (seed {seed}); its last output:\n{ap_out[-1500:]}"
+        )
     decisions = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     return {
         "arm": arm.name,

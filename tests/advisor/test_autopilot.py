@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -132,6 +133,12 @@ def test_a_tie_goes_to_the_setting_without_stalls() -> None:
     d = ap.decide(1.0, fit(), long_chat(), SHAPE)
     assert d.kind == "change" and d.setting == Setting(256), d.reason
     assert "keep every token gap within 100 ms" in d.reason
+    # the decision log is JSON lines: every figure a plain number (an numpy integer in a count
+    # once killed the autopilot at its first logged tick)
+    logged = json.loads(json.dumps(d.to_dict()))
+    assert {p["num_meet_tail"] for p in logged["predictions"]} == {
+        p.num_meet_tail for p in d.predictions
+    }
     # an explicit tail SLO counts the stalls in num_meet itself: then it is a plain gain
     strict = AutopilotSlo(itl_ms=100.0, ttft_ms=10_000.0, tail_itl_ms=100.0)
     ap = pilot(start=Setting(16384), slo=strict, fast_margins=10_000)
