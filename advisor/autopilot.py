@@ -33,10 +33,11 @@ How it decides, every tick:
    (longest gap), then the smaller change from the current setting. **Hysteresis**: it moves
    only when the pick beats the current setting by at least ``margin`` requests
    (``max(1, margin_frac * n)``) meeting the SLOs, or meets as many and beats it by ``margin``
-   on ``num_meet_tail``; the same pick won ``confirm`` ticks in a row (one tick when it gains
-   ``fast_margins`` margins or more: a burst that the current setting is predicted to fail
-   badly is not noise, and a tick's wait is a share of the burst), and ``min_dwell_s`` passed
-   since the last change; otherwise it holds.
+   on ``num_meet_tail``; the current setting was beaten so on ``confirm`` ticks in a row, by
+   whichever candidate (near-equal settings trade first place from draw to draw), or on one
+   tick when the pick gains ``fast_margins`` margins or more (a burst the current setting is
+   predicted to fail badly is not noise, and a tick's wait is a share of the burst); and
+   ``min_dwell_s`` passed since the last change; otherwise it holds.
 """
 
 from __future__ import annotations
@@ -400,8 +401,10 @@ class Autopilot:
         self.config = config
         self.slo = slo
         self.current = config.start
-        self._pick: Setting | None = None
-        self._pick_ticks = 0
+        # ticks in a row on which the current setting was beaten (by whichever candidate: among
+        # near-equal small budgets the noise draws change the winner from tick to tick, and a
+        # count of the same winner restarted at every burst's start)
+        self._beaten_ticks = 0
         self._last_change: float | None = None
         self._parted_ticks = 0
         self._parted_since: float | None = None
@@ -440,7 +443,7 @@ class Autopilot:
         self._fallback_until = None
         n = len(traffic.requests)
         if n < cfg.min_requests:
-            self._pick, self._pick_ticks = None, 0
+            self._beaten_ticks = 0
             return keep(
                 "refuse",
                 f"autopilot holds {cur.label()}: too little data ({n} requests in the last "
@@ -449,7 +452,7 @@ class Autopilot:
         if isinstance(fit, str):
             return keep("refuse", f"autopilot holds {cur.label()}: too little data ({fit})")
         if load is not None and load.overloaded:
-            self._pick, self._pick_ticks = None, 0
+            self._beaten_ticks = 0
             return keep(
                 "refuse",
                 f"autopilot holds {cur.label()}: the window is overloaded ({load.reason()}); "
@@ -486,7 +489,7 @@ class Autopilot:
         if parted and self._parted_ticks >= cfg.part_ticks and span >= cfg.part_span_s:
             self._parted_ticks = 0
             self._parted_since = None
-            self._pick, self._pick_ticks = None, 0
+            self._beaten_ticks = 0
             if cur != cfg.start:
                 self._fallback_until = now + cfg.fallback_hold_s
                 back = by[cfg.start]
@@ -517,10 +520,6 @@ class Autopilot:
                 -p.setting.distance(cur),
             ),
         )
-        if best.setting == self._pick:
-            self._pick_ticks += 1
-        else:
-            self._pick, self._pick_ticks = best.setting, 1
         margin = max(1, math.ceil(cfg.margin_frac * n))
         gain = best.num_meet - here.num_meet
         gain_tail = best.meet_key()[1] - here.meet_key()[1]
@@ -528,9 +527,11 @@ class Autopilot:
         # of a stall past the ITL SLO, by the same margin
         enough = gain >= margin or (gain >= 0 and gain_tail >= margin)
         confirm = 1 if gain >= cfg.fast_margins * margin else cfg.confirm
+        beaten = best.setting != cur and enough
+        self._beaten_ticks = self._beaten_ticks + 1 if beaten else 0
         dwell = self._last_change is None or now - self._last_change >= cfg.min_dwell_s
-        if best.setting != cur and enough and self._pick_ticks >= confirm and dwell:
-            self._pick_ticks = 0
+        if beaten and self._beaten_ticks >= confirm and dwell:
+            self._beaten_ticks = 0
             why = (
                 f" ({gain} more of {n} requests meet {self.slo.text()})"
                 if gain >= margin
@@ -557,7 +558,10 @@ class Autopilot:
         elif not dwell:
             why = f"{best.setting.label()} waits out the {cfg.min_dwell_s:g} s dwell"
         else:
-            why = f"{best.setting.label()} needs {confirm} ticks in a row"
+            why = (
+                f"{best.setting.label()} needs {confirm} ticks in a row of the current setting "
+                "beaten"
+            )
         return keep(
             "hold",
             f"autopilot holds {cur.label()}: predicted {here.brief()}; {why}",

@@ -13,6 +13,7 @@ from advisor.autopilot import (
     AutopilotConfig,
     AutopilotSlo,
     Observed,
+    Prediction,
     Setting,
     candidates,
     parse_reason,
@@ -104,6 +105,28 @@ def test_a_large_predicted_gain_moves_at_once() -> None:
     ap = pilot()
     first = ap.decide(0.0, fit(), traffic(), SHAPE)
     assert first.kind == "hold" and "needs 2 ticks" in first.reason, first.reason
+
+
+def test_confirmation_counts_the_current_setting_beaten_not_one_winner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # two small budgets trade first place from one tick's draws to the next; both beat the
+    # current 16384 by a margin (5 of ~50, under the 3-margin fast path) each time: the second
+    # tick moves, to that tick's best
+    import advisor.autopilot as apm
+
+    rounds = iter([{256: 50, 1024: 46, 16384: 45}, {256: 46, 1024: 50, 16384: 45}])
+
+    def fake(*args: object, **kw: object) -> list[Prediction]:
+        met = next(rounds)
+        return [Prediction(s, 50, met[s.budget], 5.0, 5.0, 100.0, 0) for s in GRID]
+
+    monkeypatch.setattr(apm, "predict_settings", fake)
+    ap = pilot(start=Setting(16384))
+    first = ap.decide(0.0, fit(), traffic(), SHAPE)
+    assert first.kind == "hold" and "needs 2 ticks" in first.reason, first.reason
+    second = ap.decide(1.0, fit(), traffic(), SHAPE)
+    assert second.kind == "change" and second.setting == Setting(1024), second.reason
 
 
 def long_chat(seed: int = 0, seconds: float = 20.0) -> Traffic:
