@@ -246,6 +246,40 @@ def _score(
     )
 
 
+def simulate_settings(
+    report: FitReport,
+    traffic: Traffic,
+    shape: EngineShape,
+    settings: Sequence[Setting],
+    *,
+    seed: int = 0,
+    max_steps: int = 200_000,
+) -> list[SimResult]:
+    """Replay ``traffic`` at each setting through the engine's scheduler (the advisor's
+    simulator), step times from ``report`` with its scatter (image requests' steps with the
+    fit's vision term, one image request admitted per step, as the advisor predicts), the same
+    draws for each."""
+    reqs, warm = to_sim_requests(traffic, shape.block_size)
+    shares = image_share_of(traffic)  # the vision term's cost and one image request per step
+    out = []
+    for s in settings:
+        step_ns, gap_ns = step_timing(report, seed=seed, image_share=shares)
+        out.append(
+            simulate(
+                reqs,
+                shape,
+                token_budget=s.budget,
+                step_ns=step_ns,
+                gap_ns=gap_ns,
+                warm_prefixes=warm,
+                max_steps=max_steps,
+                long_prefill_token_threshold=s.cap,
+                image_requests=shares.keys(),
+            )
+        )
+    return out
+
+
 def predict_settings(
     report: FitReport,
     traffic: Traffic,
@@ -256,28 +290,10 @@ def predict_settings(
     seed: int = 0,
     max_steps: int = 200_000,
 ) -> list[Prediction]:
-    """Replay ``traffic`` at each setting through the engine's scheduler (the advisor's
-    simulator), step times from ``report`` with its scatter (image requests' steps with the
-    fit's vision term, one image request admitted per step, as the advisor predicts), the same
-    draws for each."""
-    reqs, warm = to_sim_requests(traffic, shape.block_size)
-    shares = image_share_of(traffic)  # the vision term's cost and one image request per step
-    out = []
-    for s in settings:
-        step_ns, gap_ns = step_timing(report, seed=seed, image_share=shares)
-        res = simulate(
-            reqs,
-            shape,
-            token_budget=s.budget,
-            step_ns=step_ns,
-            gap_ns=gap_ns,
-            warm_prefixes=warm,
-            max_steps=max_steps,
-            long_prefill_token_threshold=s.cap,
-            image_requests=shares.keys(),
-        )
-        out.append(_score(res, s, slo, round(traffic.duration_s * 1e9)))
-    return out
+    """Each setting's :class:`Prediction` from :func:`simulate_settings`."""
+    runs = simulate_settings(report, traffic, shape, settings, seed=seed, max_steps=max_steps)
+    horizon = round(traffic.duration_s * 1e9)
+    return [_score(res, s, slo, horizon) for res, s in zip(runs, settings, strict=True)]
 
 
 @dataclass(frozen=True)

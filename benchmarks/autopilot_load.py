@@ -38,11 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from advisor.autopilot import AutopilotSlo, request_meets
+from advisor.autopilot import AutopilotSlo, Setting, request_meets, simulate_settings
 from advisor.fit import FitReport, fit_from_store
-from advisor.predict import image_share_of, step_timing
-from advisor.simulate import EngineShape, simulate
-from advisor.traffic import ObservedRequest, Traffic, engine_shape, to_sim_requests
+from advisor.simulate import EngineShape
+from advisor.traffic import ObservedRequest, Traffic, engine_shape
 from benchmarks._common import config_of, setup, write_json
 from benchmarks.autopilot import (
     ENGINE_ID,
@@ -95,19 +94,8 @@ def simulate_arm(
     draw: int,
 ) -> dict[str, tuple[int, int]]:
     """Per phase (requests meeting the SLOs, requests), one draw of the step-time scatter."""
-    reqs, warm = to_sim_requests(traffic, shape.block_size)
-    shares = image_share_of(traffic)
-    step_ns, gap_ns = step_timing(fit, seed=draw, image_share=shares)
-    res = simulate(
-        reqs,
-        shape,
-        token_budget=arm.budget,
-        step_ns=step_ns,
-        gap_ns=gap_ns,
-        warm_prefixes=warm,
-        max_steps=400_000,
-        long_prefill_token_threshold=arm.cap,
-        image_requests=shares.keys(),
+    [res] = simulate_settings(
+        fit, traffic, shape, [Setting(arm.budget, arm.cap)], seed=draw, max_steps=400_000
     )
     out = {name: [0, 0] for name, _, _ in bounds}
     for o in res.requests:

@@ -79,17 +79,34 @@ def test_picks_the_known_best_after_confirming() -> None:
     assert "left budget 16384 cap off: predicted chat ITL p99" in second.reason
 
 
-def burst(seed: int = 0, seconds: float = 20.0) -> Traffic:
-    """Chat at 4/s and a 4000-token RAG prompt every second."""
+def chat_and_rag(
+    chat_rate: float, output: int, rag_every: float, seed: int = 0, seconds: float = 20.0
+) -> Traffic:
+    """Chat (64-token prompts, ``output`` tokens out) at ``chat_rate`` per second and a
+    4000-token RAG prompt every ``rag_every`` seconds from 0.5 s."""
     rng = random.Random(seed)
     reqs, t, i = [], 0.0, 0
     while t < seconds:
-        t += rng.expovariate(4.0)
-        reqs.append(ObservedRequest(f"c{i}", "chat", t, 64, 0, 0, 40))
+        t += rng.expovariate(chat_rate)
+        reqs.append(ObservedRequest(f"c{i}", "chat", t, 64, 0, 0, output))
         i += 1
-    reqs += [ObservedRequest(f"r{k}", "rag", k + 0.5, 4000, 0, 0, 20) for k in range(20)]
+    n_rag = int(seconds / rag_every)
+    reqs += [
+        ObservedRequest(f"r{k}", "rag", rag_every * k + 0.5, 4000, 0, 0, 20) for k in range(n_rag)
+    ]
     reqs.sort(key=lambda r: r.arrival)
     return Traffic(reqs, 0.0, seconds)
+
+
+def burst() -> Traffic:
+    """Chat at 4/s and a RAG prompt every second."""
+    return chat_and_rag(4.0, 40, 1.0)
+
+
+def long_chat() -> Traffic:
+    """Chat streams of 200 tokens at 1/s and a RAG prompt every 5 s: a chat stream sees at
+    most one RAG step, one gap in 199, which its p99 does not see."""
+    return chat_and_rag(1.0, 200, 5.0)
 
 
 def test_a_large_predicted_gain_moves_at_once() -> None:
@@ -127,20 +144,6 @@ def test_confirmation_counts_the_current_setting_beaten_not_one_winner(
     assert first.kind == "hold" and "needs 2 ticks" in first.reason, first.reason
     second = ap.decide(1.0, fit(), traffic(), SHAPE)
     assert second.kind == "change" and second.setting == Setting(1024), second.reason
-
-
-def long_chat(seed: int = 0, seconds: float = 20.0) -> Traffic:
-    """Chat streams of 200 tokens at 1/s and a 4000-token RAG prompt every 5 s: a chat
-    stream sees at most one RAG step, one gap in 199, which its p99 does not see."""
-    rng = random.Random(seed)
-    reqs, t, i = [], 0.0, 0
-    while t < seconds:
-        t += rng.expovariate(1.0)
-        reqs.append(ObservedRequest(f"c{i}", "chat", t, 64, 0, 0, 200))
-        i += 1
-    reqs += [ObservedRequest(f"r{k}", "rag", 5.0 * k + 1.0, 4000, 0, 0, 20) for k in range(4)]
-    reqs.sort(key=lambda r: r.arrival)
-    return Traffic(reqs, 0.0, seconds)
 
 
 def test_a_tie_goes_to_the_setting_without_stalls() -> None:
