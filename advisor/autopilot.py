@@ -34,7 +34,8 @@ How it decides, every tick:
    only when the pick beats the current setting by at least ``margin`` requests
    (``max(1, margin_frac * n)``) meeting the SLOs, or meets as many and beats it by ``margin``
    on ``num_meet_tail``; the current setting was beaten so on ``confirm`` ticks in a row, by
-   whichever candidate (near-equal settings trade first place from draw to draw), or on one
+   candidates on the same side of it (smaller or larger: near-equal settings trade first place
+   from draw to draw, while winners on both sides are noise), or on one
    tick when the pick gains ``fast_margins`` margins or more (a burst the current setting is
    predicted to fail badly is not noise, and a tick's wait is a share of the burst); and
    ``min_dwell_s`` passed since the last change; otherwise it holds.
@@ -115,6 +116,13 @@ class Setting:
 
     def label(self) -> str:
         return f"budget {self.budget} cap {self.cap or 'off'}"
+
+    def side_of(self, other: Setting) -> int:
+        """-1 when this setting prefills less per step than ``other`` (a smaller budget, or the
+        same budget with a smaller cap), +1 when more, 0 when it is ``other``."""
+        mine = (self.budget, self.cap or self.budget)
+        theirs = (other.budget, other.cap or other.budget)
+        return (mine > theirs) - (mine < theirs)
 
     def distance(self, other: Setting) -> float:
         """How big a change from ``other`` is (log2 steps of budget and of cap)."""
@@ -417,10 +425,12 @@ class Autopilot:
         self.config = config
         self.slo = slo
         self.current = config.start
-        # ticks in a row on which the current setting was beaten (by whichever candidate: among
-        # near-equal small budgets the noise draws change the winner from tick to tick, and a
-        # count of the same winner restarted at every burst's start)
+        # ticks in a row on which the current setting was beaten by a candidate on the same side
+        # of it (among near-equal small budgets the noise draws change the winner from tick to
+        # tick, and a count of the same winner restarted at every burst's start; winners on
+        # both sides are noise, and counting them let a small window flap 256 -> 512 -> 256)
         self._beaten_ticks = 0
+        self._beaten_side = 0
         self._last_change: float | None = None
         self._parted_ticks = 0
         self._parted_since: float | None = None
@@ -544,7 +554,11 @@ class Autopilot:
         enough = gain >= margin or (gain >= 0 and gain_tail >= margin)
         confirm = 1 if gain >= cfg.fast_margins * margin else cfg.confirm
         beaten = best.setting != cur and enough
-        self._beaten_ticks = self._beaten_ticks + 1 if beaten else 0
+        side = best.setting.side_of(cur) if beaten else 0
+        if beaten and side == self._beaten_side:
+            self._beaten_ticks += 1
+        else:
+            self._beaten_ticks, self._beaten_side = int(beaten), side
         dwell = self._last_change is None or now - self._last_change >= cfg.min_dwell_s
         if beaten and self._beaten_ticks >= confirm and dwell:
             self._beaten_ticks = 0

@@ -146,6 +146,35 @@ def test_confirmation_counts_the_current_setting_beaten_not_one_winner(
     assert second.kind == "change" and second.setting == Setting(1024), second.reason
 
 
+def test_winners_on_both_sides_of_the_current_setting_do_not_confirm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # from 1024, a smaller budget wins one tick and a larger one the next: noise, not a trend
+    # (a new user's small window flapped 256 -> 512 -> 256 in 5 s when these counted together)
+    import advisor.autopilot as apm
+
+    rounds = iter(
+        [{256: 50, 1024: 45, 16384: 44}, {256: 44, 1024: 45, 16384: 50}]
+        + [{256: 44, 1024: 45, 16384: 50}]
+    )
+
+    def fake(*args: object, **kw: object) -> list[Prediction]:
+        met = next(rounds)
+        return [Prediction(s, 50, met[s.budget], 5.0, 5.0, 100.0, 0) for s in GRID]
+
+    monkeypatch.setattr(apm, "predict_settings", fake)
+    ap = pilot(start=Setting(1024))
+    assert ap.decide(0.0, fit(), traffic(), SHAPE).kind == "hold"
+    assert ap.decide(1.0, fit(), traffic(), SHAPE).kind == "hold"  # the other side: count restarts
+    third = ap.decide(2.0, fit(), traffic(), SHAPE)  # the same side twice: it moves
+    assert third.kind == "change" and third.setting == Setting(16384), third.reason
+    assert (
+        Setting(256).side_of(Setting(1024)) == -1
+        and Setting(1024, 256).side_of(Setting(1024)) == -1
+    )
+    assert Setting(16384).side_of(Setting(1024)) == 1 and Setting(1024).side_of(Setting(1024)) == 0
+
+
 def test_a_tie_goes_to_the_setting_without_stalls() -> None:
     # Every setting meets the p99 and TTFT SLOs; at 16384 a chat stream's one gap behind a RAG
     # prompt (~0.4 s) is past the 100 ms ITL SLO, at 256 none is: the tie goes to 256, with
