@@ -36,22 +36,28 @@ def fit(noise: NoiseModel | None = None, r2: float = 0.99, steps: int = 500) -> 
     return FitReport(model, steps, 0.0, 0.0, noise=noise)
 
 
-def traffic(seed: int = 0, *, rag: bool = True, seconds: float = 20.0) -> Traffic:
-    """Chat at 2/s (64-token prompts, 40 tokens out) and, with ``rag``, a 4000-token RAG prompt
-    every 2 s."""
+def chat_and_rag(
+    chat_rate: float, output: int, rag_every: float, seed: int = 0, seconds: float = 20.0
+) -> Traffic:
+    """Chat (64-token prompts, ``output`` tokens out) at ``chat_rate`` per second and a
+    4000-token RAG prompt every ``rag_every`` seconds from 0.5 s."""
     rng = random.Random(seed)
-    reqs = []
-    t = 0.0
-    i = 0
+    reqs, t, i = [], 0.0, 0
     while t < seconds:
-        t += rng.expovariate(2.0)
-        reqs.append(ObservedRequest(f"c{i}", "chat", t, 64, 0, 0, 40))
+        t += rng.expovariate(chat_rate)
+        reqs.append(ObservedRequest(f"c{i}", "chat", t, 64, 0, 0, output))
         i += 1
-    if rag:
-        for k in range(int(seconds // 2)):
-            reqs.append(ObservedRequest(f"r{k}", "rag", 2.0 * k + 0.5, 4000, 0, 0, 20))
+    n_rag = int(seconds / rag_every)
+    reqs += [
+        ObservedRequest(f"r{k}", "rag", rag_every * k + 0.5, 4000, 0, 0, 20) for k in range(n_rag)
+    ]
     reqs.sort(key=lambda r: r.arrival)
     return Traffic(reqs, 0.0, seconds)
+
+
+def traffic(seed: int = 0, *, rag: bool = True, seconds: float = 20.0) -> Traffic:
+    """Chat at 2/s (40 tokens out) and, with ``rag``, a RAG prompt every 2 s."""
+    return chat_and_rag(2.0, 40, 2.0 if rag else math.inf, seed, seconds)
 
 
 def pilot(start: Setting = GRID[2], slo: AutopilotSlo = SLO, **kw: object) -> Autopilot:
@@ -77,25 +83,6 @@ def test_picks_the_known_best_after_confirming() -> None:
     assert itl == pytest.approx(round(second.chosen.itl_p99_ms or 0), abs=0.5)
     assert ttft == pytest.approx(round(second.chosen.ttft_p99_ms or 0), abs=0.5)
     assert "left budget 16384 cap off: predicted chat ITL p99" in second.reason
-
-
-def chat_and_rag(
-    chat_rate: float, output: int, rag_every: float, seed: int = 0, seconds: float = 20.0
-) -> Traffic:
-    """Chat (64-token prompts, ``output`` tokens out) at ``chat_rate`` per second and a
-    4000-token RAG prompt every ``rag_every`` seconds from 0.5 s."""
-    rng = random.Random(seed)
-    reqs, t, i = [], 0.0, 0
-    while t < seconds:
-        t += rng.expovariate(chat_rate)
-        reqs.append(ObservedRequest(f"c{i}", "chat", t, 64, 0, 0, output))
-        i += 1
-    n_rag = int(seconds / rag_every)
-    reqs += [
-        ObservedRequest(f"r{k}", "rag", rag_every * k + 0.5, 4000, 0, 0, 20) for k in range(n_rag)
-    ]
-    reqs.sort(key=lambda r: r.arrival)
-    return Traffic(reqs, 0.0, seconds)
 
 
 def burst() -> Traffic:
@@ -124,21 +111,29 @@ def test_a_large_predicted_gain_moves_at_once() -> None:
     assert first.kind == "hold" and "needs 2 ticks" in first.reason, first.reason
 
 
+def script_predictions(monkeypatch: pytest.MonkeyPatch, rounds: list[dict[int, int]]) -> None:
+    """Each tick's predictions from ``rounds`` (requests meeting the SLOs of 50, per budget of
+    GRID), instead of the simulator."""
+    import advisor.autopilot as apm
+
+    ticks = iter(rounds)
+
+    def fake(*args: object, **kw: object) -> list[Prediction]:
+        met = next(ticks)
+        return [Prediction(s, 50, met[s.budget], 5.0, 5.0, 100.0, 0) for s in GRID]
+
+    monkeypatch.setattr(apm, "predict_settings", fake)
+
+
 def test_confirmation_counts_the_current_setting_beaten_not_one_winner(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # two small budgets trade first place from one tick's draws to the next; both beat the
     # current 16384 by a margin (5 of ~50, under the 3-margin fast path) each time: the second
     # tick moves, to that tick's best
-    import advisor.autopilot as apm
+    rounds = [{256: 50, 1024: 46, 16384: 45}, {256: 46, 1024: 50, 16384: 45}]
 
-    rounds = iter([{256: 50, 1024: 46, 16384: 45}, {256: 46, 1024: 50, 16384: 45}])
-
-    def fake(*args: object, **kw: object) -> list[Prediction]:
-        met = next(rounds)
-        return [Prediction(s, 50, met[s.budget], 5.0, 5.0, 100.0, 0) for s in GRID]
-
-    monkeypatch.setattr(apm, "predict_settings", fake)
+    script_predictions(monkeypatch, rounds)
     ap = pilot(start=Setting(16384))
     first = ap.decide(0.0, fit(), traffic(), SHAPE)
     assert first.kind == "hold" and "needs 2 ticks" in first.reason, first.reason
@@ -151,18 +146,9 @@ def test_winners_on_both_sides_of_the_current_setting_do_not_confirm(
 ) -> None:
     # from 1024, a smaller budget wins one tick and a larger one the next: noise, not a trend
     # (a new user's small window flapped 256 -> 512 -> 256 in 5 s when these counted together)
-    import advisor.autopilot as apm
+    rounds = [{256: 50, 1024: 45, 16384: 44}] + [{256: 44, 1024: 45, 16384: 50}] * 2
 
-    rounds = iter(
-        [{256: 50, 1024: 45, 16384: 44}, {256: 44, 1024: 45, 16384: 50}]
-        + [{256: 44, 1024: 45, 16384: 50}]
-    )
-
-    def fake(*args: object, **kw: object) -> list[Prediction]:
-        met = next(rounds)
-        return [Prediction(s, 50, met[s.budget], 5.0, 5.0, 100.0, 0) for s in GRID]
-
-    monkeypatch.setattr(apm, "predict_settings", fake)
+    script_predictions(monkeypatch, rounds)
     ap = pilot(start=Setting(1024))
     assert ap.decide(0.0, fit(), traffic(), SHAPE).kind == "hold"
     assert ap.decide(1.0, fit(), traffic(), SHAPE).kind == "hold"  # the other side: count restarts
