@@ -29,16 +29,29 @@ How it decides, every tick:
    ``fallback_hold_s`` (``fallback``, saying so).
 4. **Pick**: most requests predicted to meet the SLOs; ties to the one with more requests whose
    every token gap stays within the ITL SLO (``num_meet_tail``: a request whose p99 met the SLO
-   but one of whose gaps did not is one stall from missing it), then the lower predicted tail
-   (longest gap), then the smaller change from the current setting. **Hysteresis**: it moves
-   only when the pick beats the current setting by at least ``margin`` requests
-   (``max(1, margin_frac * n)``) meeting the SLOs, or meets as many and beats it by ``margin``
-   on ``num_meet_tail``; the current setting was beaten so on ``confirm`` ticks in a row, by
-   candidates on the same side of it (smaller or larger: near-equal settings trade first place
-   from draw to draw, while winners on both sides are noise), or on one
-   tick when the pick gains ``fast_margins`` margins or more (a burst the current setting is
-   predicted to fail badly is not noise, and a tick's wait is a share of the burst); and
-   ``min_dwell_s`` passed since the last change; otherwise it holds.
+   but one of whose gaps did not is one stall from missing it), then the readier for a long
+   prompt (step 5), then the lower predicted tail (longest gap), then the smaller change from
+   the current setting. **Hysteresis**: it moves only when the pick beats the current setting
+   by at least ``margin`` requests (``max(1, margin_frac * n)``) meeting the SLOs, or meets as
+   many and beats it by ``margin`` on ``num_meet_tail``, or loses nothing on either and is
+   readier; the current setting was beaten so on ``confirm`` ticks in a row, by candidates on
+   the same side of it (smaller or larger: near-equal settings trade first place from draw to
+   draw, while winners on both sides are noise), or on one tick when the pick gains
+   ``fast_margins`` margins or more (a burst the current setting is predicted to fail badly is
+   not noise, and a tick's wait is a share of the burst); and ``min_dwell_s`` passed since the
+   last change; otherwise it holds.
+5. **Ready for a long prompt**: the stall a prompt of ``probe_tokens`` tokens (default: the
+   engine's ``max_model_len``) arriving now would cause a decoding stream: its costliest chunk
+   step (at most the budget less the stream's token, and the cap), with the stream's own token
+   and the pause between steps, predicted by the fit (:func:`probe_stall_ms`). A setting is
+   *ready* when that stall is within the ITL SLO; otherwise its *readiness* is how many
+   doublings of the SLO the stall needs (-1: within 2x, -2: within 4x, ...; settings within
+   the same factor of two are equally ready, so a refit's wobble moves nothing). Among settings
+   tied on both counts above, the readier come first. In quiet traffic every setting ties, and
+   without this the autopilot sat at the operator's 2048 until a RAG burst's first prompts had
+   stalled the chat streams (on seeds 0 and 1 of ``autopilot_load15b.json`` it moved 2.7 s
+   and 5 s into the burst). The traffic in the look-back still decides whenever it tells the
+   settings apart: a setting that serves more requests wins, ready or not.
 """
 
 from __future__ import annotations
@@ -46,7 +59,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -54,8 +67,9 @@ import numpy as np
 from advisor.fit import FitReport
 from advisor.overload import WindowLoad
 from advisor.predict import image_share_of, step_timing
-from advisor.simulate import ITL_CLASS, EngineShape, SimResult, simulate
+from advisor.simulate import ITL_CLASS, UNKNOWN_MODEL_LEN, EngineShape, SimResult, simulate
 from advisor.traffic import Traffic, to_sim_requests
+from engine.core.cost_model import StepWork, chunk_pairs
 
 KINDS = ("change", "hold", "refuse", "fallback")
 
@@ -170,6 +184,11 @@ class Prediction:
     ttft_seen_p99_ms: float | None = None
     # of num_meet, those whose longest token gap is also within the ITL SLO
     num_meet_tail: int | None = None
+    # the longest gap a stream would wait through were a probe prompt to arrive now
+    # (:func:`probe_stall_ms`), and its readiness: 0 within the ITL SLO, -k within 2^k times
+    # it (None: no probe)
+    probe_stall_ms: float | None = None
+    readiness: int | None = None
 
     def brief(self) -> str:
         def ms(v: float | None) -> str:
@@ -193,6 +212,8 @@ class Prediction:
             "itl_seen_p99_ms": self.itl_seen_p99_ms,
             "ttft_seen_p99_ms": self.ttft_seen_p99_ms,
             "num_meet_tail": self.num_meet_tail,
+            "probe_stall_ms": self.probe_stall_ms,
+            "readiness": self.readiness,
         }
 
     def meet_key(self) -> tuple[int, int]:
@@ -200,6 +221,60 @@ class Prediction:
         every gap is within the ITL SLO."""
         tail = self.num_meet if self.num_meet_tail is None else self.num_meet_tail
         return self.num_meet, tail
+
+
+def probe_stall_ms(
+    fit: FitReport, setting: Setting, prompt_tokens: int, stream_context: int = 0
+) -> float:
+    """The longest token gap (ms) a decoding stream would see while a prompt of ``prompt_tokens``
+    tokens (none cached) is prefilled at ``setting``: the predicted cost of its costliest chunk
+    step (the stream's token first, then a chunk of at most the budget less that token, and at
+    most the cap), plus the pause between steps. ``stream_context``: the stream's own context
+    (its decode token reads it)."""
+    if prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
+    chunk = max(1, setting.budget - 1)
+    if setting.cap:
+        chunk = min(chunk, setting.cap)
+    worst, start = 0.0, 0
+    while start < prompt_tokens:
+        n = min(chunk, prompt_tokens - start)
+        work = StepWork(
+            prefill_tokens=n,
+            decode_tokens=1,
+            attention_pairs=chunk_pairs(start, n) + stream_context + 1,
+            decode_pairs=stream_context + 1,
+        )
+        worst = max(worst, fit.step_seconds(work))
+        start += n
+    return (worst + fit.step_gap_s) * 1e3
+
+
+def readiness(stall_ms: float, itl_slo_ms: float) -> int:
+    """0 when ``stall_ms`` is within the SLO, else -k for the least k with the stall within
+    ``2**k`` times it."""
+    if stall_ms <= itl_slo_ms:
+        return 0
+    return -math.ceil(math.log2(stall_ms / itl_slo_ms))
+
+
+def _with_probe(
+    preds: Sequence[Prediction], fit: FitReport, tokens: int, context: int, slo: AutopilotSlo
+) -> list[Prediction]:
+    out = []
+    for p in preds:
+        stall = probe_stall_ms(fit, p.setting, tokens, context)
+        out.append(replace(p, probe_stall_ms=stall, readiness=readiness(stall, slo.itl_ms)))
+    return out
+
+
+def _stream_context(traffic: Traffic) -> int:
+    """A chat stream's context for the probe: the median prompt plus output of the look-back's
+    chat requests (all requests without chat; 0 without requests)."""
+    reqs = [r for r in traffic.requests if r.traffic_class == ITL_CLASS] or traffic.requests
+    if not reqs:
+        return 0
+    return int(np.median([r.num_prompt_tokens + r.num_output_tokens for r in reqs]))
 
 
 def _p99(values: list[float]) -> float | None:
@@ -335,6 +410,9 @@ class AutopilotConfig:
     part_slo_share: float = 1.0  # parting while both are below this share of the SLO: ignored
     fallback_hold_s: float = 60.0
     seed: int = 0
+    # the prompt a setting must be ready for (see the module docstring, step 5); None: the
+    # engine's max_model_len (no probe where the engine does not report it), 0: no probe
+    probe_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -437,6 +515,12 @@ class Autopilot:
         self._fallback_until: float | None = None
         self._ticks = 0  # predicting ticks: each draws its own step-time scatter
 
+    def probe_tokens(self, shape: EngineShape) -> int:
+        """The prompt length settings must be ready for (0: no probe)."""
+        if self.config.probe_tokens is not None:
+            return max(0, self.config.probe_tokens)
+        return shape.max_model_len - 1 if shape.max_model_len < UNKNOWN_MODEL_LEN else 0
+
     def moved(self, setting: Setting, now: float) -> None:
         """The engine is now at ``setting`` (the runner applied a decision)."""
         if setting != self.current:
@@ -502,6 +586,9 @@ class Autopilot:
         preds = predict_settings(
             fit, traffic, shape, cfg.candidates, self.slo, seed=cfg.seed + self._ticks
         )
+        probe = self.probe_tokens(shape)
+        if probe:
+            preds = _with_probe(preds, fit, probe, _stream_context(traffic), self.slo)
         by = {p.setting: p for p in preds}
         here = by[cur]
         steady = observed is not None and observed.steady
@@ -538,20 +625,38 @@ class Autopilot:
                 left=here,
                 predictions=tuple(preds),
             )
-        best = max(
-            preds,
-            key=lambda p: (
+
+        def rank(p: Prediction) -> tuple[Any, ...]:
+            return (
                 *p.meet_key(),
+                p.readiness or 0,
                 -(p.itl_max_ms if p.itl_max_ms is not None else math.inf),
                 -p.setting.distance(cur),
-            ),
-        )
+            )
+
+        best = max(preds, key=rank)
         margin = max(1, math.ceil(cfg.margin_frac * n))
         gain = best.num_meet - here.num_meet
         gain_tail = best.meet_key()[1] - here.meet_key()[1]
         # a tie in requests meeting the SLOs goes to the setting that keeps more of them clear
         # of a stall past the ITL SLO, by the same margin
         enough = gain >= margin or (gain >= 0 and gain_tail >= margin)
+        readying = False
+        if not enough and here.readiness:
+            # the current setting is not ready for a long prompt: the readiest setting that
+            # loses nothing on either count against it (the gains above were too small to move)
+            ready = [
+                p
+                for p in preds
+                if (p.readiness or 0) > here.readiness
+                and p.num_meet >= here.num_meet
+                and p.meet_key()[1] >= here.meet_key()[1]
+            ]
+            if ready:
+                best = max(ready, key=rank)
+                gain = best.num_meet - here.num_meet
+                gain_tail = best.meet_key()[1] - here.meet_key()[1]
+                enough = readying = True
         confirm = 1 if gain >= cfg.fast_margins * margin else cfg.confirm
         beaten = best.setting != cur and enough
         side = best.setting.side_of(cur) if beaten else 0
@@ -562,14 +667,20 @@ class Autopilot:
         dwell = self._last_change is None or now - self._last_change >= cfg.min_dwell_s
         if beaten and self._beaten_ticks >= confirm and dwell:
             self._beaten_ticks = 0
-            why = (
-                f" ({gain} more of {n} requests meet {self.slo.text()})"
-                if gain >= margin
-                else (
+            if readying:
+                why = (
+                    f" (at least as many of {n} requests meet {self.slo.text()}; a prompt of "
+                    f"{probe} tokens arriving now would stall streams "
+                    f"{best.probe_stall_ms:.0f} ms here, {here.probe_stall_ms:.0f} ms at "
+                    f"{cur.label()})"
+                )
+            elif gain >= margin:
+                why = f" ({gain} more of {n} requests meet {self.slo.text()})"
+            else:
+                why = (
                     f" (as many of {n} requests meet {self.slo.text()}; {gain_tail} more keep "
                     f"every token gap within {self.slo.itl_ms:g} ms)"
                 )
-            )
             return Decision(
                 "change",
                 best.setting,

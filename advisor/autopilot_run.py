@@ -184,6 +184,7 @@ class Options:
     max_fit_err: float = 0.6
     min_fit_r2: float = 0.5
     min_requests: int = 5
+    probe_tokens: int | None = None  # None: the engine's max_model_len
     fallback_hold_s: float | None = None  # None: three look-backs
     refit_every_s: float = 10.0
 
@@ -218,6 +219,7 @@ class Runner:
             max_fit_err=opts.max_fit_err,
             min_fit_r2=opts.min_fit_r2,
             min_requests=opts.min_requests,
+            probe_tokens=opts.probe_tokens,
             # after a fallback, hold until the look-back has seen the operator's setting alone
             # (and then some): a fixed minute outlasts a burst, and the bursts are what it steers
             fallback_hold_s=(
@@ -444,6 +446,16 @@ def _ints(text: str) -> tuple[int, ...]:
     return vals
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return v
+
+
 def _class_slo(text: str) -> tuple[str, float]:
     name, sep, ms = text.partition("=")
     try:
@@ -509,6 +521,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-requests", type=int, default=5, help="no decision on fewer arrivals in the look-back"
     )
     p.add_argument(
+        "--probe-tokens",
+        type=_non_negative_int,
+        default=None,
+        help="among settings the traffic does not tell apart, prefer those where a prompt this "
+        "long arriving now keeps every chat token gap within the ITL SLO (default: the engine's "
+        "max_model_len; 0: no such preference)",
+    )
+    p.add_argument(
         "--fallback-hold",
         type=float,
         default=None,
@@ -562,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
             max_fit_err=args.max_fit_err,
             min_fit_r2=args.min_fit_r2,
             min_requests=args.min_requests,
+            probe_tokens=args.probe_tokens,
             fallback_hold_s=args.fallback_hold,
             refit_every_s=args.refit_every,
         )

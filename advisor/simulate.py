@@ -40,6 +40,9 @@ ITL_CLASS = "chat"  # the class whose inter-token latency the SLO is about
 _SAMPLED_TOKEN = 7  # the token every simulated step "samples" (only its count matters)
 
 
+UNKNOWN_MODEL_LEN = 1 << 30  # an engine's max_model_len where its config does not say
+
+
 @dataclass(frozen=True)
 class EngineShape:
     """What the scheduler's decisions depend on besides the budget."""
@@ -47,7 +50,7 @@ class EngineShape:
     num_kv_blocks: int
     block_size: int = 16
     max_num_seqs: int = 256
-    max_model_len: int = 1 << 30
+    max_model_len: int = UNKNOWN_MODEL_LEN
     max_token_budget: int = 8192
     policy: str = "chunked"
     enable_prefix_caching: bool = True

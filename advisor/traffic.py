@@ -23,7 +23,7 @@ import pandas as pd
 from sqlalchemy import Engine
 
 from advisor.overload import WindowLoad, judge
-from advisor.simulate import EngineShape, SimRequest
+from advisor.simulate import UNKNOWN_MODEL_LEN, EngineShape, SimRequest
 from storage import queries
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ def engine_shape(
         num_kv_blocks=blocks,
         block_size=int(config.get("block_size") or 16),
         max_num_seqs=int(config.get("max_num_seqs") or 256),
-        max_model_len=int(config.get("max_model_len") or 1 << 30),
+        max_model_len=int(config.get("max_model_len") or UNKNOWN_MODEL_LEN),
         max_token_budget=int(row["max_token_budget"] or config.get("max_token_budget") or 8192),
         policy=str(row["policy"] or config.get("policy") or "chunked"),
         enable_prefix_caching=bool(config.get("enable_prefix_caching", True)),

@@ -42,6 +42,7 @@ class ServedEngine(Protocol):
     config: EngineConfig
     pid: int
     max_token_budget: int
+    max_model_len: int
     clock_anchor: ClockAnchor | None
 
     @property

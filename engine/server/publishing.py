@@ -34,7 +34,8 @@ def engine_hello(client: ServedEngine, model_name: str, anchor: ClockAnchor) -> 
         "max_token_budget": client.max_token_budget,
         "kv_blocks_total": stats.kv_blocks_total,
         "block_size": config.block_size,
-        "config": config.to_dict(),
+        # with the max_model_len in force (the config's None means the model's own, up to 32k)
+        "config": {**config.to_dict(), "max_model_len": int(client.max_model_len)},
         "clock": anchor.to_dict(),
     }
 

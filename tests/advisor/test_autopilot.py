@@ -17,13 +17,15 @@ from advisor.autopilot import (
     Setting,
     candidates,
     parse_reason,
+    probe_stall_ms,
+    readiness,
     request_meets,
 )
 from advisor.fit import FitReport, NoiseModel
 from advisor.overload import WindowLoad
 from advisor.simulate import EngineShape
 from advisor.traffic import ObservedRequest, Traffic
-from engine.core.cost_model import CostModel
+from engine.core.cost_model import CostModel, chunk_pairs
 
 SHAPE = EngineShape(num_kv_blocks=4096, block_size=16, max_token_budget=16384)
 SLO = AutopilotSlo(itl_ms=100.0, ttft_ms=3000.0)
@@ -341,3 +343,80 @@ def test_image_steps_cost_the_fits_vision_term() -> None:
         got[name] = pred.ttft_p99_ms
     # 1,196 image tokens at 0.5 ms each: ~0.6 s more before an image request's first token
     assert got["0.5 ms an image token"] - got["no encoder cost"] == pytest.approx(598, rel=0.1)
+
+
+def test_probe_stall_is_the_costliest_chunk_step() -> None:
+    # 5 ms a step, 0.1 ms a prefill token, 0.5 ms a decode token: a chunk of 255 tokens beside
+    # one stream's token (budget 256), of 1023 at 1024, of the cap where it is smaller
+    f = fit()
+    assert probe_stall_ms(f, Setting(256), 8000) == pytest.approx(5 + 25.5 + 0.5)
+    assert probe_stall_ms(f, Setting(1024), 8000) == pytest.approx(5 + 102.3 + 0.5)
+    assert probe_stall_ms(f, Setting(1024, 128), 8000) == pytest.approx(5 + 12.8 + 0.5)
+    assert probe_stall_ms(f, Setting(16384), 500) == pytest.approx(5 + 50 + 0.5)  # one chunk
+    # with attention, the last chunk (the longest context) costs most, and the pause counts
+    model = CostModel(0.005, 1e-4, 5e-4, 1e-8, num_steps=500, rel_err_p50=0.05, r2=0.99)
+    attn = FitReport(model, 500, 0.002, 0.003)
+    last = chunk_pairs(7 * 1000, 1000) + 101
+    expect = (0.005 + 0.1 + 0.0005 + last * 1e-8 + 0.002) * 1e3
+    assert probe_stall_ms(attn, Setting(1001), 8000, stream_context=100) == pytest.approx(expect)
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        probe_stall_ms(f, Setting(256), 0)
+
+
+def test_in_quiet_chat_it_moves_to_a_setting_ready_for_a_long_prompt() -> None:
+    # Quiet chat: every setting meets both SLOs and keeps every gap within them, so the traffic
+    # cannot tell them apart. A prompt of the engine's max_model_len arriving now would stall a
+    # stream 1.6 s at 16384 and 108 ms at 1024, past the 100 ms ITL SLO, 31 ms at 256: it moves
+    # to 256 (confirmed over two ticks), says why, and stays there. With no setting within the
+    # SLO, the one with the least stall by a factor of two is readier
+    shape = EngineShape(num_kv_blocks=4096, max_token_budget=16384, max_model_len=16384)
+    ap = pilot(start=Setting(16384))
+    first = ap.decide(0.0, fit(), traffic(rag=False), shape)
+    assert first.kind == "hold", first.reason
+    ready = {p.setting.budget: p.readiness for p in first.predictions}
+    assert ready == {256: 0, 1024: -1, 16384: -5}  # 31 ms; 108 within 2x; 1.6 s within 32x
+    assert len({p.meet_key() for p in first.predictions}) == 1  # the traffic ties them
+    d = ap.decide(1.0, fit(), traffic(1, rag=False), shape)
+    assert d.kind == "change" and d.setting == Setting(256), d.reason
+    assert "a prompt of 16383 tokens arriving now would stall streams 31 ms here" in d.reason
+    assert json.loads(json.dumps(d.to_dict()))["chosen"]["readiness"] == 0
+    ap.moved(d.setting, 1.0)
+    for tick in range(2, 8):
+        assert ap.decide(float(tick), fit(), traffic(tick, rag=False), shape).kind == "hold"
+    # without the probe (--probe-tokens 0, or an engine that does not report max_model_len)
+    # the tie holds where it is
+    for ap, sh in ((pilot(start=Setting(16384), probe_tokens=0), shape), (pilot(), SHAPE)):
+        for tick in range(3):
+            d = ap.decide(float(tick), fit(), traffic(tick, rag=False), sh)
+            assert d.kind == "hold" and d.setting == Setting(16384), d.reason
+
+
+def test_the_traffic_outranks_readiness(monkeypatch: pytest.MonkeyPatch) -> None:
+    # at 256 (ready) the look-back's requests are predicted to meet the SLOs less often than at
+    # 16384 (not ready): it moves to 16384, by the fast path of a large gain
+    script_predictions(monkeypatch, [{256: 40, 1024: 44, 16384: 50}])
+    shape = EngineShape(num_kv_blocks=4096, max_token_budget=16384, max_model_len=16384)
+    ap = pilot(start=Setting(256))
+    d = ap.decide(0.0, fit(), traffic(), shape)
+    assert d.kind == "change" and d.setting == Setting(16384), d.reason
+    assert d.chosen is not None and d.chosen.readiness == -5
+
+
+def test_readiness_counts_doublings_of_the_slo() -> None:
+    assert [readiness(ms, 250.0) for ms in (10, 250, 251, 500, 501, 2793)] == [0, 0, -1, -1, -2, -4]
+
+
+def test_with_no_setting_ready_the_least_stall_by_a_factor_of_two_wins_ties() -> None:
+    # a 16383-token probe under a 20 ms ITL SLO: 256 stalls 31 ms (-1), 1024 108 ms (-3),
+    # 16384 1.6 s (-7). From 16384 it moves to 256; from 1024 too; 256 stays
+    shape = EngineShape(num_kv_blocks=4096, max_token_budget=16384, max_model_len=16384)
+    slo = AutopilotSlo(itl_ms=20.0, ttft_ms=3000.0)
+    for start in (Setting(16384), Setting(1024)):
+        ap = pilot(start=start, slo=slo)
+        ap.decide(0.0, fit(), traffic(rag=False), shape)
+        d = ap.decide(1.0, fit(), traffic(1, rag=False), shape)
+        assert d.kind == "change" and d.setting == Setting(256), d.reason
+    ap = pilot(start=Setting(256), slo=slo)
+    assert all(
+        ap.decide(float(t), fit(), traffic(t, rag=False), shape).kind == "hold" for t in range(4)
+    )

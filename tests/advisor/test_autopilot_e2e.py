@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from advisor.traffic import engine_shape
 from storage import queries
 from storage.control import send_control
 from storage.db import connect
@@ -82,11 +83,15 @@ def test_autopilot_through_a_real_collector(
         ap2.send_signal(signal.SIGTERM)
         assert ap2.wait(20) == 0, ap2.communicate()[0]
         budget = engine.scheduler()["token_budget"]
+        max_model_len = engine.http.get("/v1/models").json()["data"][0]["max_model_len"]
         engine.run_batch(["after"])
         engine.wait_acked()
     finally:
         engine.stop()
     db = connect(db_url, readonly=True)
+    # the hello carries the max_model_len in force (the probe's default length), not the
+    # config's None
+    assert engine_shape(db, engine_id="ap").max_model_len == max_model_len
     c = queries.controls(db, engine_id="ap")
     mine = c[c["source"] == "autopilot"]
     reasons = list(mine["reason"])
