@@ -446,16 +446,6 @@ def _ints(text: str) -> tuple[int, ...]:
     return vals
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return v
-
-
 def _class_slo(text: str) -> tuple[str, float]:
     name, sep, ms = text.partition("=")
     try:
@@ -522,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--probe-tokens",
-        type=_non_negative_int,
+        type=int,
         default=None,
         help="among settings the traffic does not tell apart, prefer those where a prompt this "
         "long arriving now keeps every chat token gap within the ITL SLO (default: the engine's "
@@ -563,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, v in (("--interval", args.interval), ("--lookback", args.lookback)):
             if v <= 0:
                 raise ValueError(f"{name} must be positive, got {v}")
+        if args.probe_tokens is not None and args.probe_tokens < 0:
+            raise ValueError(f"--probe-tokens must be >= 0, got {args.probe_tokens}")
         opts = Options(
             collector=args.collector,
             engine_id=args.engine,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from advisor.autopilot import AutopilotSlo, Setting, predict_settings
-from advisor.autopilot_run import observed, recent_traffic
+from advisor.autopilot_run import main, observed, recent_traffic
 from advisor.fit import FitReport
 from advisor.simulate import EngineShape, SimRequest, cost_model_step_ns, simulate
 from engine.core.cost_model import CostModel
@@ -80,3 +80,19 @@ def test_the_check_compares_what_the_store_can_have_seen(tmp_path: Path) -> None
     assert pred.ttft_p99_ms > 1.4 * obs.ttft_p99_ms
     assert obs.ttft_p99_ms <= 2500.0 + 1.0
     db.dispose()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--probe-tokens", "-1", "--probe-tokens must be >= 0, got -1"),
+        ("--interval", "0", "--interval must be positive, got 0.0"),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_is_contacted(
+    flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--collector", "ws://127.0.0.1:9", "--engine", "e", "--db", "sqlite://",
+            "--slo-itl-ms", "250", "--slo-ttft-ms", "2000", flag, value]  # fmt: skip
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
