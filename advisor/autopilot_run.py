@@ -515,8 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="among settings the traffic does not tell apart, prefer those where a prompt this "
-        "long arriving now keeps every chat token gap within the ITL SLO (default: the engine's "
-        "max_model_len; 0: no such preference)",
+        "long arriving now would stall chat streams least: within the ITL SLO, else within the "
+        "fewest doublings of it (default: the engine's max_model_len; 0: no such preference)",
     )
     p.add_argument(
         "--fallback-hold",
