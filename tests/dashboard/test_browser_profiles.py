@@ -46,6 +46,7 @@ MIN_WINDOW_S = 8.0  # each window lasts at least this long
 # and at most this long waiting for a long prompt among chat streams (with the AVX-512 kernels a
 # chat stream ends sooner, so a long prompt finds one streaming less often; the bound is generous)
 MAX_WINDOW_S = 150.0
+RUN_S = 3 * MAX_WINDOW_S + 60.0  # the traffic's duration: outlasts the three windows
 
 
 @dataclass
@@ -231,11 +232,18 @@ def test_story_in_five_steps(story: Story, profile: str) -> None:
     if profile != "mixed":
         bg = sidebar.get_by_role("spinbutton", name="Chat background (req/s)")
         expect(bg).to_have_value(re.compile(r"^[1-9]"))  # the preset's 1 req/s
+    # a run long enough for both windows (the test stops it): the default 120 s once ended 50 s
+    # after the cut, and none of the four images sent after it had met a chat stream
+    duration = sidebar.get_by_role("spinbutton", name="Duration (s)")
+    duration.fill(f"{RUN_S:.2f}")
+    duration.press("Enter")
+    expect(duration).to_have_value(f"{RUN_S:.2f}")
     start = sidebar.get_by_role("button", name="Start traffic")
     expect(start).to_be_enabled()
     t_start = time.time()
     start.click()
-    expect(sidebar.get_by_text(re.compile(rf"Load: running: {profile} at"))).to_be_visible()
+    running = rf"Load: running: {profile} at .* for {RUN_S:g} s"
+    expect(sidebar.get_by_text(re.compile(running))).to_be_visible()
 
     # step 3: a long prompt among chat streams at the large budget. The browser waits on the
     # Control page: the Live page redraws three charts a second, CPU the engine needs more
