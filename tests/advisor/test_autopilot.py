@@ -367,8 +367,7 @@ def test_in_quiet_chat_it_moves_to_a_setting_ready_for_a_long_prompt() -> None:
     # Quiet chat: every setting meets both SLOs and keeps every gap within them, so the traffic
     # cannot tell them apart. A prompt of the engine's max_model_len arriving now would stall a
     # stream 1.6 s at 16384 and 108 ms at 1024, past the 100 ms ITL SLO, 31 ms at 256: it moves
-    # to 256 (confirmed over two ticks), says why, and stays there. With no setting within the
-    # SLO, the one with the least stall by a factor of two is readier
+    # to 256 (confirmed over two ticks), says why, and stays there
     shape = EngineShape(num_kv_blocks=4096, max_token_budget=16384, max_model_len=16384)
     ap = pilot(start=Setting(16384))
     first = ap.decide(0.0, fit(), traffic(rag=False), shape)
