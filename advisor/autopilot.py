@@ -189,6 +189,10 @@ class Prediction:
     # it (None: no probe)
     probe_stall_ms: float | None = None
     readiness: int | None = None
+    # the probe's costliest step lies beyond any step the fit was fitted on (its figure is an
+    # extrapolation; the order of the settings' stalls holds whatever the costs: a larger chunk
+    # costs more)
+    probe_extrapolated: bool | None = None
 
     def brief(self) -> str:
         def ms(v: float | None) -> str:
@@ -214,6 +218,7 @@ class Prediction:
             "num_meet_tail": self.num_meet_tail,
             "probe_stall_ms": self.probe_stall_ms,
             "readiness": self.readiness,
+            "probe_extrapolated": self.probe_extrapolated,
         }
 
     def meet_key(self) -> tuple[int, int]:
@@ -231,12 +236,20 @@ def probe_stall_ms(
     step (the stream's token first, then a chunk of at most the budget less that token, and at
     most the cap), plus the pause between steps. ``stream_context``: the stream's own context
     (its decode token reads it)."""
+    worst = _probe_worst(fit, setting, prompt_tokens, stream_context)
+    return (fit.step_seconds(worst) + fit.step_gap_s) * 1e3
+
+
+def _probe_worst(
+    fit: FitReport, setting: Setting, prompt_tokens: int, stream_context: int
+) -> StepWork:
+    """The costliest chunk step of the probe (see :func:`probe_stall_ms`)."""
     if prompt_tokens < 1:
         raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
     chunk = max(1, setting.budget - 1)
     if setting.cap:
         chunk = min(chunk, setting.cap)
-    worst, start = 0.0, 0
+    worst, cost, start = None, -1.0, 0
     while start < prompt_tokens:
         n = min(chunk, prompt_tokens - start)
         work = StepWork(
@@ -245,9 +258,25 @@ def probe_stall_ms(
             attention_pairs=chunk_pairs(start, n) + stream_context + 1,
             decode_pairs=stream_context + 1,
         )
-        worst = max(worst, fit.step_seconds(work))
+        c = fit.step_seconds(work)
+        if c > cost:
+            worst, cost = work, c
         start += n
-    return (worst + fit.step_gap_s) * 1e3
+    assert worst is not None
+    return worst
+
+
+def probe_extrapolated(
+    fit: FitReport, setting: Setting, prompt_tokens: int, stream_context: int = 0
+) -> bool | None:
+    """Whether the probe's costliest step holds more than twice the prefill tokens or the
+    attention pairs of the largest step the fit was fitted on (``FitReport.seen``; None when
+    the fit does not say)."""
+    seen_tokens, seen_pairs = fit.seen.get("prefill_tokens"), fit.seen.get("attention_pairs")
+    if not seen_tokens or not seen_pairs:
+        return None
+    work = _probe_worst(fit, setting, prompt_tokens, stream_context)
+    return work.prefill_tokens > 2 * seen_tokens or work.attention_pairs > 2 * seen_pairs
 
 
 def readiness(stall_ms: float, itl_slo_ms: float) -> int:
@@ -264,8 +293,25 @@ def _with_probe(
     out = []
     for p in preds:
         stall = probe_stall_ms(fit, p.setting, tokens, context)
-        out.append(replace(p, probe_stall_ms=stall, readiness=readiness(stall, slo.itl_ms)))
+        out.append(
+            replace(
+                p,
+                probe_stall_ms=stall,
+                readiness=readiness(stall, slo.itl_ms),
+                probe_extrapolated=probe_extrapolated(fit, p.setting, tokens, context),
+            )
+        )
     return out
+
+
+def _extrapolation_note(fit: FitReport, best: Prediction, here: Prediction) -> str:
+    """What a readying move's reason adds when a stall it names is an extrapolation."""
+    if not (best.probe_extrapolated or here.probe_extrapolated):
+        return ""
+    return (
+        f"; predicted past the largest step the fit has seen ({fit.seen['prefill_tokens']} "
+        "prefill tokens): the figures may be far off, their order holds"
+    )
 
 
 def _stream_context(traffic: Traffic) -> int:
@@ -386,7 +432,6 @@ class Observed:
     itl_p99_ms: float | None
     ttft_p99_ms: float | None
     num_requests: int = 0
-    num_meet: int = 0
     steady: bool = True  # the engine ran one setting through the whole window
 
 
@@ -672,7 +717,7 @@ class Autopilot:
                     f" (at least as many of {n} requests meet {self.slo.text()}; a prompt of "
                     f"{probe} tokens arriving now would stall streams "
                     f"{best.probe_stall_ms:.0f} ms here, {here.probe_stall_ms:.0f} ms at "
-                    f"{cur.label()})"
+                    f"{cur.label()}{_extrapolation_note(fit, best, here)})"
                 )
             elif gain >= margin:
                 why = f" ({gain} more of {n} requests meet {self.slo.text()})"

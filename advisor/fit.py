@@ -131,6 +131,10 @@ class FitReport:
     # steps pin each cost down (:func:`bootstrap_coefs`, :func:`carry_spread`); empty in a
     # report from before they existed, which then skips that check
     boot: list[list[float]] = field(default_factory=list)
+    # the largest work of any step fitted on ("prefill_tokens", "attention_pairs"): beyond it a
+    # prediction is an extrapolation (:func:`advisor.autopilot.probe_stall_ms` says so); empty
+    # in a report from before it existed
+    seen: dict[str, int] = field(default_factory=dict)
 
     @property
     def poor(self) -> bool:
@@ -160,6 +164,7 @@ class FitReport:
             rel_err_p95_all=float(d.get("rel_err_p95_all", 0.0)),
             quality=dict(d.get("quality") or {}),
             boot=[[float(v) for v in row] for row in d.get("boot") or ()],
+            seen={str(k): int(v) for k, v in (d.get("seen") or {}).items()},
         )
 
 
@@ -692,6 +697,10 @@ def fit_steps(
         noise=_noise(model, works, measured, fit_works, fit_measured, gaps),
         quality=_with_calibration(quality, cal_info),
         boot=bootstrap_coefs(fit_works, fit_measured, method, resamples),
+        seen={
+            "prefill_tokens": max(w.prefill_tokens for w in fit_works),
+            "attention_pairs": max(w.attention_pairs for w in fit_works),
+        },
     )
     if quality["poor"]:
         logger.warning("poor fit of the step-cost model: %s", "; ".join(quality["reasons"]))

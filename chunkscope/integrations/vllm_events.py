@@ -14,11 +14,11 @@ scheduler at three points of its core thread and hands them to a :class:`StepTra
 
 Events go out in the contract's causal order: what happened before a step (arrivals, aborts,
 controls that apply at it, preemptions, ``first_scheduled``), the ``step``, then what the step
-finished (``first_token``, ``finished``); an abort that lands while a step is executing is held
-until that step's events are out. Request ids are the ids the OpenAI client sees
-(:func:`external_request_id`). :class:`BudgetControl` is the live budget: checked by the rule
-``PUT /v1/scheduler`` uses, answered at once with the step it applies at, applied by the
-scheduler thread at the top of the next ``schedule()``.
+finished (``first_token``, ``finished``); an abort or a control that lands while a step is
+executing is held until that step's events are out, and goes out at once otherwise. Request
+ids are the ids the OpenAI client sees (:func:`external_request_id`). :class:`BudgetControl`
+is the live budget: checked by the rule ``PUT /v1/scheduler`` uses, answered at once with the
+step it applies at, applied by the scheduler thread at the top of the next ``schedule()``.
 """
 
 from __future__ import annotations
@@ -151,7 +151,6 @@ class StepTranslator:
         self.lock = threading.Lock()
         self.last_step = 0  # index of the latest step that scheduled tokens
         self._reqs: dict[str, _Req] = {}
-        self._pending_controls: list[ControlEvent] = []
         self._inflight: _InFlight | None = None
 
     # --- requests --------------------------------------------------------------------------
@@ -205,8 +204,15 @@ class StepTranslator:
 
     # --- controls ---------------------------------------------------------------------------
     def queue_control(self, event: ControlEvent) -> None:
-        """A control event to go out right before the step it applies at (call under lock)."""
-        self._pending_controls.append(event)
+        """A control event (call under lock), published in its place in the stream: at once
+        when no step is in flight, else right after the in-flight step's event; either way
+        before the step it applies at. Never held until a next step: an idle vLLM may run none
+        for hours, or be stopped first, and the acknowledged change would not reach the store
+        (the native engine's rule too)."""
+        if self._inflight is not None:
+            self._inflight.held.append(event)
+        else:
+            self._emit(event)
 
     @property
     def next_step(self) -> int:
@@ -245,9 +251,6 @@ class StepTranslator:
             return None
         self.last_step += 1
         step = self.last_step
-        for ev in self._pending_controls:
-            self._emit(ev)
-        self._pending_controls.clear()
         reqs = self._reqs
         rows: list[tuple[str, str, str, int, int]] = []
         add = rows.append

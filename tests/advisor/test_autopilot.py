@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -17,6 +18,7 @@ from advisor.autopilot import (
     Setting,
     candidates,
     parse_reason,
+    probe_extrapolated,
     probe_stall_ms,
     readiness,
     request_meets,
@@ -388,6 +390,30 @@ def test_in_quiet_chat_it_moves_to_a_setting_ready_for_a_long_prompt() -> None:
         for tick in range(3):
             d = ap.decide(float(tick), fit(), traffic(tick, rag=False), sh)
             assert d.kind == "hold" and d.setting == Setting(16384), d.reason
+
+
+def test_a_probe_past_the_steps_the_fit_has_seen_is_flagged_and_the_reason_says_so() -> None:
+    # a fit from quiet chat alone (its largest step: 300 prefill tokens) cannot know what a
+    # 16383-token prompt costs: the figures are extrapolations, and the move says so; their
+    # order holds (a larger chunk costs more whatever the costs), so the move still stands
+    shape = EngineShape(num_kv_blocks=4096, max_token_budget=16384, max_model_len=16384)
+    chat_only = dataclasses.replace(fit(), seen={"prefill_tokens": 300, "attention_pairs": 10**5})
+    assert probe_extrapolated(chat_only, Setting(256), 16383) is False  # 255 tokens: seen
+    assert probe_extrapolated(chat_only, Setting(1024), 16383) is True
+    assert probe_extrapolated(fit(), Setting(1024), 16383) is None  # the fit does not say
+    ap = pilot(start=Setting(16384))
+    ap.decide(0.0, chat_only, traffic(rag=False), shape)
+    d = ap.decide(1.0, chat_only, traffic(1, rag=False), shape)
+    assert d.kind == "change" and d.setting == Setting(256), d.reason
+    assert d.chosen is not None and d.left is not None
+    assert (d.chosen.probe_extrapolated, d.left.probe_extrapolated) == (False, True)
+    assert "past the largest step the fit has seen (300 prefill tokens)" in d.reason
+    # a fit that saw long prompts: nothing to flag
+    seen = dataclasses.replace(fit(), seen={"prefill_tokens": 16384, "attention_pairs": 10**9})
+    ap = pilot(start=Setting(16384))
+    ap.decide(0.0, seen, traffic(rag=False), shape)
+    d = ap.decide(1.0, seen, traffic(1, rag=False), shape)
+    assert d.kind == "change" and "past the largest step" not in d.reason, d.reason
 
 
 def test_the_traffic_outranks_readiness(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from advisor import cli
-from advisor.fit import BOOT_RESAMPLES, FitError, carry_spread, fit_from_store, step_works
+from advisor.fit import (
+    BOOT_RESAMPLES,
+    FitError,
+    FitReport,
+    carry_spread,
+    fit_from_store,
+    step_works,
+)
 from advisor.predict import predict_from_store
 from advisor.recommend import Slo
 from advisor.simulate import EngineShape, cost_model_step_ns, figures, simulate
@@ -88,6 +95,14 @@ def test_fit_recovers_known_coefficients(recorded: dict) -> None:
     # exact steps: every resample fits the same costs, so the prefill cost is pinned down
     assert len(report.boot) == BOOT_RESAMPLES
     assert carry_spread(report.boot, [(500, 0), (40, 0)], 32) == pytest.approx(0.0, abs=1e-3)
+    # the largest step it was fitted on: beyond it a prediction is an extrapolation
+    works = [StepWork.from_chunks(s.chunks) for s in recorded["result"].steps]
+    assert report.seen == {
+        "prefill_tokens": max(w.prefill_tokens for w in works),
+        "attention_pairs": max(w.attention_pairs for w in works),
+    }
+    assert report.seen["prefill_tokens"] <= BUDGET
+    assert FitReport.from_dict(report.to_dict()).seen == report.seen
 
 
 def test_fit_refuses_an_empty_selection(recorded: dict) -> None:

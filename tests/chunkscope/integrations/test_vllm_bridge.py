@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,27 +22,13 @@ from storage import queries
 from storage.control import send_control
 from storage.db import connect
 from testkit.collector import CollectorProcess, start_collector
-from tests.chunkscope.integrations.vllm_helpers import VllmServer, build_llama_folder, vllm_python
+from tests.chunkscope.integrations.vllm_helpers import VllmServer, build_llama_folder
 
 pytestmark = pytest.mark.slow
 
 ENGINE_ID = "vllm-test"
 BUDGET = 256
 WAIT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def vllm_py() -> Path:
-    py = vllm_python()
-    if py is None:
-        msg = (
-            "no vLLM environment: run scripts/setup_vllm.sh (it makes the venv at "
-            "$CHUNKSCOPE_VLLM_VENV, default ~/.cache/chunkscope/vllm-venv)"
-        )
-        if os.environ.get("CHUNKSCOPE_REQUIRE_VLLM") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return py
 
 
 class Rig:

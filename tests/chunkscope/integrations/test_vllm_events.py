@@ -311,3 +311,21 @@ def test_dp_identity_sees_vllms_independent_dense_ranks() -> None:
     # an MoE model keeps the DP group: size and rank as configured
     assert dp_identity(4, 3, 3, "EngineCore_DP3") == (True, 3, 4)
     assert dp_identity(2, 1, None, "x") == (True, 1, 2)
+
+
+def test_a_control_on_an_idle_vllm_is_published_at_once_and_one_during_a_step_after_it() -> None:
+    """An idle vLLM may schedule nothing for hours, or be stopped first: the acknowledged change
+    must reach the store now, not at a next step that may never come."""
+    tr, events = _translator()
+    ctl = BudgetControl(tr, 256, ("chunked",))
+    tr.arrived("r1-aaaaaaaa", None, 300)
+    _schedule(tr, [ScheduledChunk("r1-aaaaaaaa", 0, 256, 300, 300)], token_budget=256)
+    tr.executed(end_ns=2_000, produced={}, finished={})
+    ctl.request({"token_budget": 32}, source="collector", request_id="c1")
+    assert _kinds(events)[-2:] == ["step1", "control@2"]  # idle: out at once
+    # during a step: held until that step's event is out, then before the next step's
+    _schedule(tr, [ScheduledChunk("r1-aaaaaaaa", 256, 32, 300, 300)], token_budget=32)
+    ctl.request({"token_budget": 64}, source="collector", request_id="c2")
+    assert _kinds(events)[-1] == "control@2"
+    tr.executed(end_ns=3_000, produced={}, finished={})
+    assert _kinds(events)[-2:] == ["step2", "control@3"]
