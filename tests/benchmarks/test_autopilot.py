@@ -53,6 +53,23 @@ def test_replay_is_seeded_and_phased(bench: ModuleType) -> None:
 
 
 @pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")
+def test_no_images_at_image_rate_zero_and_vllm_refuses_them(bench: ModuleType) -> None:
+    # vLLM's Llama folder here has no vision tower: its run has no images, the chat and RAG
+    # requests are those of the same seed with images
+    base = ["--phase-s", "20,35,35,20", "--traces-dir", str(TRACES)]
+    with_images, _ = bench.build_replay(bench.build_parser().parse_args(base), 2)
+    args = bench.build_parser().parse_args([*base, "--image-rate", "0", "--engine", "vllm"])
+    none, info = bench.build_replay(args, 2)
+    assert info["num_requests"]["vlm"] == 0
+    assert [(s.traffic_class, s.offset_s) for s in none] == [
+        (s.traffic_class, s.offset_s) for s in with_images if s.traffic_class != "vlm"
+    ]
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--engine", "vllm", "--out-dir", "/nonexistent"])
+    assert exc.value.code == 2  # refused before anything starts
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")
 def test_load_scale_multiplies_every_rate(bench: ModuleType) -> None:
     base = ["--phase-s", "20,35,35,20", "--traces-dir", str(TRACES)]
     one, _ = bench.build_replay(bench.build_parser().parse_args(base), 0)

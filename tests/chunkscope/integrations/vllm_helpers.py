@@ -33,11 +33,20 @@ def vllm_python() -> Path | None:
 
 
 def build_llama_folder(
-    folder: Path, *, hidden_size: int = 128, num_layers: int = 2, max_positions: int = 2048
+    folder: Path,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    max_positions: int = 2048,
+    intermediate_size: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
 ) -> Path:
     """A 2-layer Llama (head_dim 64: vLLM's CPU attention needs one of its sizes) with seeded
     random weights, saved as config.json + model.safetensors, and a word-level BPE
-    ``tokenizer.json`` (with its tokenizer_config.json) that vLLM's tokenizer loader reads."""
+    ``tokenizer.json`` (with its tokenizer_config.json) that vLLM's tokenizer loader reads.
+    By default the MLP is twice the hidden size, with one query head per 64 and one KV head
+    per 128 of it."""
     import tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -54,10 +63,10 @@ def build_llama_folder(
     arch = PRESETS["tiny"].with_(
         vocab_size=256,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=hidden_size // 64,
-        num_key_value_heads=max(1, hidden_size // 128),
+        num_attention_heads=num_heads or hidden_size // 64,
+        num_key_value_heads=num_kv_heads or max(1, hidden_size // 128),
         head_dim=64,
         max_position_embeddings=max_positions,
         bos_token_id=1,
