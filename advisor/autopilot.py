@@ -51,7 +51,13 @@ How it decides, every tick:
    without this the autopilot sat at the operator's 2048 until a RAG burst's first prompts had
    stalled the chat streams (on seeds 0 and 1 of ``autopilot_load15b.json`` it moved 2.7 s
    and 5 s into the burst). The traffic in the look-back still decides whenever it tells the
-   settings apart: a setting that serves more requests wins, ready or not.
+   settings apart: a setting that serves more requests wins, ready or not. Among settings
+   equally ready for one prompt, the readier for several arriving together comes first
+   (``burst_readiness``: their chunks fill a step up to the budget whatever the cap, which
+   bounds each prompt's chunk, not their sum). Without it the autopilot rested at 2048 cap 256
+   as ready as 256 for one prompt, and a burst of 28 RAG prompts on vLLM filled its steps to
+   2,048 tokens (seed 1 of ``autopilot_vllm.json``: 72 of the burst's 81 requests met, 81 at
+   1024 cap 256).
 """
 
 from __future__ import annotations
@@ -189,6 +195,11 @@ class Prediction:
     # it (None: no probe)
     probe_stall_ms: float | None = None
     readiness: int | None = None
+    # several such prompts arriving together: a step then carries up to the budget in prefill
+    # chunks whatever the cap (the cap bounds each prompt's chunk, not their sum), so its stall
+    # is the probe's at the setting without its cap; and its readiness, counted the same way
+    burst_stall_ms: float | None = None
+    burst_readiness: int | None = None
     # the probe's costliest step lies beyond any step the fit was fitted on (its figure is an
     # extrapolation; the order of the settings' stalls holds whatever the costs: a larger chunk
     # costs more)
@@ -219,7 +230,14 @@ class Prediction:
             "probe_stall_ms": self.probe_stall_ms,
             "readiness": self.readiness,
             "probe_extrapolated": self.probe_extrapolated,
+            "burst_stall_ms": self.burst_stall_ms,
+            "burst_readiness": self.burst_readiness,
         }
+
+    def ready_key(self) -> tuple[int, int]:
+        """How ready it is for long prompts: for one (``readiness``), then for several at once
+        (``burst_readiness``); (0, 0) without a probe."""
+        return self.readiness or 0, self.burst_readiness or 0
 
     def meet_key(self) -> tuple[int, int]:
         """What the pick maximizes first: requests meeting the SLOs, then those of them whose
@@ -293,12 +311,15 @@ def _with_probe(
     out = []
     for p in preds:
         stall = probe_stall_ms(fit, p.setting, tokens, context)
+        burst = probe_stall_ms(fit, Setting(p.setting.budget), tokens, context)
         out.append(
             replace(
                 p,
                 probe_stall_ms=stall,
                 readiness=readiness(stall, slo.itl_ms),
                 probe_extrapolated=probe_extrapolated(fit, p.setting, tokens, context),
+                burst_stall_ms=burst,
+                burst_readiness=readiness(burst, slo.itl_ms),
             )
         )
     return out
@@ -674,7 +695,7 @@ class Autopilot:
         def rank(p: Prediction) -> tuple[Any, ...]:
             return (
                 *p.meet_key(),
-                p.readiness or 0,
+                *p.ready_key(),
                 -(p.itl_max_ms if p.itl_max_ms is not None else math.inf),
                 -p.setting.distance(cur),
             )
@@ -687,13 +708,14 @@ class Autopilot:
         # of a stall past the ITL SLO, by the same margin
         enough = gain >= margin or (gain >= 0 and gain_tail >= margin)
         readying = False
-        if not enough and here.readiness:
-            # the current setting is not ready for a long prompt: the readiest setting that
-            # loses nothing on either count against it (the gains above were too small to move)
+        if not enough and here.ready_key() != (0, 0):
+            # the current setting is not ready for a long prompt, or for several at once: the
+            # readiest setting that loses nothing on either count against it (the gains above
+            # were too small to move)
             ready = [
                 p
                 for p in preds
-                if (p.readiness or 0) > here.readiness
+                if p.ready_key() > here.ready_key()
                 and p.num_meet >= here.num_meet
                 and p.meet_key()[1] >= here.meet_key()[1]
             ]
@@ -712,12 +734,20 @@ class Autopilot:
         dwell = self._last_change is None or now - self._last_change >= cfg.min_dwell_s
         if beaten and self._beaten_ticks >= confirm and dwell:
             self._beaten_ticks = 0
-            if readying:
+            if readying and (best.readiness or 0) > (here.readiness or 0):
                 why = (
                     f" (at least as many of {n} requests meet {self.slo.text()}; a prompt of "
                     f"{probe} tokens arriving now would stall streams "
                     f"{best.probe_stall_ms:.0f} ms here, {here.probe_stall_ms:.0f} ms at "
                     f"{cur.label()}{_extrapolation_note(fit, best, here)})"
+                )
+            elif readying:
+                why = (
+                    f" (at least as many of {n} requests meet {self.slo.text()}; prompts of "
+                    f"{probe} tokens arriving together would stall streams "
+                    f"{best.burst_stall_ms:.0f} ms here, {here.burst_stall_ms:.0f} ms at "
+                    f"{cur.label()}, whose cap bounds each prompt's chunk but not their sum"
+                    f"{_extrapolation_note(fit, best, here)})"
                 )
             elif gain >= margin:
                 why = f" ({gain} more of {n} requests meet {self.slo.text()})"

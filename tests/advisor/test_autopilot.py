@@ -416,6 +416,27 @@ def test_a_probe_past_the_steps_the_fit_has_seen_is_flagged_and_the_reason_says_
     assert d.kind == "change" and "past the largest step" not in d.reason, d.reason
 
 
+def test_among_settings_ready_for_one_prompt_the_one_ready_for_several_wins() -> None:
+    # a cap bounds each prompt's chunk, not their sum: at 16384 cap 128 one 16383-token prompt
+    # would stall a stream 18 ms (ready under the 100 ms SLO), as at 256 (31 ms); several
+    # arriving together fill 16384-token steps (1.6 s) against 256-token ones. In quiet chat it
+    # moves from 16384 cap 128 to 256, saying why, and stays there
+    shape = EngineShape(num_kv_blocks=4096, max_token_budget=16384, max_model_len=16384)
+    grid = (Setting(256), Setting(16384), Setting(16384, 128))
+    ap = Autopilot(AutopilotConfig(candidates=grid, start=Setting(16384, 128)), SLO)
+    first = ap.decide(0.0, fit(), traffic(rag=False), shape)
+    by = {p.setting: p for p in first.predictions}
+    assert by[Setting(16384, 128)].readiness == by[Setting(256)].readiness == 0
+    assert by[Setting(16384, 128)].burst_readiness == -5 and by[Setting(256)].burst_readiness == 0
+    d = ap.decide(1.0, fit(), traffic(1, rag=False), shape)
+    assert d.kind == "change" and d.setting == Setting(256), d.reason
+    assert "prompts of 16383 tokens arriving together would stall streams 31 ms here" in d.reason
+    ap.moved(d.setting, 1.0)
+    assert all(
+        ap.decide(float(t), fit(), traffic(t, rag=False), shape).kind == "hold" for t in range(2, 6)
+    )
+
+
 def test_the_traffic_outranks_readiness(monkeypatch: pytest.MonkeyPatch) -> None:
     # at 256 (ready) the look-back's requests are predicted to meet the SLOs less often than at
     # 16384 (not ready): it moves to 16384, by the fast path of a large gain
