@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -352,6 +353,17 @@ def _fmt(c: Any) -> str:
 
 
 # --- engine servers -----------------------------------------------------------------------------
+def stop_engine_server(proc: subprocess.Popen[str]) -> None:
+    """Stop a server :func:`start_engine_server` started: SIGINT (it drains and says goodbye),
+    then a kill after 60 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 def start_engine_server(
     cmd: list[str],
     *,

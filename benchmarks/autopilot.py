@@ -74,6 +74,7 @@ from benchmarks._common import (
     config_of,
     setup,
     start_engine_server,
+    stop_engine_server,
     write_json,
 )
 from loadgen.client import ClientConfig
@@ -270,15 +271,13 @@ def start_ours(args: argparse.Namespace, collector: Any, top: int) -> Served:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc, url = start_engine_server(cmd, env=env, timeout=300, stdout=subprocess.DEVNULL)
 
-    def stop() -> None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-    return Served(url, args.preset, False, lambda ch: asyncio.run(_put(url, ch)), stop)
+    return Served(
+        url,
+        args.preset,
+        False,
+        lambda ch: asyncio.run(_put(url, ch)),
+        lambda: stop_engine_server(proc),
+    )
 
 
 def start_vllm(args: argparse.Namespace, collector: Any, top: int, tmp: Path) -> Served:

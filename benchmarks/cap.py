@@ -25,7 +25,6 @@ import asyncio
 import logging
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -35,7 +34,14 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import add_common_args, config_of, setup, start_engine_server, write_json
+from benchmarks._common import (
+    add_common_args,
+    config_of,
+    setup,
+    start_engine_server,
+    stop_engine_server,
+    write_json,
+)
 from benchmarks.stall_story.measure import stream_completion
 from benchmarks.stall_story.workload import ClientRequest
 
@@ -290,12 +296,7 @@ def run_served(args: argparse.Namespace, windows: list[Window]) -> dict[str, Any
     try:
         return asyncio.run(drive(args, url, windows))
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_engine_server(proc)
 
 
 def main(argv: list[str] | None = None) -> int:

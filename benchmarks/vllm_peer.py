@@ -40,7 +40,6 @@ import asyncio
 import logging
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -51,7 +50,14 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import add_common_args, config_of, setup, start_engine_server, write_json
+from benchmarks._common import (
+    add_common_args,
+    config_of,
+    setup,
+    start_engine_server,
+    stop_engine_server,
+    write_json,
+)
 from benchmarks.stall_story.measure import child_pids, proc_cpu_s, stream_completion
 from benchmarks.stall_story.workload import ClientRequest
 
@@ -391,12 +397,7 @@ def run_ours(args: argparse.Namespace, model: Path, dtype: str) -> dict[str, Any
         served["affinity"] = affinity_of([proc.pid])
         served["core_threads_bound"] = bound
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_engine_server(proc)
     served["start_s"] = start_s
     if trace is not None:
         from engine.process.steptrace import read_trace

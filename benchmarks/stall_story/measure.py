@@ -9,7 +9,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from typing import Any
 
 from benchmarks._common import (
     start_engine_server,
+    stop_engine_server,
 )
 from benchmarks.stall_story.workload import ClientRequest, Traffic, Window
 
@@ -287,12 +287,7 @@ def run_served(
             pids["core"] = child
         served = asyncio.run(_drive(args, url, traffic, windows, pids))
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_engine_server(proc)
     time.sleep(1.0)  # the collector's last commit
     served["store"] = read_store(db_url)
     collector.stop()
