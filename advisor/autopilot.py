@@ -290,10 +290,13 @@ def probe_extrapolated(
     """Whether the probe's costliest step holds more than twice the prefill tokens or the
     attention pairs of the largest step the fit was fitted on (``FitReport.seen``; None when
     the fit does not say)."""
+    return _beyond_seen(fit, _probe_worst(fit, setting, prompt_tokens, stream_context))
+
+
+def _beyond_seen(fit: FitReport, work: StepWork) -> bool | None:
     seen_tokens, seen_pairs = fit.seen.get("prefill_tokens"), fit.seen.get("attention_pairs")
     if not seen_tokens or not seen_pairs:
         return None
-    work = _probe_worst(fit, setting, prompt_tokens, stream_context)
     return work.prefill_tokens > 2 * seen_tokens or work.attention_pairs > 2 * seen_pairs
 
 
@@ -310,14 +313,15 @@ def _with_probe(
 ) -> list[Prediction]:
     out = []
     for p in preds:
-        stall = probe_stall_ms(fit, p.setting, tokens, context)
+        worst = _probe_worst(fit, p.setting, tokens, context)
+        stall = (fit.step_seconds(worst) + fit.step_gap_s) * 1e3
         burst = probe_stall_ms(fit, Setting(p.setting.budget), tokens, context)
         out.append(
             replace(
                 p,
                 probe_stall_ms=stall,
                 readiness=readiness(stall, slo.itl_ms),
-                probe_extrapolated=probe_extrapolated(fit, p.setting, tokens, context),
+                probe_extrapolated=_beyond_seen(fit, worst),
                 burst_stall_ms=burst,
                 burst_readiness=readiness(burst, slo.itl_ms),
             )

@@ -43,7 +43,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -58,6 +57,7 @@ from benchmarks._common import (  # noqa: E402
     config_of,
     setup,
     start_engine_server,
+    stop_engine_server,
     write_json,
 )
 from loadgen.shapes import CHAT_DEMO, RAG_DEMO, VLM_DEMO  # noqa: E402
@@ -132,16 +132,6 @@ def start_engine(a: argparse.Namespace, collector_url: str, engine_id: str) -> t
     if a.engine_threads:
         env["OMP_NUM_THREADS"] = str(a.engine_threads)
     return start_engine_server(cmd, env=env)
-
-
-def stop(proc: Any) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def loadgen(args: list[str], timeout: float) -> None:
@@ -372,7 +362,7 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
             draws=a.draws,
         )
     finally:
-        stop(proc)
+        stop_engine_server(proc)
         collector.stop()
     rows = []
     for w, r in zip(sweep["windows"], replayed, strict=True):
@@ -514,7 +504,7 @@ def overload_check(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             slo=Slo(a.slo_itl_ms),
         )
     finally:
-        stop(proc)
+        stop_engine_server(proc)
         collector.stop()
     return {
         "profile": "mixed (realistic shapes)",

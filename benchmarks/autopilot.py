@@ -286,6 +286,7 @@ def start_vllm(args: argparse.Namespace, collector: Any, top: int, tmp: Path) ->
     MLP 2048, 4 layers, 4 query / 2 KV heads of 64), reporting to ``collector``; started at
     ``--max-num-batched-tokens`` = the largest budget any arm uses (the bridge's ceiling),
     settings relayed through the collector as the dashboard and the autopilot send them."""
+    from engine.model.arch import PRESETS
     from storage.control import send_control
     from tests.chunkscope.integrations.vllm_helpers import (
         VllmServer,
@@ -296,11 +297,15 @@ def start_vllm(args: argparse.Namespace, collector: Any, top: int, tmp: Path) ->
     py = vllm_python()
     if py is None:
         raise SystemExit("--engine vllm: no vLLM venv; run scripts/setup_vllm.sh first")
+    demo = PRESETS["demo"]
     model = build_llama_folder(
-        tmp / "llama", hidden_size=512, num_layers=4, max_positions=args.max_model_len,
-        intermediate_size=2048, num_heads=4, num_kv_heads=2,
+        tmp / "llama", hidden_size=demo.hidden_size, num_layers=demo.num_hidden_layers,
+        max_positions=args.max_model_len, intermediate_size=demo.intermediate_size,
+        num_heads=demo.num_attention_heads, num_kv_heads=demo.num_key_value_heads,
     )  # fmt: skip
-    kv_bytes = args.kv_blocks * 16 * 4 * 2 * 2 * 64 * 4  # blocks x tokens x layers x K,V x heads
+    # as many tokens as our engine's --kv-blocks (16 each), fp32 K and V of every layer
+    per_token = demo.num_hidden_layers * 2 * demo.num_key_value_heads * demo.head_dim * 4
+    kv_bytes = args.kv_blocks * 16 * per_token
     server = VllmServer(
         py, model, "--max-num-batched-tokens", str(top), "--kv-cache-memory-bytes",
         str(kv_bytes), "--shutdown-timeout", "5",

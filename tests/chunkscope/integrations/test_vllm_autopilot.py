@@ -40,6 +40,7 @@ from tests.chunkscope.integrations.vllm_helpers import (
     VllmServer,
     build_llama_folder,
 )
+from tests.storage.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -178,24 +179,22 @@ def _limits_kept(rig: Rig, rid: str, step_from: int) -> Any:
 def _stored_status(rig: Rig, prefix: str) -> Any:
     """The autopilot's latest stored control, once it is one starting with ``prefix`` (a
     control reaches the store through vLLM's event stream and the collector)."""
-    deadline = time.monotonic() + 30
-    while True:
+
+    def latest() -> Any:
         ctl = queries.controls(rig.db, engine_id=ENGINE_ID)
         mine = ctl[ctl["source"] == "autopilot"]
-        if len(mine) and str(mine.iloc[-1]["reason"]).startswith(prefix):
-            return mine.iloc[-1]
-        assert time.monotonic() < deadline, list(mine["reason"])[-3:]
-        time.sleep(0.2)
+        ok = len(mine) and str(mine.iloc[-1]["reason"]).startswith(prefix)
+        return mine.iloc[-1] if ok else None
+
+    return wait_until(latest, 30, f"a stored status '{prefix}'")
 
 
 def _wait_finished(rig: Rig, ids: list[str]) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def done() -> bool:
         reqs = queries.requests(rig.db, engine_id=ENGINE_ID)
-        if reqs[reqs.request_id.isin(ids) & reqs.finished.notna()].shape[0] == len(ids):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not all of {ids} stored as finished in 30 s")
+        return reqs[reqs.request_id.isin(ids) & reqs.finished.notna()].shape[0] == len(ids)
+
+    wait_until(done, 30, f"{ids} stored as finished")
 
 
 def test_the_autopilot_moves_vllm_and_vllm_applies_it(rig: Rig) -> None:
@@ -220,15 +219,14 @@ def test_the_autopilot_moves_vllm_and_vllm_applies_it(rig: Rig) -> None:
         # the autopilot read vLLM's hello: vLLM's scheduling order and max_model_len
         shape = engine_shape(rig.db, engine_id=ENGINE_ID)
         assert shape.scheduler == "vllm" and shape.max_model_len == MAX_MODEL_LEN
+
         # vLLM acknowledged the change at a step (stored once its event is through)
-        deadline = time.monotonic() + 30
-        while True:
+        def stored_moves() -> Any:
             ctl = queries.controls(rig.db, engine_id=ENGINE_ID)
-            moves = ctl[(ctl["source"] == "autopilot") & (ctl["old_value"] != ctl["new_value"])]
-            if len(moves) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert len(moves) >= 1 and moves["accepted"].all(), moves
+            return ctl[(ctl["source"] == "autopilot") & (ctl["old_value"] != ctl["new_value"])]
+
+        moves = wait_until(stored_moves, 30, "the autopilot's change stored")
+        assert moves["accepted"].all(), moves
         at = int(moves["applied_at_step"].min())
         # a long prompt among the chat streams, sent after the change
         long_id = rig.complete(_prompt(3000, rig._next()), 2)
