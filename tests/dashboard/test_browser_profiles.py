@@ -279,9 +279,12 @@ def test_story_in_five_steps(story: Story, profile: str) -> None:
     # slow step of the machine (once 388 ms beside its 111 ms twin) must not decide the story,
     # while a budget that does not bound the steps fails both windows
     # (measured from the return to the Control page: the Live page's redraws take CPU)
-    lo = max(cut, time.time())
-    t_end, tries = lo, []
+    # (``lo`` stays the start of the window last measured: advanced past it after the last
+    # try, the result below measured an empty window, and two failed windows read "ratio nan")
+    start = max(cut, time.time())
+    t_end, tries = start, []
     for _ in range(2):
+        lo = start
         t_end = _wait_window(db, lo)
         worst_before = float(_chat_gaps(db, t_start, cut)["itl_ms"].max())
         worst_after = float(_chat_gaps(db, lo, t_end)["itl_ms"].max())
@@ -289,7 +292,7 @@ def test_story_in_five_steps(story: Story, profile: str) -> None:
                       "chat_itl_max_ms": round(worst_after, 1)})  # fmt: skip
         if worst_before >= MIN_RATIO * worst_after:
             break
-        lo = t_end
+        start = t_end
     # the sidebar says what the engine served against what the launcher offers
     served = sidebar.get_by_text(re.compile(r"Engine finished [\d.]+ req/s over the last \d+ s"))
     expect(served).to_be_visible()
