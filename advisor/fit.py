@@ -539,6 +539,15 @@ def carry_spread(
     return float((np.quantile(t, 0.9) - np.quantile(t, 0.1)) / med)
 
 
+# the calibration's level is matched on prefill steps of at least this many tokens: a
+# window's shorter prefill steps (a chat prompt of 50-150 tokens beside a few decodes) are
+# mostly fixed cost and decodes, where the model's own bias shows, not the machine's speed
+# (issue 19, Zen 5 holdout run at 38f0d85: such steps ran 1.11-1.32x the joint fit in every
+# window and budget alike, the window's 1,024-token chunks 0.93-0.96x; matched on all prefill
+# steps, the level came out 1.11 and every other budget's 128- and 512-token chunks 0.89-0.91x
+# their prediction)
+LEVEL_MIN_PREFILL = 128
+LEVEL_MIN_STEPS = 3  # fewer such steps in the window: the level from all its prefill steps
 CAL_DRIFT_WARN = 0.15  # calibration and window levels further apart than this: said so
 # further apart than this: the machine's speed changed between the calibration and the window
 # (other work on it), and a prediction would carry that change: the fit is poor
@@ -556,21 +565,30 @@ def calibration_fit(
     another moment (the machine's speed moves with the load on it) and on an idle engine, so
     its level is matched to the window's first: a fit on both, then the calibration's times
     scaled by ``level`` = (the window's prefill steps' median measured / predicted) over (the
-    calibration steps' median), and refitted. The calibration then sets how the cost grows with
+    calibration's prefill steps' median), and refitted; both sides count only steps of at
+    least ``LEVEL_MIN_PREFILL`` prefill tokens where the window has ``LEVEL_MIN_STEPS`` of
+    them (all prefill steps otherwise: ``info["level_min_prefill_tokens"]`` says which). The calibration then sets how the cost grows with
     chunk size and context, the window how fast the machine is. ``level`` is kept within
     [0.5, 2]; without prefill steps in the window it is the decode-free part's best guess, 1.
     Returns the model, the inlier mask (window steps first), a summary, and the steps and
     times the model was fitted on."""
     all_works = works + cal_works
     model, _ = robust_fit(all_works, np.concatenate([measured, cal_measured]), method)
-    win_prefill = np.array([w.prefill_tokens > 0 for w in works])
+    # the level compares like with like: the window's steps of at least LEVEL_MIN_PREFILL
+    # prefill tokens against the calibration's (all its prefill steps when the window has
+    # fewer than LEVEL_MIN_STEPS of them)
+    floor = LEVEL_MIN_PREFILL
+    win_prefill = np.array([w.prefill_tokens >= floor for w in works])
+    if win_prefill.sum() < LEVEL_MIN_STEPS or not any(w.prefill_tokens >= floor for w in cal_works):
+        floor = 1
+        win_prefill = np.array([w.prefill_tokens > 0 for w in works])
     level = 1.0
     raw = None
     if win_prefill.any():
         pw = model.predict_many([w for w, p in zip(works, win_prefill, strict=True) if p])
         # prefill against prefill (a calibration's decode batches are not what the window's
         # prefill steps are)
-        cal_prefill = np.array([w.prefill_tokens > 0 for w in cal_works])
+        cal_prefill = np.array([w.prefill_tokens >= floor for w in cal_works])
         pc = model.predict_many(cal_works)
         okw, okc = pw > 0, (pc > 0) & cal_prefill
         if okw.any() and okc.any():
@@ -588,6 +606,7 @@ def calibration_fit(
         "level": level,
         "level_raw": raw,
         "num_window_prefill_steps": int(win_prefill.sum()),
+        "level_min_prefill_tokens": floor,
         "ratio_p50_after": float(np.median(scaled[ok] / pc[ok])) if ok.any() else None,
         "drift": bool(raw is not None and abs(raw - 1.0) > CAL_DRIFT_WARN),
     }

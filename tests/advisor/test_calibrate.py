@@ -141,6 +141,38 @@ def _window(rng: np.random.Generator, speed: float) -> tuple[list[StepWork], np.
     return works, t
 
 
+def test_the_level_is_matched_on_chunks_not_on_short_prompts_beside_decodes() -> None:
+    """A window's short prefill steps (chat prompts of 40-100 tokens beside decodes) run 1.25x
+    the model whatever the machine's speed; its 1,024-token chunks at the calibration's own
+    speed. The level comes from the chunks (about 1.0), not from the short steps' majority
+    (1.25: every other budget's chunks would then be predicted a quarter too long)."""
+    rng = np.random.default_rng(5)
+    works, t = [], []
+    for _ in range(300):
+        d = int(rng.integers(1, 6))
+        w = StepWork(0, d, d * 500, d * 500)
+        works.append(w)
+        t.append(MODEL.predict(w))
+    for _ in range(30):
+        n, d = int(rng.integers(40, 100)), int(rng.integers(1, 6))
+        w = StepWork(n, d, chunk_pairs(0, n) + d * 500, d * 500)
+        works.append(w)
+        t.append(MODEL.predict(w) * 1.25)
+    for i in range(8):
+        w = StepWork(1024, 2, chunk_pairs(1024 * (i % 3), 1024) + 1000, 1000)
+        works.append(w)
+        t.append(MODEL.predict(w))
+    meas = np.array(t) * rng.normal(1.0, 0.02, len(t))
+    cal_works, cal_t = _steps(rng, [128, 512, 4096], [600, 1900, 3900])
+    _, _, info, _, _ = calibration_fit(works, meas, cal_works, cal_t)
+    assert info["level_min_prefill_tokens"] == 128 and info["num_window_prefill_steps"] == 8
+    assert 0.93 < info["level"] < 1.07
+    # with fewer than LEVEL_MIN_STEPS chunks in the window, every prefill step sets it
+    few = works[:-6], meas[:-6]
+    _, _, info_few, _, _ = calibration_fit(*few, cal_works, cal_t)
+    assert info_few["level_min_prefill_tokens"] == 1 and info_few["num_window_prefill_steps"] == 32
+
+
 def test_calibration_pins_the_prefill_cost_the_window_cannot() -> None:
     rng = np.random.default_rng(3)
     works, t = _window(rng, 1.1)  # the window ran 10% slower than the idle engine
