@@ -542,10 +542,9 @@ def carry_spread(
 # the calibration's level is matched on prefill steps of at least this many tokens: a
 # window's shorter prefill steps (a chat prompt of 50-150 tokens beside a few decodes) are
 # mostly fixed cost and decodes, where the model's own bias shows, not the machine's speed
-# (issue 19, Zen 5 holdout run at 38f0d85: such steps ran 1.11-1.32x the joint fit in every
-# window and budget alike, the window's 1,024-token chunks 0.93-0.96x; matched on all prefill
-# steps, the level came out 1.11 and every other budget's 128- and 512-token chunks 0.89-0.91x
-# their prediction)
+# (issue 19, Zen 5 holdout run at 38f0d85: such steps ran 1.11-1.32x the joint fit in all three
+# baselines, their 1,024-token chunks 0.93-0.96x; matched on all prefill steps, the level came
+# out 1.11-1.14 and other budgets' 128- and 512-token chunks ran 0.89-0.91x their prediction)
 LEVEL_MIN_PREFILL = 128
 LEVEL_MIN_STEPS = 3  # fewer such steps in the window: the level from all its prefill steps
 CAL_DRIFT_WARN = 0.15  # calibration and window levels further apart than this: said so
