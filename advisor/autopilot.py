@@ -58,6 +58,16 @@ How it decides, every tick:
    as ready as 256 for one prompt, and a burst of 28 RAG prompts on vLLM filled its steps to
    2,048 tokens (seed 1 of ``autopilot_vllm.json``: 72 of the burst's 81 requests met, 81 at
    1024 cap 256).
+6. **An overloaded window** (its queue grew through it, or requests failed: ``advisor.overload``)
+   is never read as what a setting does: its observed figures say how long the queue was, and
+   its arrivals are what the engine took in, which understates what was offered. The parting
+   check (step 3) skips it, and the only move made from it is toward more prefill per step (a
+   larger budget, a larger cap or none: fewer steps for the same prompts, so more throughput),
+   when step 4's rule picks one among those settings, readiness aside (the readier settings
+   prefill less per step). Otherwise it holds (``refuse``, saying why). Before, it made no move
+   at all: in a RAG burst on vLLM (seed 1 of ``autopilot_vllm_burst.json``) nine refusals held
+   512 cap 256 for 14 s while the queue grew, and the move to 1024 cap 256, made once a window
+   was no longer overloaded, came late for nine of the burst's requests.
 """
 
 from __future__ import annotations
@@ -597,6 +607,74 @@ class Autopilot:
             self._last_change = now
         self.current = setting
 
+    def _overloaded(
+        self, now: float, why: str, preds: list[Prediction], here: Prediction, n: int
+    ) -> Decision:
+        """Step 6: from an overloaded window, step 4's rule among the settings that prefill
+        more per step than the current one (readiness aside), or a hold."""
+        cfg, cur = self.config, self.current
+        up = [p for p in preds if p.setting.side_of(cur) > 0]
+
+        def rank(p: Prediction) -> tuple[Any, ...]:
+            return (
+                *p.meet_key(),
+                -(p.itl_max_ms if p.itl_max_ms is not None else math.inf),
+                -p.setting.distance(cur),
+            )
+
+        best = max(up, key=rank) if up else here
+        margin = max(1, math.ceil(cfg.margin_frac * n))
+        gain = best.num_meet - here.num_meet
+        gain_tail = best.meet_key()[1] - here.meet_key()[1]
+        enough = best is not here and (gain >= margin or (gain >= 0 and gain_tail >= margin))
+        if enough and self._beaten_side == 1:
+            self._beaten_ticks += 1
+        else:
+            self._beaten_ticks, self._beaten_side = int(enough), int(enough)
+        confirm = 1 if gain >= cfg.fast_margins * margin else cfg.confirm
+        dwell = self._last_change is None or now - self._last_change >= cfg.min_dwell_s
+        if enough and self._beaten_ticks >= confirm and dwell:
+            self._beaten_ticks = 0
+            more = (
+                f"{gain} more of {n} requests meet {self.slo.text()}"
+                if gain >= margin
+                else f"as many of {n} requests meet {self.slo.text()}; {gain_tail} more keep "
+                f"every token gap within {self.slo.itl_ms:g} ms"
+            )
+            return Decision(
+                "change",
+                best.setting,
+                cur,
+                change_reason(
+                    best,
+                    here,
+                    f" (the window is overloaded ({why}): only a move to more prefill per "
+                    f"step is made from it; {more})",
+                ),
+                chosen=best,
+                left=here,
+                predictions=tuple(preds),
+            )
+        if not enough:
+            wait = (
+                "no setting with more prefill per step is predicted to meet more requests"
+                if up
+                else "no setting prefills more per step"
+            )
+        elif not dwell:
+            wait = f"{best.setting.label()} waits out the {cfg.min_dwell_s:g} s dwell"
+        else:
+            wait = f"{best.setting.label()} needs {confirm} ticks in a row"
+        return Decision(
+            "refuse",
+            cur,
+            cur,
+            f"autopilot holds {cur.label()}: the window is overloaded ({why}); only a move to "
+            f"more prefill per step is made from it, and {wait}",
+            left=here,
+            predictions=tuple(preds),
+        )
+
     def decide(
         self,
         now: float,
@@ -606,9 +684,9 @@ class Autopilot:
         observed: Observed | None = None,
         load: WindowLoad | None = None,
     ) -> Decision:
-        """One tick. ``load`` is the look-back window's load (``advisor.overload``): an
-        overloaded window's figures say how long it ran, not what a setting does, so no
-        decision is made from it (the same rule the sweep and the advisor follow)."""
+        """One tick. ``load`` is the look-back window's load (``advisor.overload``): from an
+        overloaded window only a move toward more prefill per step is made (step 6 of the
+        module docstring); the sweep and the advisor recommend nothing from one."""
         cfg, cur = self.config, self.current
 
         def keep(kind: str, reason: str, **kw: Any) -> Decision:
@@ -631,13 +709,7 @@ class Autopilot:
             )
         if isinstance(fit, str):
             return keep("refuse", f"autopilot holds {cur.label()}: too little data ({fit})")
-        if load is not None and load.overloaded:
-            self._beaten_ticks = 0
-            return keep(
-                "refuse",
-                f"autopilot holds {cur.label()}: the window is overloaded ({load.reason()}); "
-                "no decision from it",
-            )
+        overloaded = load.reason() if load is not None and load.overloaded else None
         if fit.num_steps < cfg.min_steps:
             return keep(
                 "refuse",
@@ -661,6 +733,8 @@ class Autopilot:
             preds = _with_probe(preds, fit, probe, _stream_context(traffic), self.slo)
         by = {p.setting: p for p in preds}
         here = by[cur]
+        if overloaded is not None:
+            return self._overloaded(now, overloaded, preds, here, n)
         steady = observed is not None and observed.steady
         parted = _parted(here, observed, cfg, self.slo) if steady and observed else None
         self._parted_ticks = self._parted_ticks + 1 if parted else 0

@@ -297,6 +297,52 @@ def test_makes_no_decision_from_an_overloaded_window() -> None:
     assert ap.decide(10.0, fit(), traffic(), SHAPE, None, calm).kind == "change"
 
 
+def test_from_an_overloaded_window_it_moves_only_to_more_prefill_per_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    grows = WindowLoad(arrived=20, queued_start=1, queued_end=12)
+    # at 256 the queue grows and 1024 is predicted to serve far more: it moves up at once
+    script_predictions(monkeypatch, [{256: 30, 1024: 45, 16384: 40}])
+    ap = pilot(start=Setting(256))
+    d = ap.decide(0.0, fit(), traffic(), SHAPE, None, grows)
+    assert d.kind == "change" and d.setting == Setting(1024), d.reason
+    assert "overloaded" in d.reason and "only a move to more prefill per step" in d.reason
+    assert parse_reason(d.reason) == (5.0, 100.0)
+    # a smaller setting predicted best is not taken from an overloaded window (nor a readier)
+    script_predictions(monkeypatch, [{256: 50, 1024: 40, 16384: 30}] * 3)
+    ap = pilot(start=Setting(1024))
+    for t in (0.0, 2.0):
+        d = ap.decide(t, fit(), traffic(), SHAPE, None, grows)
+        assert d.kind == "refuse" and not d.changes, d.reason
+        assert "no setting with more prefill per step is predicted to meet more" in d.reason
+    # once the window is calm, step 4 decides as before (256 gains 10 of 42: it moves at once)
+    calm = WindowLoad(arrived=20, queued_start=1, queued_end=2)
+    assert ap.decide(4.0, fit(), traffic(), SHAPE, None, calm).setting == Setting(256)
+    # a small gain waits for a second tick, as it does from a calm window; the dwell holds too
+    script_predictions(monkeypatch, [{256: 40, 1024: 43, 16384: 40}] * 3)
+    ap = pilot(start=Setting(256))
+    first = ap.decide(0.0, fit(), traffic(), SHAPE, None, grows)
+    assert first.kind == "refuse" and "needs 2 ticks in a row" in first.reason, first.reason
+    assert ap.decide(2.0, fit(), traffic(), SHAPE, None, grows).setting == Setting(1024)
+
+
+def test_an_overloaded_window_is_not_read_as_predictions_parting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # observed far from predicted on every tick, but the window is overloaded: its figures say
+    # how long the queue was; no fallback to the operator's setting
+    script_predictions(monkeypatch, [{256: 40, 1024: 40, 16384: 40}] * 4)
+    ap = pilot(start=Setting(16384), part_ticks=1)
+    ap.moved(Setting(1024), 0.0)
+    grows = WindowLoad(arrived=20, queued_start=1, queued_end=12)
+    far = Observed(itl_p99_ms=900.0, ttft_p99_ms=20_000.0, steady=True)
+    for t in (10.0, 12.0, 14.0):
+        d = ap.decide(t, fit(), traffic(), SHAPE, far, grows)
+        assert d.kind == "refuse" and d.setting == Setting(1024), d.reason
+    calm = WindowLoad(arrived=20, queued_start=1, queued_end=2)
+    assert ap.decide(16.0, fit(), traffic(), SHAPE, far, calm).kind == "fallback"
+
+
 def test_refuses_with_too_little_data() -> None:
     few = Traffic(traffic().requests[:3], 0.0, 20.0)
     d = pilot().decide(0.0, fit(), few, SHAPE)
