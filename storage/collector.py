@@ -231,6 +231,10 @@ class IngestConn:
     engine_kind: str | None = None  # the hello's engine_kind ("vllm" for the vLLM bridge)
     last_step: int | None = None
     last_seen_ns: int | None = None
+    # the first step of the latest accepted control (its ack or its event): a step event of an
+    # earlier step, arriving later (telemetry is batched, an ack is not), ran the old settings
+    # and must not put them back in this row
+    settings_from_step: int | None = None
     current: bool = True  # False once replaced by a newer connection of the same run
     pending: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     # control id -> (source, reason) its /control client declared, stamped on the engine's
@@ -239,6 +243,17 @@ class IngestConn:
 
 
 MAX_DECLARED = 64  # per engine connection: relayed controls whose events are still to come
+
+
+def _note_applied(conn: IngestConn, step: Any) -> None:
+    """An accepted control is in force from ``step`` (its ``applied_at_step``)."""
+    if isinstance(step, int) and not isinstance(step, bool):
+        conn.settings_from_step = max(step, conn.settings_from_step or step)
+
+
+def _before(step: Any, settings_from_step: int | None) -> bool:
+    """A step event that ran before the latest accepted control came in force."""
+    return isinstance(step, int) and settings_from_step is not None and step < settings_from_step
 
 
 def _stamp_declared(
@@ -746,6 +761,8 @@ class Collector:
                     conn.last_step = step
                 if isinstance(end_ns, int):
                     conn.last_seen_ns = end_ns
+                if _before(step, conn.settings_from_step):
+                    break
                 budget, policy = ev.get("token_budget"), ev.get("policy")
                 if isinstance(budget, int):
                     conn.token_budget = budget
@@ -757,6 +774,7 @@ class Collector:
                 break
         for ev in events:
             if ev.get("type") == "control" and ev.get("accepted"):
+                _note_applied(conn, ev.get("applied_at_step"))
                 if ev.get("key") == "token_budget" and isinstance(ev.get("new_value"), int):
                     conn.token_budget = ev["new_value"]
                 elif ev.get("key") == "policy" and isinstance(ev.get("new_value"), str):
@@ -960,5 +978,6 @@ class Collector:
         if ok:
             for key, value in new.items():
                 setattr(conn, key, value)
+            _note_applied(conn, answer.get("applied_at_step"))
             self._refresh_seen(conn, connected=True)
         return {**answer, "type": "control_ack", "id": cid}

@@ -70,6 +70,27 @@ def test_accepted_control_reaches_engine_and_is_stored_once(collector: Any, db_u
     assert run_row(db_url, "engine-ctl", "run-ctl")["token_budget"] == 256
 
 
+def test_a_step_event_from_before_an_accepted_control_does_not_undo_it(collector: Any) -> None:
+    """Telemetry is batched, an ack is not: events of steps that ran the old budget can reach
+    the collector after the control's ack. The engines row keeps the new budget (the autopilot
+    reads it to tell its own moves from an operator's: a stale row paused it mid-burst)."""
+    eng, client = _engine(collector)
+    held = eng.steps(2)  # steps 3 and 4, at 512, still in the engine's publisher
+    ack = send_control(collector.url, "engine-ctl", {"token_budget": 256})
+    assert ack["ok"] and ack["applied_at_step"] == 5, ack
+    [row] = list_engines(collector.url)
+    assert row["token_budget"] == 256
+    client.send_events(held)
+    client.wait_ack(held[-1]["seq"])
+    [row] = list_engines(collector.url)
+    assert row["token_budget"] == 256, row
+    client.send_events(eng.steps(2))  # the control's event, then steps at 256
+    client.wait_ack(eng.seq)
+    [row] = list_engines(collector.url)
+    assert row["token_budget"] == 256 and row["last_step"] == 6, row
+    client.close()
+
+
 def _step_start(db_url: str, step: int) -> int:
     db = dbm.connect(db_url, readonly=True)
     try:
