@@ -607,6 +607,18 @@ class Autopilot:
             self._last_change = now
         self.current = setting
 
+    def _gains(self, best: Prediction, here: Prediction, n: int) -> tuple[int, int, int, bool]:
+        """Step 4's hysteresis: the margin (requests), ``best``'s gain over ``here`` in requests
+        meeting the SLOs and in ``num_meet_tail``, and whether that is enough to move."""
+        margin = max(1, math.ceil(self.config.margin_frac * n))
+        gain = best.num_meet - here.num_meet
+        gain_tail = best.meet_key()[1] - here.meet_key()[1]
+        return margin, gain, gain_tail, gain >= margin or (gain >= 0 and gain_tail >= margin)
+
+    def _dwelt(self, now: float) -> bool:
+        """``min_dwell_s`` has passed since the last move (or there was none)."""
+        return self._last_change is None or now - self._last_change >= self.config.min_dwell_s
+
     def _overloaded(
         self, now: float, why: str, preds: list[Prediction], here: Prediction, n: int
     ) -> Decision:
@@ -623,16 +635,14 @@ class Autopilot:
             )
 
         best = max(up, key=rank) if up else here
-        margin = max(1, math.ceil(cfg.margin_frac * n))
-        gain = best.num_meet - here.num_meet
-        gain_tail = best.meet_key()[1] - here.meet_key()[1]
-        enough = best is not here and (gain >= margin or (gain >= 0 and gain_tail >= margin))
+        margin, gain, gain_tail, enough = self._gains(best, here, n)
+        enough = enough and best is not here
         if enough and self._beaten_side == 1:
             self._beaten_ticks += 1
         else:
             self._beaten_ticks, self._beaten_side = int(enough), int(enough)
         confirm = 1 if gain >= cfg.fast_margins * margin else cfg.confirm
-        dwell = self._last_change is None or now - self._last_change >= cfg.min_dwell_s
+        dwell = self._dwelt(now)
         if enough and self._beaten_ticks >= confirm and dwell:
             self._beaten_ticks = 0
             more = (
@@ -779,12 +789,9 @@ class Autopilot:
             )
 
         best = max(preds, key=rank)
-        margin = max(1, math.ceil(cfg.margin_frac * n))
-        gain = best.num_meet - here.num_meet
-        gain_tail = best.meet_key()[1] - here.meet_key()[1]
         # a tie in requests meeting the SLOs goes to the setting that keeps more of them clear
         # of a stall past the ITL SLO, by the same margin
-        enough = gain >= margin or (gain >= 0 and gain_tail >= margin)
+        margin, gain, gain_tail, enough = self._gains(best, here, n)
         readying = False
         if not enough and here.ready_key() != (0, 0):
             # the current setting is not ready for a long prompt, or for several at once: the
@@ -799,8 +806,7 @@ class Autopilot:
             ]
             if ready:
                 best = max(ready, key=rank)
-                gain = best.num_meet - here.num_meet
-                gain_tail = best.meet_key()[1] - here.meet_key()[1]
+                margin, gain, gain_tail, _ = self._gains(best, here, n)
                 enough = readying = True
         confirm = 1 if gain >= cfg.fast_margins * margin else cfg.confirm
         beaten = best.setting != cur and enough
@@ -809,7 +815,7 @@ class Autopilot:
             self._beaten_ticks += 1
         else:
             self._beaten_ticks, self._beaten_side = int(beaten), side
-        dwell = self._last_change is None or now - self._last_change >= cfg.min_dwell_s
+        dwell = self._dwelt(now)
         if beaten and self._beaten_ticks >= confirm and dwell:
             self._beaten_ticks = 0
             if readying and (best.readiness or 0) > (here.readiness or 0):

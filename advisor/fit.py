@@ -568,8 +568,8 @@ def calibration_fit(
     least ``LEVEL_MIN_PREFILL`` prefill tokens where the window has ``LEVEL_MIN_STEPS`` of
     them (all prefill steps otherwise: ``info["level_min_prefill_tokens"]`` says which). The
     calibration then sets how the cost grows with chunk size and context, the window how fast
-    the machine is. ``level`` is kept within
-    [0.5, 2]; without prefill steps in the window it is the decode-free part's best guess, 1.
+    the machine is. ``level`` is kept within [0.5, 2]; without prefill steps in the window it
+    is the decode-free part's best guess, 1.
     Returns the model, the inlier mask (window steps first), a summary, and the steps and
     times the model was fitted on."""
     all_works = works + cal_works
