@@ -119,12 +119,16 @@ class Rig:
             t.join(WAIT_S)
 
     def autopilot(self, log: Path) -> subprocess.Popen[str]:
+        # --min-fit-r2 0: the chat steps here are all alike, so R^2 says little about them (CI at
+        # e6f9f43: R^2 -0.14 at a p50 error of 36% held the autopilot for 120 s); the fit gate
+        # has its unit tests, this test is about vLLM applying a move
         return subprocess.Popen(
             [sys.executable, "-m", "chunkscope.cli", "autopilot", "--collector",
              self.collector.url, "--engine", ENGINE_ID, "--db", self.db_url,
              "--slo-itl-ms", str(SLO_ITL_MS), "--slo-ttft-ms", "5000", "--interval", "1",
              "--lookback", "10", "--budgets", f"256,{START_BUDGET}", "--caps", "0,128",
-             "--status-every", "2", "--log", str(log), "--log-level", "warning"],
+             "--status-every", "2", "--min-fit-r2", "0", "--log", str(log),
+             "--log-level", "warning"],
             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip
