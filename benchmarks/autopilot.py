@@ -641,7 +641,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--arms", default="", help="only these arms (names like 1024/0, autopilot; calibration)"
     )
-    ap.add_argument("--keep-store", default="", help="copy the run's SQLite store here")
+    ap.add_argument(
+        "--keep-store",
+        default="",
+        help="copy the run's SQLite store here, and the autopilot's decision logs beside it",
+    )
     ap.add_argument("--drain-s", type=float, default=15.0, help="then in-flight requests fail")
     ap.add_argument("--budgets", default="256,1024,16384")
     ap.add_argument("--caps", default="256", help="caps tried at each budget besides off")
@@ -742,6 +746,8 @@ def main(argv: list[str] | None = None) -> int:
         collector.stop()
         if args.keep_store:
             shutil.copy(tmp / "store.db", args.keep_store)
+            for log in tmp.glob("decisions-*.jsonl"):  # every tick's predictions, beside it
+                shutil.copy(log, Path(args.keep_store).parent / log.name)
         shutil.rmtree(tmp, ignore_errors=True)
     result = summary(seeds_out) if with_autopilot and statics else {"per_seed": []}
     for r in result["per_seed"]:
