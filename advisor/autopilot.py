@@ -64,7 +64,10 @@ How it decides, every tick:
    check (step 3) skips it, and the only move made from it is toward more prefill per step (a
    larger budget, a larger cap or none: fewer steps for the same prompts, so more throughput),
    when step 4's rule picks one among those settings, readiness aside (the readier settings
-   prefill less per step). Otherwise it holds (``refuse``, saying why). Before, it made no move
+   prefill less per step). Otherwise it holds (``refuse``, saying why). Only the current
+   setting and those that prefill more are simulated then: the others cannot be chosen, and
+   they are the costliest to simulate (more steps for the same queue) when the engine, short
+   of CPU, can least spare it. Before, it made no move
    at all: in a RAG burst on vLLM (seed 1 of ``autopilot_vllm_burst.json``) nine refusals held
    512 cap 256 for 14 s while the queue grew, and the move to 1024 cap 256, made once a window
    was no longer overloaded, came late for nine of the burst's requests.
@@ -735,9 +738,17 @@ class Autopilot:
                 f"{cfg.min_fit_r2:.2f})",
             )
         self._ticks += 1
-        preds = predict_settings(
-            fit, traffic, shape, cfg.candidates, self.slo, seed=cfg.seed + self._ticks
+        # from an overloaded window only a move to more prefill per step can be made (step 6):
+        # the settings that prefill less are not simulated. They are the costly ones (more
+        # steps for the same queue), and a tick in a burst takes its CPU from the engine
+        pool = (
+            [c for c in cfg.candidates if c.side_of(cur) >= 0]
+            if overloaded is not None
+            else list(cfg.candidates)
         )
+        if cur not in pool:
+            pool.append(cur)
+        preds = predict_settings(fit, traffic, shape, pool, self.slo, seed=cfg.seed + self._ticks)
         probe = self.probe_tokens(shape)
         if probe:
             preds = _with_probe(preds, fit, probe, _stream_context(traffic), self.slo)

@@ -4,10 +4,12 @@ live, through the collector's relay.
 Every ``--interval`` seconds it reads the store as the dashboard does (``storage.queries``): the
 requests that arrived in the last ``--lookback`` seconds (queued ones included), the steps of the
 last ``--fit-window`` seconds (to refit the step-cost model, at most every ``--refit-every``
-seconds), what was observed; it asks
-``advisor.autopilot.Autopilot`` for a decision and, on a change, sends one control through
-``storage.control`` (the one control client) with ``source: "autopilot"`` and the decision's
-reason, which the collector stores on the engine's control events.
+seconds), what was observed; it asks ``advisor.autopilot.Autopilot`` for a decision and, on a
+change, sends one control through ``storage.control`` (the one control client) with ``source:
+"autopilot"`` and the decision's reason, which the collector stores on the engine's control
+events. The next tick waits longer when this one took more than ``--max-cpu-share`` of a core:
+on a small machine the autopilot's CPU is the engine's, and a burst's queue is the costliest to
+simulate just when the engine is shortest of it.
 
 What it stores besides changes: a *status* (a control that sets the budget it already has: a
 control event with no change, source ``autopilot``, its reason saying why it holds, refuses or
@@ -187,6 +189,16 @@ class Options:
     probe_tokens: int | None = None  # None: the engine's max_model_len
     fallback_hold_s: float | None = None  # None: three look-backs
     refit_every_s: float = 10.0
+    # the share of one core its ticks may take: after a tick of c CPU seconds the next starts
+    # no sooner than c / max_cpu_share seconds after it began (and never sooner than interval_s)
+    max_cpu_share: float = 0.2
+
+
+def tick_wait_s(interval_s: float, cpu_s: float, max_cpu_share: float) -> float:
+    """Seconds from a tick's start to the next: ``interval_s``, or longer where the tick took
+    more than ``max_cpu_share`` of a core over that (a tick in a burst replays a long queue at
+    every setting, on the CPU the engine is short of)."""
+    return max(interval_s, cpu_s / max_cpu_share)
 
 
 class Runner:
@@ -232,6 +244,7 @@ class Runner:
         self.pilot = Autopilot(config, opts.slo)
         self.started = time.time()
         self._fit_at: tuple[float, FitReport] | None = None
+        self.last_tick_cpu_s = 0.0
 
     def _engine_row(self) -> dict[str, Any]:
         for e in list_engines(self.opts.collector, auth_token=self.opts.auth_token):
@@ -317,6 +330,7 @@ class Runner:
 
     def tick(self) -> Decision | None:
         o, now = self.opts, time.time()
+        cpu0 = time.process_time()
         foreign = (
             foreign_control(self.db, engine_id=o.engine_id, run_id=self.run_id, since=self.started)
             or self.moved_by_someone()
@@ -340,6 +354,7 @@ class Runner:
         )
         d = self.pilot.decide(now, fit, traffic, shape, obs, load)
         decided_s = time.time() - now
+        self.last_tick_cpu_s = time.process_time() - cpu0
         logger.info("%s", d.reason)
         if d.changes:
             self.apply(d)
@@ -353,11 +368,18 @@ class Runner:
                 "fit_error": fit if isinstance(fit, str) else None,
                 # the tick's own time, reads and fit included: what a decision lags the store
                 "tick_s": decided_s,
+                # its CPU: what it took from the engine, on a machine they share
+                "tick_cpu_s": self.last_tick_cpu_s,
+                "next_tick_in_s": self.next_tick_in(),
                 "num_arrivals": len(traffic.requests),
             }
             self._log.write(json.dumps(entry) + "\n")
             self._log.flush()
         return d
+
+    def next_tick_in(self) -> float:
+        """Seconds from this tick's start to the next (:func:`tick_wait_s`)."""
+        return tick_wait_s(self.opts.interval_s, self.last_tick_cpu_s, self.opts.max_cpu_share)
 
     def _fit(self, now: float) -> FitReport | str:
         """The step-cost fit on the last ``fit_window_s`` of steps, refitted at most every
@@ -409,6 +431,7 @@ class Runner:
         ticks = 0
         while not self.stopping:
             t0 = time.monotonic()
+            self.last_tick_cpu_s = 0.0
             try:
                 self.tick()
             except CollectorUnavailable as exc:
@@ -416,8 +439,9 @@ class Runner:
             ticks += 1
             if o.max_ticks is not None and ticks >= o.max_ticks:
                 break
-            while not self.stopping and time.monotonic() - t0 < o.interval_s:
-                time.sleep(min(0.2, o.interval_s))
+            wait = self.next_tick_in()
+            while not self.stopping and time.monotonic() - t0 < wait:
+                time.sleep(min(0.2, wait))
         if self.paused_by is not None:
             return EXIT_PAUSED
         self.off()
@@ -499,6 +523,14 @@ def build_parser() -> argparse.ArgumentParser:
         "simulations compete with the engine it steers",
     )
     p.add_argument(
+        "--max-cpu-share",
+        type=float,
+        default=0.2,
+        help="the share of one core its decisions may take (0.2): after a tick of c CPU "
+        "seconds the next waits at least c / share seconds, so a burst's long queue, costly "
+        "to simulate, does not slow the engine it steers",
+    )
+    p.add_argument(
         "--max-fit-err",
         type=float,
         default=0.6,
@@ -553,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, v in (("--interval", args.interval), ("--lookback", args.lookback)):
             if v <= 0:
                 raise ValueError(f"{name} must be positive, got {v}")
+        if not 0 < args.max_cpu_share <= 1:
+            raise ValueError(f"--max-cpu-share must be in (0, 1], got {args.max_cpu_share}")
         if args.probe_tokens is not None and args.probe_tokens < 0:
             raise ValueError(f"--probe-tokens must be >= 0, got {args.probe_tokens}")
         opts = Options(
@@ -577,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
             probe_tokens=args.probe_tokens,
             fallback_hold_s=args.fallback_hold,
             refit_every_s=args.refit_every,
+            max_cpu_share=args.max_cpu_share,
         )
         runner = Runner(opts)
     except (ValueError, RuntimeError, CollectorUnavailable) as exc:

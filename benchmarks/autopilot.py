@@ -66,6 +66,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import sqlalchemy as sa
 
 from advisor.autopilot import AutopilotSlo, request_meets
 from benchmarks._common import (
@@ -81,6 +82,7 @@ from loadgen.client import ClientConfig
 from loadgen.runner import execute, prefetch_images
 from loadgen.spec import ImageRef, RequestSpec, reindex
 from loadgen.tokens import Segment, TokenSource, words
+from storage import db as dbm
 from testkit.collector import start_collector
 
 SCRIPT = "autopilot.py"
@@ -330,7 +332,7 @@ def _autopilot_proc(args: argparse.Namespace, collector: Any, log: Path) -> subp
         "--fit-window", str(args.ap_fit_window), "--min-dwell", str(args.ap_min_dwell),
         "--max-fit-err", str(args.ap_max_fit_err), "--min-fit-r2", str(args.ap_min_fit_r2),
         "--min-requests", "3", "--budgets", args.ap_budgets, "--caps", args.ap_caps,
-        "--status-every", "5",
+        "--status-every", "5", "--max-cpu-share", str(args.ap_max_cpu_share),
         "--log", str(log), "--log-level", "warning",
     ]  # fmt: skip
     for cls, ms in _class_slos(args).items():
@@ -366,6 +368,7 @@ def serve_arm(
     tokens = TokenSource(seed * 1_000_003 + 17, 32, 126)
     prefetch_images(specs)
     load0 = os.getloadavg()[0]
+    step0 = last_step(collector.db_url)
     outcome = asyncio.run(execute(specs, cfg, tokens, drain_timeout_s=args.drain_s))
     ap_out = ""
     died = proc is not None and proc.poll() is not None  # before the arm ended: no autopilot
@@ -383,6 +386,7 @@ def serve_arm(
             f"arm ended (seed {seed}); its last output:\n{ap_out[-1500:]}"
         )
     decisions = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    time.sleep(1.0)  # the arm's last telemetry batch
     return {
         "arm": arm.name,
         "autopilot": arm.autopilot,
@@ -394,6 +398,49 @@ def serve_arm(
         "decisions": decisions,
         "autopilot_exit": None if proc is None else proc.returncode,
         "autopilot_tail": ap_out[-1500:],
+        "steps": step_costs(collector.db_url, step0, arm.budget),
+    }
+
+
+def last_step(db_url: str) -> int:
+    """The newest step row in the (SQLite) store, 0 when none: where an arm's steps begin."""
+    db = dbm.connect(db_url, readonly=True)
+    try:
+        with db.connect() as conn:
+            return int(conn.execute(sa.text("select max(rowid) from steps")).scalar() or 0)
+    finally:
+        db.dispose()
+
+
+def step_costs(db_url: str, after_step: int, budget: int) -> dict[str, Any]:
+    """What the engine's steps cost in an arm, to compare arms by: a steered arm whose steps
+    cost more than the same steps in a static arm lost to the autopilot's own CPU, not to its
+    choice. Median ms of decode-only steps of 1-4 decodes, and of full steps (at least 90% of
+    the budget scheduled) per setting."""
+    db = dbm.connect(db_url, readonly=True)
+    try:
+        with db.connect() as conn:
+            rows = conn.execute(
+                sa.text(
+                    "select end_ns - start_ns, num_decode_tokens, num_prefill_tokens, "
+                    "num_scheduled_tokens, token_budget, long_prefill_token_threshold "
+                    "from steps where rowid > :s"
+                ),
+                {"s": after_step},
+            ).all()
+    finally:
+        db.dispose()
+    decode = [r[0] / 1e6 for r in rows if r[2] == 0 and 1 <= r[1] <= 4]
+    full: dict[str, list[float]] = {}
+    for ns, _d, _p, sched, b, cap in rows:
+        if b and sched >= 0.9 * b:
+            full.setdefault(f"{b}/{cap or 0}", []).append(ns / 1e6)
+    return {
+        "num_steps": len(rows),
+        "decode_only_ms_p50": _pct(decode, 50),
+        "num_decode_only": len(decode),
+        "full_ms_p50": {k: _pct(v, 50) for k, v in sorted(full.items())},
+        "num_full": {k: len(v) for k, v in sorted(full.items())},
     }
 
 
@@ -437,6 +484,7 @@ def arm_figures(args: argparse.Namespace, served: dict[str, Any], slo: Autopilot
         "num_failed": sum(r.status != "ok" for r in recs),
         "loadavg_1m": served["loadavg_1m"],
         "phases": phases,
+        "steps": served["steps"],
     }
     if served["autopilot"]:
         out["autopilot"] = autopilot_figures(args, served, phases)
@@ -526,14 +574,21 @@ def autopilot_figures(
                 "kind": d["kind"],
                 "to": f"{d['budget']}/{d['cap']}",
                 "tick_s": None if d.get("tick_s") is None else round(d["tick_s"], 3),
+                "cpu_s": None if d.get("tick_cpu_s") is None else round(d["tick_cpu_s"], 3),
                 "n": d.get("num_arrivals"),
             }
             for d in ds
         ],
         "phases": per_phase,
+        # what its ticks took from the machine it shares with the engine
+        "cpu_s": sum(d.get("tick_cpu_s") or 0.0 for d in ds),
         "exit_status": served["autopilot_exit"],
         "tail": served["autopilot_tail"],
     }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
 
 
 def _err(pred: float | None, obs: float | None) -> float | None:
@@ -561,6 +616,20 @@ def summary(seeds: list[dict[str, Any]]) -> dict[str, Any]:
                 if ref and ref["goodput_rps"]
                 else None,
                 "num_changes": ap["autopilot"]["num_changes"],
+                "autopilot_cpu_s": ap["autopilot"].get("cpu_s"),
+                # the steered arm's decode-only steps against the static arms' median: above 1,
+                # the autopilot's own CPU slowed the engine
+                "decode_step_vs_static": _ratio(
+                    ap.get("steps", {}).get("decode_only_ms_p50"),
+                    _pct(
+                        [
+                            a["steps"]["decode_only_ms_p50"]
+                            for a in statics
+                            if a.get("steps", {}).get("decode_only_ms_p50")
+                        ],
+                        50,
+                    ),
+                ),
                 "meets_targets": bool(
                     ap["goodput_rps"] >= best["goodput_rps"]
                     and ref is not None
@@ -678,6 +747,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--image-output-scale", type=float, default=0.3)
     ap.add_argument("--image-out-max", type=int, default=40)
     ap.add_argument("--ap-interval", type=float, default=1.0)
+    ap.add_argument(
+        "--ap-max-cpu-share",
+        type=float,
+        default=0.2,
+        help="the autopilot's --max-cpu-share (1: a tick every --ap-interval, whatever it costs)",
+    )
     ap.add_argument("--ap-lookback", type=float, default=10.0)
     ap.add_argument("--ap-fit-window", type=float, default=180.0)
     ap.add_argument("--ap-min-dwell", type=float, default=2.0)

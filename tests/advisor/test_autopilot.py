@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -122,9 +123,9 @@ def script_predictions(monkeypatch: pytest.MonkeyPatch, rounds: list[dict[int, i
 
     ticks = iter(rounds)
 
-    def fake(*args: object, **kw: object) -> list[Prediction]:
+    def fake(*args: Any, **kw: object) -> list[Prediction]:
         met = next(ticks)
-        return [Prediction(s, 50, met[s.budget], 5.0, 5.0, 100.0, 0) for s in GRID]
+        return [Prediction(s, 50, met[s.budget], 5.0, 5.0, 100.0, 0) for s in args[3]]
 
     monkeypatch.setattr(apm, "predict_settings", fake)
 
@@ -324,6 +325,30 @@ def test_from_an_overloaded_window_it_moves_only_to_more_prefill_per_step(
     first = ap.decide(0.0, fit(), traffic(), SHAPE, None, grows)
     assert first.kind == "refuse" and "needs 2 ticks in a row" in first.reason, first.reason
     assert ap.decide(2.0, fit(), traffic(), SHAPE, None, grows).setting == Setting(1024)
+
+
+def test_an_overloaded_window_simulates_only_the_settings_it_can_move_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the smaller settings cannot be chosen from an overloaded window, and a burst's queue is
+    # costliest to replay at them: they are not simulated (a calm window simulates them all)
+    import advisor.autopilot as apm
+
+    asked: list[list[Setting]] = []
+    real = apm.predict_settings
+
+    def spy(*args: Any, **kw: Any) -> list[Prediction]:
+        asked.append(list(args[3]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(apm, "predict_settings", spy)
+    ap = pilot(start=Setting(1024))
+    grows = WindowLoad(arrived=20, queued_start=1, queued_end=12)
+    d = ap.decide(0.0, fit(), traffic(), SHAPE, None, grows)
+    assert sorted(asked[-1]) == [Setting(1024), Setting(16384)], asked
+    assert {p.setting for p in d.predictions} == {Setting(1024), Setting(16384)}
+    ap.decide(2.0, fit(), traffic(), SHAPE, None, WindowLoad(20, 1, 2))
+    assert sorted(asked[-1]) == sorted(GRID)
 
 
 def test_an_overloaded_window_is_not_read_as_predictions_parting(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from advisor.autopilot import AutopilotSlo, Setting, predict_settings
-from advisor.autopilot_run import main, observed, recent_traffic
+from advisor.autopilot_run import main, observed, recent_traffic, tick_wait_s
 from advisor.fit import FitReport
 from advisor.simulate import EngineShape, SimRequest, cost_model_step_ns, simulate
 from engine.core.cost_model import CostModel
@@ -87,6 +87,8 @@ def test_the_check_compares_what_the_store_can_have_seen(tmp_path: Path) -> None
     [
         ("--probe-tokens", "-1", "--probe-tokens must be >= 0, got -1"),
         ("--interval", "0", "--interval must be positive, got 0.0"),
+        ("--max-cpu-share", "0", "--max-cpu-share must be in (0, 1], got 0.0"),
+        ("--max-cpu-share", "1.5", "--max-cpu-share must be in (0, 1], got 1.5"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_is_contacted(
@@ -96,3 +98,11 @@ def test_bad_flags_are_refused_before_anything_is_contacted(
             "--slo-itl-ms", "250", "--slo-ttft-ms", "2000", flag, value]  # fmt: skip
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_costly_tick_spaces_out_the_next_within_its_cpu_share() -> None:
+    # quiet traffic: a tick of 50 ms CPU keeps the interval; a burst's 0.7 s tick at a share of
+    # 0.2 of a core waits 3.5 s, so the autopilot takes at most a fifth of a core from the engine
+    assert tick_wait_s(1.0, 0.05, 0.2) == 1.0
+    assert tick_wait_s(1.0, 0.7, 0.2) == pytest.approx(3.5)
+    assert tick_wait_s(2.0, 0.7, 1.0) == 2.0

@@ -116,7 +116,9 @@ def test_figures_per_phase_and_summary(bench: ModuleType) -> None:
     ]
     served = {"arm": "autopilot", "autopilot": True, "budget": 2048, "cap": 0,
               "start_wall": t0, "loadavg_1m": [0.0, 0.0], "records": recs, "decisions": ds,
-              "autopilot_exit": 0, "autopilot_tail": ""}  # fmt: skip
+              "autopilot_exit": 0, "autopilot_tail": "",
+              "steps": {"decode_only_ms_p50": 9.0}}  # fmt: skip
+    ds[1]["tick_cpu_s"], ds[2]["tick_cpu_s"] = 0.5, 0.25
     fig = bench.arm_figures(args, served, slo)
     assert fig["num_meet"] == 2 and fig["goodput_rps"] == pytest.approx(2 / 40)
     assert [fig["phases"][p]["num_meet"] for p in bench.PHASES] == [1, 1, 0, 0]
@@ -127,10 +129,40 @@ def test_figures_per_phase_and_summary(bench: ModuleType) -> None:
     assert [(t["t_s"], t["kind"], t["to"]) for t in ap["tick_log"]] == [
         (11.0, "hold", "256/0"), (15.0, "hold", "256/0"), (16.0, "change", "1024/0"),
     ]  # fmt: skip
-    static = {**fig, "arm": "2048/0", "autopilot": False, "goodput_rps": 0.04}
-    best = {**fig, "arm": "256/0", "autopilot": False, "goodput_rps": 0.05}
+    assert ap["cpu_s"] == pytest.approx(0.75) and ap["tick_log"][1]["cpu_s"] == 0.5
+    steps = {"decode_only_ms_p50": 6.0}
+    static = {**fig, "arm": "2048/0", "autopilot": False, "goodput_rps": 0.04, "steps": steps}
+    best = {**fig, "arm": "256/0", "autopilot": False, "goodput_rps": 0.05, "steps": steps}
     [row] = bench.summary([{"seed": 0, "arms": [static, fig, best]}])["per_seed"]
     assert row["best_static"] == "256/0" and row["vs_2048_no_cap"] == pytest.approx(1.25)
     assert row["meets_targets"]
+    # the steered arm's decode-only steps cost 1.5x the static arms': its own CPU, not its pick
+    assert row["decode_step_vs_static"] == pytest.approx(1.5)
     table = bench.markdown([{"seed": 0, "arms": [static, fig, best]}], [row])
     assert "| 0 | rag | 1 / 1 (2048/0) of 2 |" in table and "0.050 **best**" in table
+
+
+def test_step_costs_are_read_per_arm_from_the_store(bench: ModuleType, tmp_path: Path) -> None:
+    # two arms' steps in one store: each arm reads only the steps after its start
+    from advisor.simulate import EngineShape, SimRequest, cost_model_step_ns, simulate
+    from engine.core.cost_model import CostModel
+    from tests.advisor.helpers import store_run
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    shape = EngineShape(num_kv_blocks=2000, block_size=16, max_num_seqs=64, max_token_budget=4096)
+    reqs = [SimRequest(f"r{i}", i * 10**8, tuple(range(i * 1000, i * 1000 + 300)), 8, "chat")
+            for i in range(4)]  # fmt: skip
+    cost = CostModel(const=2e-3, prefill=1e-3, decode=1e-3, attn=0.0)
+    res = simulate(
+        reqs, shape, token_budget=256, step_ns=cost_model_step_ns(cost.predict), gap_ns=0,
+        record_steps=True,
+    )  # fmt: skip
+    store_run(url, reqs, res, shape)
+    assert bench.last_step(url) == len(res.steps)
+    got = bench.step_costs(url, 0, 256)
+    assert got["num_steps"] == len(res.steps)
+    # 2 ms a step and 1 ms a token: decode-only steps of 4, 4, 4, 4, 3, 2 and 1 decodes, and
+    # four full steps of 256 tokens (the fifth, 182 tokens, is not full)
+    assert got["num_decode_only"] == 7 and got["decode_only_ms_p50"] == pytest.approx(6.0)
+    assert got["num_full"] == {"256/0": 4} and got["full_ms_p50"]["256/0"] == pytest.approx(258)
+    assert bench.step_costs(url, bench.last_step(url), 256)["num_steps"] == 0
