@@ -13,8 +13,7 @@ How it decides, every tick:
    error p50 is above ``max_fit_err`` or whose R^2 is below ``min_fit_r2``: no decision
    ("poor fit").
 2. **Predict each candidate**: the look-back's requests (with the backlog that still waited for
-   a first token at its start, ``advisor.autopilot_run.recent_traffic``, whose TTFT counts the
-   time it had already waited: a burst's drain cannot give it back) are replayed through
+   a first token at its start, ``advisor.autopilot_run.recent_traffic``) are replayed through
    the engine's own scheduler (``advisor.simulate.simulate``) at each supported (budget, cap),
    step times drawn from the fit with its measured scatter (the same seeded draws for every
    candidate). The recent past stands for the next window. A request *meets the SLOs*
@@ -367,17 +366,10 @@ def _p99(values: list[float]) -> float | None:
 
 
 def _score(
-    result: SimResult,
-    setting: Setting,
-    slo: AutopilotSlo,
-    horizon_ns: int | None = None,
-    waited_s: Mapping[str, float] | None = None,
+    result: SimResult, setting: Setting, slo: AutopilotSlo, horizon_ns: int | None = None
 ) -> Prediction:
     """The prediction's figures; with ``horizon_ns`` (the window's end on the simulation's
-    clock) also what the store can have seen by then, to compare with what it saw. A request's
-    TTFT counts what it had waited before the replay began (``waited_s`` by request id: a
-    backlog's queue time, which no setting can give back)."""
-    waited = waited_s or {}
+    clock) also what the store can have seen by then, to compare with what it saw."""
     chat: list[float] = []
     everyone: list[float] = []
     ttfts: list[float] = []
@@ -388,8 +380,7 @@ def _score(
     meet_tail = 0
     for o in result.requests:
         t = o.token_times_ns
-        before = waited.get(o.request_id, 0.0)
-        ttft = (t[0] - o.arrival_ns) / 1e9 + before if t else None
+        ttft = (t[0] - o.arrival_ns) / 1e9 if t else None
         arr = np.asarray(t, dtype=np.int64)
         gaps = list(np.diff(arr) / 1e9) if len(t) > 1 else []
         if ttft is not None:
@@ -402,7 +393,7 @@ def _score(
         meet_tail += bool(ok and (not gaps or float(max(gaps)) * 1e3 <= slo.itl_ms))
         if horizon_ns is not None and o.arrival_ns <= horizon_ns:
             first = t[0] if t else horizon_ns
-            ttft_seen.append((min(first, horizon_ns) - o.arrival_ns) / 1e6 + before * 1e3)
+            ttft_seen.append((min(first, horizon_ns) - o.arrival_ns) / 1e6)
             seen = [g * 1e3 for g, end in zip(gaps, arr[1:], strict=False) if end <= horizon_ns]
             all_seen += seen
             if o.traffic_class == ITL_CLASS:
@@ -469,8 +460,7 @@ def predict_settings(
     """Each setting's :class:`Prediction` from :func:`simulate_settings`."""
     runs = simulate_settings(report, traffic, shape, settings, seed=seed, max_steps=max_steps)
     horizon = round(traffic.duration_s * 1e9)
-    waited = {r.request_id: r.waited_s for r in traffic.requests if r.waited_s > 0}
-    return [_score(res, s, slo, horizon, waited) for res, s in zip(runs, settings, strict=True)]
+    return [_score(res, s, slo, horizon) for res, s in zip(runs, settings, strict=True)]
 
 
 @dataclass(frozen=True)

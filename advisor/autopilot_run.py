@@ -72,12 +72,15 @@ def recent_traffic(
 ) -> Traffic:
     """Requests that arrived in [since, until], the queued and running ones included, and the
     backlog: requests that arrived earlier and still had no first token at ``since`` (a burst
-    the engine is still working through), replayed as arriving at ``since`` with the time they
-    had waited (``ObservedRequest.waited_s``: their TTFT counts it). A queued request's output
-    length is the median of the finished ones of its class (a running one's at least that),
-    since the store cannot know it yet."""
+    the engine is still working through), replayed as arriving at ``since``. A queued request's
+    output length is the median of the finished ones of its class (a running one's at least
+    that), since the store cannot know it yet."""
     df = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
-    df = _window_requests(df, since, until)
+    if not df.empty:
+        df = df[df["arrival"].notna() & (df["arrival"] <= until)]
+        backlog = (df["arrival"] < since) & (df["first_token"].isna() | (df["first_token"] > since))
+        df = df[backlog | (df["arrival"] >= since)].copy()
+        df.loc[backlog, "arrival"] = since
     if df.empty:
         return Traffic([], since, until)
     done = df[df["finished"].notna()]
@@ -100,7 +103,6 @@ def recent_traffic(
                 num_image_tokens=int(r.num_image_tokens or 0),
                 num_cached_tokens=int(r.num_cached_tokens or 0),
                 num_output_tokens=max(1, out),
-                waited_s=float(r.waited),
             )
         )
     return Traffic(reqs, since, until)
@@ -108,15 +110,12 @@ def recent_traffic(
 
 def _window_requests(df: pd.DataFrame, since: float, until: float) -> pd.DataFrame:
     """The requests a tick replays: arrived in [since, until], and the backlog (arrived earlier,
-    no first token at ``since``) with its arrival moved to ``since`` and the seconds it had
-    waited by then in ``waited`` (0 for the others)."""
+    no first token at ``since``) with its arrival moved to ``since``."""
     if df.empty:
         return df
     df = df[df["arrival"].notna() & (df["arrival"] <= until)]
     backlog = (df["arrival"] < since) & (df["first_token"].isna() | (df["first_token"] > since))
     df = df[backlog | (df["arrival"] >= since)].copy()
-    df["waited"] = 0.0
-    df.loc[backlog, "waited"] = since - df.loc[backlog, "arrival"]
     df.loc[backlog, "arrival"] = since
     return df
 
@@ -125,16 +124,15 @@ def observed(
     db: Engine, *, engine_id: str, run_id: str | None, since: float, until: float, steady: bool
 ) -> Observed:
     """Chat ITL p99 and TTFT p99 of the requests a tick replays (``recent_traffic``), as far as
-    they went by ``until``: the gaps of their tokens so far, and TTFT (from the request's own
-    arrival, a backlog's wait before the window included) cut at ``until`` for the ones still
-    waiting (the prediction's ``*_seen`` figures count the same way)."""
+    they went by ``until``: the gaps of their tokens so far, and TTFT cut at ``until`` for the
+    ones still waiting (the prediction's ``*_seen`` figures count the same way)."""
     req = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     req = _window_requests(req, since, until)
     if req.empty:
         ttft = np.empty(0)
     else:
         first = req["first_token"].where(req["first_token"] <= until, until).fillna(until)
-        ttft = ((first - req["arrival"] + req["waited"]) * 1e3).to_numpy(dtype=float)
+        ttft = ((first - req["arrival"]) * 1e3).to_numpy(dtype=float)
     itl = queries.token_itl(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     ids = set(req["request_id"]) if not req.empty else set()
     itl = itl[itl["request_id"].isin(ids)] if not itl.empty else itl

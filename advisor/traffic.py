@@ -40,9 +40,6 @@ class ObservedRequest:
     num_image_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
-    # seconds it had already waited for a first token when a look-back window began (a backlog
-    # request replayed as arriving at the window's start): its TTFT counts them
-    waited_s: float = 0.0
 
 
 @dataclass(frozen=True)
