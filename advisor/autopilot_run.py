@@ -76,11 +76,7 @@ def recent_traffic(
     output length is the median of the finished ones of its class (a running one's at least
     that), since the store cannot know it yet."""
     df = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
-    if not df.empty:
-        df = df[df["arrival"].notna() & (df["arrival"] <= until)]
-        backlog = (df["arrival"] < since) & (df["first_token"].isna() | (df["first_token"] > since))
-        df = df[backlog | (df["arrival"] >= since)].copy()
-        df.loc[backlog, "arrival"] = since
+    df = _window_requests(df, since, until)
     if df.empty:
         return Traffic([], since, until)
     done = df[df["finished"].notna()]
