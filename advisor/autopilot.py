@@ -67,10 +67,10 @@ How it decides, every tick:
    prefill less per step). Otherwise it holds (``refuse``, saying why). Only the current
    setting and those that prefill more are simulated then: the others cannot be chosen, and
    they are the costliest to simulate (more steps for the same queue) when the engine, short
-   of CPU, can least spare it. Before, it made no move
-   at all: in a RAG burst on vLLM (seed 1 of ``autopilot_vllm_burst.json``) nine refusals held
-   512 cap 256 for 14 s while the queue grew, and the move to 1024 cap 256, made once a window
-   was no longer overloaded, came late for nine of the burst's requests.
+   of CPU, can least spare it. Before, it made no move at all: in a RAG burst on vLLM (seed 1
+   of ``autopilot_vllm_burst.json``) nine refusals held 512 cap 256 for 14 s while the queue
+   grew, and the move to 1024 cap 256, made once a window was no longer overloaded, came late
+   for nine of the burst's requests.
 """
 
 from __future__ import annotations
