@@ -368,7 +368,7 @@ def serve_arm(
     tokens = TokenSource(seed * 1_000_003 + 17, 32, 126)
     prefetch_images(specs)
     load0 = os.getloadavg()[0]
-    step0 = last_step(collector.db_url)
+    row0 = last_step_row(collector.db_url)
     outcome = asyncio.run(execute(specs, cfg, tokens, drain_timeout_s=args.drain_s))
     ap_out = ""
     died = proc is not None and proc.poll() is not None  # before the arm ended: no autopilot
@@ -398,11 +398,11 @@ def serve_arm(
         "decisions": decisions,
         "autopilot_exit": None if proc is None else proc.returncode,
         "autopilot_tail": ap_out[-1500:],
-        "steps": step_costs(collector.db_url, step0, arm.budget),
+        "steps": step_costs(collector.db_url, row0),
     }
 
 
-def last_step(db_url: str) -> int:
+def last_step_row(db_url: str) -> int:
     """The newest step row in the (SQLite) store, 0 when none: where an arm's steps begin."""
     db = dbm.connect(db_url, readonly=True)
     try:
@@ -412,11 +412,11 @@ def last_step(db_url: str) -> int:
         db.dispose()
 
 
-def step_costs(db_url: str, after_step: int, budget: int) -> dict[str, Any]:
+def step_costs(db_url: str, after_row: int) -> dict[str, Any]:
     """What the engine's steps cost in an arm, to compare arms by: a steered arm whose steps
     cost more than the same steps in a static arm lost to the autopilot's own CPU, not to its
     choice. Median ms of decode-only steps of 1-4 decodes, and of full steps (at least 90% of
-    the budget scheduled) per setting."""
+    the budget scheduled) per setting, from the steps stored after row ``after_row``."""
     db = dbm.connect(db_url, readonly=True)
     try:
         with db.connect() as conn:
@@ -426,7 +426,7 @@ def step_costs(db_url: str, after_step: int, budget: int) -> dict[str, Any]:
                     "num_scheduled_tokens, token_budget, long_prefill_token_threshold "
                     "from steps where rowid > :s"
                 ),
-                {"s": after_step},
+                {"s": after_row},
             ).all()
     finally:
         db.dispose()

@@ -158,11 +158,11 @@ def test_step_costs_are_read_per_arm_from_the_store(bench: ModuleType, tmp_path:
         record_steps=True,
     )  # fmt: skip
     store_run(url, reqs, res, shape)
-    assert bench.last_step(url) == len(res.steps)
-    got = bench.step_costs(url, 0, 256)
+    assert bench.last_step_row(url) == len(res.steps)
+    got = bench.step_costs(url, 0)
     assert got["num_steps"] == len(res.steps)
     # 2 ms a step and 1 ms a token: decode-only steps of 4, 4, 4, 4, 3, 2 and 1 decodes, and
     # four full steps of 256 tokens (the fifth, 182 tokens, is not full)
     assert got["num_decode_only"] == 7 and got["decode_only_ms_p50"] == pytest.approx(6.0)
     assert got["num_full"] == {"256/0": 4} and got["full_ms_p50"]["256/0"] == pytest.approx(258)
-    assert bench.step_costs(url, bench.last_step(url), 256)["num_steps"] == 0
+    assert bench.step_costs(url, bench.last_step_row(url))["num_steps"] == 0
