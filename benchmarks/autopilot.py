@@ -776,6 +776,11 @@ def main(argv: list[str] | None = None) -> int:
         args.rag_min, args.rag_max, args.chat_max, args.max_model_len = 100, 300, 64, 512
         args.kv_blocks, args.ap_budgets, args.ap_caps = 1024, "64,128,256", "0,32"
     out_dir = setup(args)
+    if args.keep_store:  # made now: a path that cannot be written fails before the run, not after
+        keep = Path(args.keep_store)
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        if keep.is_dir():
+            parser.error(f"--keep-store {keep}: a folder; give the path of the store file")
     slo = AutopilotSlo(args.slo_itl_ms, args.slo_ttft_ms, None, _class_slos(args))
     budgets = [int(x) for x in args.budgets.split(",")]
     caps = [int(x) for x in args.caps.split(",") if x]

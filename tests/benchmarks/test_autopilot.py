@@ -33,6 +33,16 @@ def test_phase_bounds(bench: ModuleType) -> None:
         bench.phase_bounds(bench.build_parser().parse_args(["--phase-s", "8,8"]))
 
 
+def test_keep_store_given_a_folder_is_refused_before_the_run(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    # the store is copied after the run: a path that cannot take it must fail before it starts
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", "--out-dir", str(tmp_path / "o"), "--keep-store", str(tmp_path)])
+    assert exc.value.code == 2
+    assert not list((tmp_path / "o").glob("*.json"))  # nothing ran
+
+
 @pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")
 def test_replay_is_seeded_and_phased(bench: ModuleType) -> None:
     args = bench.build_parser().parse_args(
