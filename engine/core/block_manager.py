@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from engine.core.request import Request
 
@@ -78,21 +79,27 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def num_blocks_to_allocate(self, req: Request, num_new_tokens: int, hits: list[int]) -> int:
+    def num_blocks_to_allocate(self, req: Request, num_new_tokens: int, hits: Sequence[int]) -> int:
         """Free blocks consumed if ``num_new_tokens`` more tokens are scheduled for ``req``."""
-        total = self.blocks_for(
-            req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        )
-        new = max(0, total - len(req.block_ids) - len(hits))
-        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
-        return new + revived
+        bs = self.block_size
+        total = -(-(req.num_computed_tokens + len(hits) * bs + num_new_tokens) // bs)
+        new = total - len(req.block_ids) - len(hits)
+        if new < 0:
+            new = 0
+        if hits:  # (called for every token of every step: no generator for the common case)
+            new += sum(1 for b in hits if self.ref_counts[b] == 0)
+        return new
 
-    def can_allocate(self, req: Request, num_new_tokens: int, hits: list[int] = ()) -> bool:  # type: ignore[assignment]
-        return self.num_blocks_to_allocate(req, num_new_tokens, list(hits)) <= self.num_free_blocks
+    def can_allocate(self, req: Request, num_new_tokens: int, hits: Sequence[int] = ()) -> bool:
+        return self.num_blocks_to_allocate(req, num_new_tokens, hits) <= len(self.free_queue)
 
     # --- commands -----------------------------------------------------------------------------
-    def allocate(self, req: Request, num_new_tokens: int, hits: list[int] = ()) -> None:  # type: ignore[assignment]
+    def allocate(self, req: Request, num_new_tokens: int, hits: Sequence[int] = ()) -> None:
         """Take the cached ``hits`` and enough new blocks for ``num_new_tokens`` more tokens."""
+        if not hits and -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) <= len(
+            req.block_ids
+        ):
+            return  # the blocks it has hold them (most decode tokens): nothing to take
         hits = list(hits)
         if self.num_blocks_to_allocate(req, num_new_tokens, hits) > self.num_free_blocks:
             raise RuntimeError("allocate() called without can_allocate()")
@@ -118,6 +125,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = req.num_computed_tokens // self.block_size
+        if num_full <= req.num_registered_blocks:
+            return  # no block filled since (hashes cover the registered blocks already)
         self._ensure_hashes(req, num_full)
         for i in range(req.num_registered_blocks, num_full):
             b = req.block_ids[i]

@@ -83,16 +83,19 @@ class StepWork:
         prefill = decode = pairs = decode_pairs = 0
         image = 0.0
         for c in chunks:
-            get = c.get if isinstance(c, Mapping) else lambda k, c=c: getattr(c, k)
-            n, s = int(get("num_tokens")), int(get("start"))
+            if isinstance(c, Mapping):
+                n, s, kind = int(c["num_tokens"]), int(c["start"]), c.get("kind")
+            else:  # a scheduler's chunk (the simulator: every step it predicts)
+                n, s, kind = int(c.num_tokens), int(c.start), c.kind
             p = chunk_pairs(s, n)
-            if get("kind") == "decode":
+            if kind == "decode":
                 decode += n
                 decode_pairs += p
             else:
                 prefill += n
                 if image_share:
-                    image += n * image_share.get(str(get("request_id")), 0.0)
+                    rid = c.get("request_id") if isinstance(c, Mapping) else c.request_id
+                    image += n * image_share.get(str(rid), 0.0)
             pairs += p
         return cls(prefill, decode, pairs, decode_pairs, round(image))
 
