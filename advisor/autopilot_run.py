@@ -4,12 +4,14 @@ live, through the collector's relay.
 Every ``--interval`` seconds it reads the store as the dashboard does (``storage.queries``): the
 requests that arrived in the last ``--lookback`` seconds (queued ones included), the steps of the
 last ``--fit-window`` seconds (to refit the step-cost model, at most every ``--refit-every``
-seconds), what was observed; it asks ``advisor.autopilot.Autopilot`` for a decision and, on a
-change, sends one control through ``storage.control`` (the one control client) with ``source:
-"autopilot"`` and the decision's reason, which the collector stores on the engine's control
-events. The next tick waits longer when this one took more than ``--max-cpu-share`` of a core:
-on a small machine the autopilot's CPU is the engine's, and a burst's queue is the costliest to
-simulate just when the engine is shortest of it.
+seconds) and of the last ``--noise-window`` seconds (the scatter and pauses its predictions
+draw, ``advisor.fit.recent_noise``), what was observed; it asks
+``advisor.autopilot.Autopilot`` for a decision and, on a change, sends one control through
+``storage.control`` (the one control client) with ``source: "autopilot"`` and the decision's
+reason, which the collector stores on the engine's control events. The next tick waits longer
+when this one took more than ``--max-cpu-share`` of a core: on a small machine the autopilot's
+CPU is the engine's, and a burst's queue is the costliest to simulate just when the engine is
+shortest of it.
 
 What it stores besides changes: a *status* (a control that sets the budget it already has: a
 control event with no change, source ``autopilot``, its reason saying why it holds, refuses or
@@ -50,7 +52,7 @@ from advisor.autopilot import (
     Setting,
     candidates,
 )
-from advisor.fit import FitError, FitReport, fit_from_store
+from advisor.fit import FitError, FitReport, fit_from_store, load_steps, with_recent_noise
 from advisor.simulate import ITL_CLASS
 from advisor.traffic import ObservedRequest, Traffic, engine_shape, observed_load
 from storage import queries
@@ -185,6 +187,10 @@ class Options:
     probe_tokens: int | None = None  # None: the engine's max_model_len
     fallback_hold_s: float | None = None  # None: three look-backs
     refit_every_s: float = 10.0
+    # the step times' scatter and pauses are drawn from the steps of this many seconds before
+    # each tick (the fit window's beyond them, or when too few: ``advisor.fit.recent_noise``);
+    # 0: the fit window's throughout
+    noise_window_s: float = 30.0
     # the share of one core its ticks may take: after a tick of c CPU seconds the next starts
     # no sooner than c / max_cpu_share seconds after it began (and never sooner than interval_s)
     max_cpu_share: float = 0.2
@@ -336,6 +342,13 @@ class Runner:
             return None
         since = now - o.lookback_s
         fit = self._fit(now)
+        noise_steps = 0
+        if isinstance(fit, FitReport) and o.noise_window_s > 0:
+            recent = load_steps(
+                self.db, engine_id=o.engine_id, run_id=self.run_id,
+                since=now - o.noise_window_s, until=now,
+            )  # fmt: skip
+            fit, noise_steps = with_recent_noise(fit, recent)
         traffic = recent_traffic(
             self.db, engine_id=o.engine_id, run_id=self.run_id, since=since, until=now
         )
@@ -362,6 +375,8 @@ class Runner:
                 **d.to_dict(),
                 "observed": obs.__dict__,
                 "fit_error": fit if isinstance(fit, str) else None,
+                # the steps the scatter was drawn from (0: the fit window's, too few recent)
+                "noise_steps": noise_steps,
                 # the tick's own time, reads and fit included: what a decision lags the store
                 "tick_s": decided_s,
                 # its CPU: what it took from the engine, on a machine they share
@@ -512,6 +527,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--refit-every", type=float, default=10.0, help="seconds between refits of the step cost"
     )
     p.add_argument(
+        "--noise-window",
+        type=float,
+        default=30.0,
+        help="seconds of steps before each decision whose scatter and pauses the predictions "
+        "draw (30; the fit window's for longer steps than theirs, or when fewer than 50; "
+        "0: the fit window's always): the machine's speed moves faster than a fit can follow",
+    )
+    p.add_argument(
         "--nice",
         type=int,
         default=10,
@@ -581,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, v in (("--interval", args.interval), ("--lookback", args.lookback)):
             if v <= 0:
                 raise ValueError(f"{name} must be positive, got {v}")
+        if args.noise_window < 0:
+            raise ValueError(f"--noise-window must be >= 0, got {args.noise_window}")
         if not 0 < args.max_cpu_share <= 1:
             raise ValueError(f"--max-cpu-share must be in (0, 1], got {args.max_cpu_share}")
         if args.probe_tokens is not None and args.probe_tokens < 0:
@@ -607,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
             probe_tokens=args.probe_tokens,
             fallback_hold_s=args.fallback_hold,
             refit_every_s=args.refit_every,
+            noise_window_s=args.noise_window,
             max_cpu_share=args.max_cpu_share,
         )
         runner = Runner(opts)

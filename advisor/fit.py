@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -639,6 +639,53 @@ def _noise(
     if NOISE_WITH_CALIBRATION and len(fit_works) > len(works):
         return noise_model(model.predict_many(fit_works), fit_measured, gaps, binning=NOISE_BINNING)
     return noise_model(model.predict_many(works), measured, gaps, binning=NOISE_BINNING)
+
+
+NOISE_RECENT_MIN_STEPS = 50  # fewer steps than this in the recent window: the fit window's scatter
+
+
+def recent_noise(
+    report: FitReport, steps: pd.DataFrame, *, min_steps: int = NOISE_RECENT_MIN_STEPS
+) -> NoiseModel | None:
+    """The scatter of ``steps`` (the last seconds, from :func:`load_steps`) around ``report``'s
+    model, and their pauses; for steps longer than any of them (by more than a bin's width,
+    ``NOISE_FACTOR``) the fit window's own bins. None when they are fewer than ``min_steps``.
+
+    The fit needs minutes of steps to pin its costs down, but the machine's speed and scatter
+    move within a minute (other work, the engine's own bursts). Drawn from the 30 s before a
+    window instead of the fit window's, the chat ITL p99 predicted for the autopilot's own
+    windows came closer to the store's on three of four runs and no further on the fourth
+    (``benchmarks/autopilot_nowcast.py``; docs/benchmarks.md, "The scatter of the last
+    seconds"). Long steps keep the fit window's scatter: a quiet window has none of them, and
+    long steps scatter less than short ones (issue 19d)."""
+    usable = _usable(steps)
+    if len(usable) < min_steps or report.noise is None:
+        return None
+    now = noise_model(
+        report.model.predict_many(step_work_list(usable)),
+        _seconds(usable),
+        busy_gaps_s(steps),
+        binning=NOISE_BINNING,
+    )
+    if not now.ratios:
+        return None
+    top = now.edges_s[-1] * NOISE_FACTOR
+    old = report.noise
+    longer = [(e, r) for e, r in zip(old.edges_s, old.ratios, strict=True) if e > top]
+    return NoiseModel(
+        now.edges_s + [e for e, _ in longer],
+        now.ratios + [r for _, r in longer],
+        now.gaps_s or old.gaps_s,
+    )
+
+
+def with_recent_noise(report: FitReport, steps: pd.DataFrame) -> tuple[FitReport, int]:
+    """``report`` with :func:`recent_noise` of ``steps`` when there is one, and how many steps
+    it was drawn from (0: the fit window's scatter is kept)."""
+    noise = recent_noise(report, steps)
+    if noise is None:
+        return report, 0
+    return replace(report, noise=noise), len(_usable(steps))
 
 
 def _with_calibration(quality: dict[str, Any], cal: dict[str, Any]) -> dict[str, Any]:

@@ -333,6 +333,7 @@ def _autopilot_proc(args: argparse.Namespace, collector: Any, log: Path) -> subp
         "--max-fit-err", str(args.ap_max_fit_err), "--min-fit-r2", str(args.ap_min_fit_r2),
         "--min-requests", "3", "--budgets", args.ap_budgets, "--caps", args.ap_caps,
         "--status-every", "5", "--max-cpu-share", str(args.ap_max_cpu_share),
+        "--noise-window", str(args.ap_noise_window),
         "--log", str(log), "--log-level", "warning",
     ]  # fmt: skip
     for cls, ms in _class_slos(args).items():
@@ -752,6 +753,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.2,
         help="the autopilot's --max-cpu-share (1: a tick every --ap-interval, whatever it costs)",
+    )
+    ap.add_argument(
+        "--ap-noise-window",
+        type=float,
+        default=30.0,
+        help="the autopilot's --noise-window (0: the fit window's scatter, as before it existed)",
     )
     ap.add_argument("--ap-lookback", type=float, default=10.0)
     ap.add_argument("--ap-fit-window", type=float, default=180.0)

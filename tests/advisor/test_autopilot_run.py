@@ -89,6 +89,7 @@ def test_the_check_compares_what_the_store_can_have_seen(tmp_path: Path) -> None
         ("--interval", "0", "--interval must be positive, got 0.0"),
         ("--max-cpu-share", "0", "--max-cpu-share must be in (0, 1], got 0.0"),
         ("--max-cpu-share", "1.5", "--max-cpu-share must be in (0, 1], got 1.5"),
+        ("--noise-window", "-1", "--noise-window must be >= 0, got -1.0"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_is_contacted(

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pandas as pd
 
-from advisor.fit import FitReport, noise_model
+from advisor.fit import FitReport, noise_model, recent_noise, with_recent_noise
 from advisor.predict import step_timing
 from advisor.simulate import drawn_gap_ns, noisy_step_ns
 from engine.core.cost_model import CostModel, StepWork
@@ -131,3 +132,69 @@ def test_relative_fit_recovers_coefficients() -> None:
         for name, m in (("relative", rel), ("ols", ols))
     }
     assert err["relative"] < 0.02 and err["ols"] < 0.02
+
+
+def _decode_steps(n: int, took_s: float, pause_s: float) -> pd.DataFrame:
+    """``n`` consecutive steps of one decode token each (as ``load_steps`` gives them), each
+    taking ``took_s`` with ``pause_s`` after it, the engine busy throughout."""
+    start = (np.arange(n) * (took_s + pause_s) * 1e9).astype(np.int64)
+    return pd.DataFrame(
+        {
+            "engine_id": "e",
+            "run_id": "r",
+            "step": np.arange(n),
+            "start_ns": start,
+            "end_ns": start + int(took_s * 1e9),
+            "num_scheduled_tokens": 1,
+            "prefill_tokens": 0,
+            "decode_tokens": 1,
+            "attention_pairs": 0,
+            "num_running": 1,
+            "num_waiting": 0,
+        }  # fmt: skip
+    )
+
+
+def test_recent_scatter_replaces_the_fit_windows_for_the_steps_it_covers() -> None:
+    # the fit window: 5 ms decode steps and 200 ms chunks, both exactly as predicted, 0.1 ms
+    # pauses; in the last seconds the machine slowed: decode steps took 2x, pauses 1 ms
+    pred = np.concatenate([np.full(100, 5e-3), np.full(100, 200e-3)])
+    report = FitReport(
+        model=CostModel(const=0.0, prefill=0.0, decode=5e-3, attn=0.0),
+        num_steps=200,
+        step_gap_s=1e-4,
+        step_gap_p90_s=1e-4,
+        noise=noise_model(pred, pred, np.full(100, 1e-4), binning="duration"),
+    )
+    recent = _decode_steps(60, took_s=10e-3, pause_s=1e-3)
+    noise = recent_noise(report, recent)
+    assert noise is not None
+    short = [r for e, r in zip(noise.edges_s, noise.ratios, strict=True) if e < 0.1]
+    assert short and all(set(np.round(r, 6)) == {2.0} for r in short)
+    # longer steps than any recent one keep the fit window's scatter
+    assert noise.edges_s[-1] == 200e-3 and set(np.round(noise.ratios[-1], 6)) == {1.0}
+    assert set(np.round(noise.gaps_s, 6)) == {1e-3}
+    step = noisy_step_ns(report.model.predict, noise.edges_s, noise.ratios, random.Random(0))
+    plan = StepPlan(0, 256, "chunked")
+
+    class C:  # one decode token
+        kind, start, num_tokens = "decode", 0, 1
+
+    plan.chunks = [C()]  # type: ignore[list-item]
+    assert step(plan) == 10_000_000
+    with_it, n = with_recent_noise(report, recent)
+    assert n == 60 and with_it.noise == noise and with_it.model == report.model
+
+
+def test_too_few_recent_steps_keep_the_fit_windows_scatter() -> None:
+    pred = np.full(100, 5e-3)
+    report = FitReport(
+        model=CostModel(const=0.0, prefill=0.0, decode=5e-3, attn=0.0),
+        num_steps=100,
+        step_gap_s=1e-4,
+        step_gap_p90_s=1e-4,
+        noise=noise_model(pred, pred, np.full(10, 1e-4)),
+    )
+    few = _decode_steps(49, took_s=10e-3, pause_s=1e-3)
+    assert recent_noise(report, few) is None
+    assert with_recent_noise(report, few) == (report, 0)
