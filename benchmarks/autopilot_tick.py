@@ -4,13 +4,15 @@ another git revision, alternated in one run, with a check that both predict the 
 A tick (``advisor.autopilot_run.Runner.tick``) reads the store, refits the step-cost model at
 most every ``--refit-every`` seconds, and replays the look-back's requests through the engine's
 scheduler at every candidate setting (``advisor.autopilot.predict_settings``). On a two-core
-machine that CPU is taken from the engine it steers (``--max-cpu-share``, docs/architecture.md
+machine that CPU is taken from the engine it steers (``--max-cpu-share``; docs/architecture.md,
 "Its own cost"). This script replays a store's ticks every ``--every`` seconds of its traffic
 and times each part with ``time.process_time``:
 
 - ``reads``: the queries of a tick (traffic, observations, shape, load, foreign controls);
 - ``fit``: ``advisor.fit.fit_from_store`` over ``--fit-window`` seconds (counted once per
   ``--refit-every`` seconds of ticks, as the runner does);
+- ``noise``: the scatter of the last ``--noise-window`` seconds of steps
+  (``advisor.fit.with_recent_noise``; 0 in a revision without it);
 - ``simulate``: ``predict_settings`` at every candidate (the CLI's default grid unless
   ``--budgets``/``--caps``).
 
@@ -44,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 SCRIPT = "autopilot_tick.py"
-PARTS = ("reads", "fit", "simulate")
+PARTS = ("reads", "fit", "noise", "simulate")
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -58,10 +60,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         DEFAULT_BUDGETS,
         DEFAULT_CAPS,
         changed_since,
+        foreign_control,
         observed,
         recent_traffic,
     )
-    from advisor.fit import FitError, fit_from_store
+    from advisor.fit import FitError, fit_from_store, load_steps
+
+    try:
+        from advisor.fit import with_recent_noise
+    except ImportError:  # a revision from before it
+        with_recent_noise = None
     from advisor.traffic import engine_shape, observed_load
     from storage import queries
 
@@ -87,6 +95,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         now = float(now)
         since = now - args.lookback
         c0 = time.process_time()
+        foreign_control(db, engine_id=eid, run_id=None, since=lo)
         traffic = recent_traffic(db, engine_id=eid, run_id=None, since=since, until=now)
         steady = not changed_since(db, engine_id=eid, run_id=None, since=since)
         observed(db, engine_id=eid, run_id=None, since=since, until=now, steady=steady)
@@ -103,7 +112,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 fit = None
             fit_at, fit_s = now, time.process_time() - c1
         c2 = time.process_time()
-        preds = [] if fit is None else predict_settings(fit, traffic, shape, grid, slo)
+        drawn = fit
+        if fit is not None and with_recent_noise is not None and args.noise_window > 0:
+            recent = load_steps(db, engine_id=eid, since=now - args.noise_window, until=now)
+            drawn, _ = with_recent_noise(fit, recent)
+        c25 = time.process_time()
+        preds = [] if drawn is None else predict_settings(drawn, traffic, shape, grid, slo)
         c3 = time.process_time()
         figures = [
             [p.setting.label(), p.num_meet, p.itl_p99_ms, p.itl_max_ms, p.ttft_p99_ms]
@@ -115,7 +129,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "arrivals": len(traffic.requests),
                 "reads": c1 - c0,
                 "fit": fit_s,
-                "simulate": c3 - c2,
+                "noise": c25 - c2,
+                "simulate": c3 - c25,
                 "digest": hashlib.sha256(json.dumps(figures).encode()).hexdigest()[:16],
             }
         )
@@ -151,7 +166,7 @@ def _measure_args(args: argparse.Namespace) -> list[str]:
     out = ["--store", str(Path(args.store).resolve())]
     for name in (
         "engine", "every", "max_ticks", "lookback", "fit_window", "refit_every",
-        "budgets", "caps", "slo_itl_ms", "slo_ttft_ms",
+        "noise_window", "budgets", "caps", "slo_itl_ms", "slo_ttft_ms",
     ):  # fmt: skip
         v = getattr(args, name)
         if v is not None:
@@ -225,6 +240,7 @@ def _measure_opts(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lookback", type=float, default=10.0)
     ap.add_argument("--fit-window", type=float, default=180.0)
     ap.add_argument("--refit-every", type=float, default=10.0)
+    ap.add_argument("--noise-window", type=float, default=30.0, help="0: the fit window's")
     ap.add_argument("--budgets", help="default: the autopilot CLI's")
     ap.add_argument("--caps", help="default: the autopilot CLI's")
     ap.add_argument("--slo-itl-ms", type=float, default=250.0)
