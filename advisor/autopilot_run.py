@@ -66,6 +66,7 @@ SOURCE = "autopilot"
 EXIT_PAUSED = 3
 DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096, 16384)
 DEFAULT_CAPS = (0, 128, 512)
+NOISE_REFRESH_S = 5.0  # the recent scatter is redrawn at most this often (for the same fit)
 DEFAULT_OUTPUT_TOKENS = 64  # assumed output of a queued request when no finished one says more
 
 
@@ -246,6 +247,8 @@ class Runner:
         self.pilot = Autopilot(config, opts.slo)
         self.started = time.time()
         self._fit_at: tuple[float, FitReport] | None = None
+        # (when, the fit it was drawn for, that fit with the recent scatter, steps drawn from)
+        self._noise_at: tuple[float, FitReport, FitReport, int] | None = None
         self.last_tick_cpu_s = 0.0
 
     def _engine_row(self) -> dict[str, Any]:
@@ -342,13 +345,7 @@ class Runner:
             return None
         since = now - o.lookback_s
         fit = self._fit(now)
-        noise_steps = 0
-        if isinstance(fit, FitReport) and o.noise_window_s > 0:
-            recent = load_steps(
-                self.db, engine_id=o.engine_id, run_id=self.run_id,
-                since=now - o.noise_window_s, until=now,
-            )  # fmt: skip
-            fit, noise_steps = with_recent_noise(fit, recent)
+        fit, noise_steps = self._recent_noise(fit, now)
         traffic = recent_traffic(
             self.db, engine_id=o.engine_id, run_id=self.run_id, since=since, until=now
         )
@@ -391,6 +388,25 @@ class Runner:
     def next_tick_in(self) -> float:
         """Seconds from this tick's start to the next (:func:`tick_wait_s`)."""
         return tick_wait_s(self.opts.interval_s, self.last_tick_cpu_s, self.opts.max_cpu_share)
+
+    def _recent_noise(self, fit: FitReport | str, now: float) -> tuple[FitReport | str, int]:
+        """``fit`` drawing the scatter of the last ``noise_window_s`` seconds of steps
+        (``advisor.fit.with_recent_noise``) and how many steps that was; redrawn at most every
+        ``NOISE_REFRESH_S`` seconds for the same fit (reading seconds of steps costs a tick a
+        third of its simulations on the demo engine's 2.5 ms steps)."""
+        o = self.opts
+        if not isinstance(fit, FitReport) or o.noise_window_s <= 0:
+            return fit, 0
+        held = self._noise_at
+        if held is not None and held[1] is fit and now - held[0] < NOISE_REFRESH_S:
+            return held[2], held[3]
+        recent = load_steps(
+            self.db, engine_id=o.engine_id, run_id=self.run_id,
+            since=now - o.noise_window_s, until=now,
+        )  # fmt: skip
+        drawn, n = with_recent_noise(fit, recent)
+        self._noise_at = (now, fit, drawn, n)
+        return drawn, n
 
     def _fit(self, now: float) -> FitReport | str:
         """The step-cost fit on the last ``fit_window_s`` of steps, refitted at most every
@@ -532,7 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds of steps before each decision whose scatter and pauses the predictions "
         "draw (30; the fit window's for longer steps than theirs, or when fewer than 50; "
-        "0: the fit window's always): the machine's speed moves faster than a fit can follow",
+        "0: the fit window's always; redrawn at most every 5 s): the machine's speed moves "
+        "faster than a fit can follow",
     )
     p.add_argument(
         "--nice",

@@ -654,9 +654,9 @@ def recent_noise(
     The fit needs minutes of steps to pin its costs down, but the machine's speed and scatter
     move within a minute (other work, the engine's own bursts). Drawn from the 30 s before a
     window instead of the fit window's, the chat ITL p99 predicted for the autopilot's own
-    windows came closer to the store's on three of four runs and no further on the fourth
-    (``benchmarks/autopilot_nowcast.py``; docs/benchmarks.md, "The scatter of the last
-    seconds"). Long steps keep the fit window's scatter: a quiet window has none of them, and
+    windows came closer to the store's on nine of ten kept runs, further on one (median error
+    16.5% -> 14.0%; ``benchmarks/autopilot_nowcast.py``, docs/benchmarks.md, "The scatter of
+    the last seconds"). Long steps keep the fit window's scatter: a quiet window has none of them, and
     long steps scatter less than short ones (issue 19d)."""
     usable = _usable(steps)
     if len(usable) < min_steps or report.noise is None:

@@ -218,7 +218,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _ratio(a: float, b: float) -> float | None:
-    return a / b if b > 0 else None
+    """a / b; None where either is under 10 ms in all (a part one revision does not have)."""
+    return a / b if min(a, b) >= 0.01 else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in PARTS:
             print(
                 f"{p:9s} this {med['this'][p]:7.2f} s  {args.against} {med['against'][p]:7.2f} s"
-                f"  x{sp[p] or float('nan'):.2f}"
+                f"  {'n/a' if sp[p] is None else f'x{sp[p]:.2f}'}"
             )
         print(f"identical predictions: {result['identical_predictions']}")
     else:

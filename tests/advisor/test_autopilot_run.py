@@ -107,3 +107,43 @@ def test_a_costly_tick_spaces_out_the_next_within_its_cpu_share() -> None:
     assert tick_wait_s(1.0, 0.05, 0.2) == 1.0
     assert tick_wait_s(1.0, 0.7, 0.2) == pytest.approx(3.5)
     assert tick_wait_s(2.0, 0.7, 1.0) == 2.0
+
+
+def test_recent_scatter_is_redrawn_at_most_every_few_seconds_per_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import advisor.autopilot_run as run
+    from advisor.fit import fit_from_store
+    from tests.advisor.helpers import random_requests
+
+    reqs = random_requests(1, 60, prompt=(20, 400), output=(5, 30), spacing_ms=(50, 300))
+    res = simulate(
+        reqs, SHAPE, token_budget=256, step_ns=cost_model_step_ns(COST.predict),
+        gap_ns=100_000, record_steps=True,
+    )  # fmt: skip
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    wall0 = store_run(url, reqs, res, SHAPE, engine_id="e") / 1e9
+    end = wall0 + res.end_ns / 1e9
+    db = dbm.connect(url, readonly=True)
+    reads: list[float] = []
+    real = run.load_steps
+
+    def counted(*a: object, **kw: float) -> object:
+        reads.append(kw["until"])
+        return real(*a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(run, "load_steps", counted)
+    runner = run.Runner.__new__(run.Runner)  # no collector: only what the scatter needs
+    runner.opts = run.Options(collector="", engine_id="e", db_url=url, slo=AutopilotSlo(250, 2000))
+    runner.db, runner.run_id, runner._noise_at = db, None, None
+    fit = fit_from_store(db, engine_id="e", since=wall0, until=end, resamples=0)
+    drawn, n = runner._recent_noise(fit, end)
+    assert n >= 50 and drawn is not fit and drawn.model == fit.model  # (the scatter: test_noise)
+    assert runner._recent_noise(fit, end + 4.9) == (drawn, n) and len(reads) == 1  # held
+    runner._recent_noise(fit, end + 5.0)  # redrawn after NOISE_REFRESH_S
+    refit = fit_from_store(db, engine_id="e", since=wall0, until=end, resamples=0)
+    runner._recent_noise(refit, end + 5.1)  # and for another fit at once
+    assert reads == [end, end + 5.0, end + 5.1]
+    assert runner._recent_noise("poor fit", end) == ("poor fit", 0)
+    runner.opts.noise_window_s = 0.0  # off: the fit window's scatter
+    assert runner._recent_noise(fit, end + 20) == (fit, 0) and len(reads) == 3
