@@ -656,8 +656,8 @@ def recent_noise(
     window instead of the fit window's, the chat ITL p99 predicted for the autopilot's own
     windows came closer to the store's on nine of ten kept runs, further on one (median error
     16.5% -> 14.0%; ``benchmarks/autopilot_nowcast.py``, docs/benchmarks.md, "The scatter of
-    the last seconds"). Long steps keep the fit window's scatter: a quiet window has none of them, and
-    long steps scatter less than short ones (issue 19d)."""
+    the last seconds"). Long steps keep the fit window's scatter: a quiet window has none of
+    them, and long steps scatter less than short ones (issue 19d)."""
     usable = _usable(steps)
     if len(usable) < min_steps or report.noise is None:
         return None
