@@ -616,6 +616,12 @@ def summary(seeds: list[dict[str, Any]]) -> dict[str, Any]:
                 "vs_2048_no_cap": ap["goodput_rps"] / ref["goodput_rps"]
                 if ref and ref["goodput_rps"]
                 else None,
+                # what any policy meeting every request would reach against 2048/off (same
+                # traffic, so goodput is proportional to requests met): where it is under 1.2,
+                # the issue's 1.2x target cannot be met on this seed by any setting or policy
+                "ceiling_vs_2048_no_cap": ref["num_requests"] / ref["num_meet"]
+                if ref and ref["num_meet"]
+                else None,
                 "num_changes": ap["autopilot"]["num_changes"],
                 "autopilot_cpu_s": ap["autopilot"].get("cpu_s"),
                 # the steered arm's decode-only steps against the static arms' median: above 1,
@@ -652,7 +658,7 @@ def markdown(seeds: list[dict[str, Any]], per_seed: list[dict[str, Any]]) -> str
     names.sort(key=lambda n: tuple(int(x) for x in n.split("/")))
     out = [
         "| seed | requests | " + " | ".join(names) + " | autopilot | vs best static | "
-        "vs 2048/off | changes |",
+        "vs 2048/off (ceiling) | changes |",
         "| --- " * (len(names) + 6) + "|",
     ]
     for s, row in zip(seeds, per_seed, strict=True):
@@ -665,7 +671,8 @@ def markdown(seeds: list[dict[str, Any]], per_seed: list[dict[str, Any]]) -> str
                 for n in names
             )
             + f" | {ap['goodput_rps']:.3f} | {f(row['vs_best_static'], '.2f')}x | "
-            f"{f(row['vs_2048_no_cap'], '.2f')}x | {row['num_changes']} |"
+            f"{f(row['vs_2048_no_cap'], '.2f')}x "
+            f"({f(row.get('ceiling_vs_2048_no_cap'), '.2f')}x) | {row['num_changes']} |"
         )
     out += [
         "",
