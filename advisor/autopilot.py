@@ -424,10 +424,9 @@ def simulate_settings(
 ) -> list[SimResult]:
     """Replay ``traffic`` at each setting through the engine's scheduler (the advisor's
     simulator), step times from ``report`` with its scatter (image requests' steps with the
-    fit's vision term, one image request admitted per step, as the advisor predicts), the same
-    draws for each."""
+    fit's vision term, as the advisor predicts), the same draws for each."""
     reqs, warm = to_sim_requests(traffic, shape.block_size)
-    shares = image_share_of(traffic)  # the vision term's cost and one image request per step
+    shares = image_share_of(traffic)  # the vision term's cost per request
     out = []
     for s in settings:
         step_ns, gap_ns = step_timing(report, seed=seed, image_share=shares)

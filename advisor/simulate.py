@@ -57,13 +57,14 @@ class EngineShape:
     # whose step planning to replay: "chunkscope" (engine.core.scheduler) or "vllm"
     # (advisor.vllm_policy: vLLM v1's order, for an engine whose hello says engine_kind "vllm")
     scheduler: str = "chunkscope"
-    # requests with images the served engine takes in per step (0: no limit). chunkscope's
-    # server hands each request to the engine process through a pipe, which the engine reads
-    # between steps; a request with an image is megabytes of pixels, and the next message is
-    # not there yet when the engine has read one: a burst of image requests enters one per
-    # step (issue 19a, vlm_mix at 4096: five images arriving within 0.3 s were scheduled in
-    # five successive steps; simulated without it, three of them shared a 2.7 s step)
-    image_requests_per_step: int = 1
+    # requests with images an engine takes in per step (0: every request that has arrived).
+    # chunkscope's engine core reads its commands on a thread of their own and takes in all
+    # that have arrived before each step (engine/process/channels.read_ahead), so 0. Before
+    # that it read them off the pipe between steps, and a burst of image requests (megabytes
+    # each) entered one or two a step depending on a race with the sender (issue 19a: five in
+    # five successive steps; issue 19, budget 4096: two and two after a 1 s step); 1 models
+    # such an engine
+    image_requests_per_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,9 +183,10 @@ def simulate(
     step starting at or after ``time_ns`` (as a live change is). ``gap_ns`` is the pause after
     each step (a constant or a function drawing one). ``warm_prefixes`` are token sequences
     whose full blocks are in the prefix cache at the start. ``max_steps`` cuts a runaway simulation.
-    ``image_requests``: the ids of requests with images; a chunkscope engine takes them in at
-    most ``shape.image_requests_per_step`` a step, and the requests after one wait with it
-    (the engine reads its commands in order).
+    ``image_requests``: the ids of requests with images; where
+    ``shape.image_requests_per_step`` is set, a chunkscope engine takes them in at most that
+    many a step, and the requests after one wait with it (the engine reads its commands in
+    order).
     """
     changes = sorted(
         [(int(t), "token_budget", int(b)) for t, b in budget_changes]

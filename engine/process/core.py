@@ -2,7 +2,9 @@
 
 One loop for every transport (``serving.transport``): the core runs in a child process behind two
 pipes (the default) or on a thread behind two in-process queues (tests, embedding); either way it
-sees only the two channel ends.
+sees only the two channel ends. In the child process a thread reads the commands off the pipe as
+they are sent (``channels.read_ahead``), and before each step the loop takes every command that has
+arrived: a request sent before a step starts is in it, however long the step before it was.
 
 Commands in (tuples): ``("add", request_id, prompt, params, traffic_class, images,
 arrival_ns)`` (``time.monotonic_ns()`` read in the server process: one clock per host on
@@ -32,6 +34,7 @@ from typing import Any, Protocol
 from engine.core.admission import QueueFullError, RequestLimits
 from engine.core.config import EngineConfig
 from engine.core.outputs import EngineStats, RequestOutput
+from engine.process.channels import read_ahead
 from engine.process.control import apply_changes, takes_keyword
 from engine.process.steptrace import StepTracer
 from wire.control import ControlRefused
@@ -45,7 +48,7 @@ ERROR_BACKOFF_S = 0.05
 
 class Channel(Protocol):
     """One end of a one-way message channel (``multiprocessing.connection.Connection`` or
-    ``transport.QueueChannel``): ``recv`` raises EOFError once the other end is closed."""
+    ``channels.QueueChannel``): ``recv`` raises EOFError once the other end is closed."""
 
     def send(self, obj: Any) -> None: ...
 
@@ -150,7 +153,9 @@ def run_core_process(
         results.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     freeze_startup_objects()
-    serve_engine(engine, commands, results, core_info(engine, folder))
+    # commands are read off the pipe as they come, not between steps (``channels.read_ahead``)
+    inbox = read_ahead(commands, name="chunkscope-core-rx")
+    serve_engine(engine, inbox, results, core_info(engine, folder))
 
 
 def freeze_startup_objects() -> None:

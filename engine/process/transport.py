@@ -14,17 +14,15 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import queue
 import signal
 import threading
 from typing import Any
 
 from engine.core.config import EngineConfig
+from engine.process.channels import QueueChannel
 from engine.process.core import Channel, core_info, run_core_process, serve_engine
 
 logger = logging.getLogger(__name__)
-
-_EOF = object()
 
 
 def usable_cpus() -> int:
@@ -47,52 +45,6 @@ def default_core_threads(cpus: int | None = None) -> int:
     """
     n = usable_cpus() if cpus is None else cpus
     return max(1, n - 1)
-
-
-class QueueChannel:
-    """A one-way in-process channel with the ``Connection`` API the core and client use.
-
-    Either end may ``close`` it: the receiver then gets EOFError once the messages already sent
-    are read, and a sender gets OSError.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._next: Any = None
-        self._has_next = False
-        self._closed = False
-
-    def send(self, obj: Any) -> None:
-        if self._closed:
-            raise OSError("channel is closed")
-        self._queue.put(obj)
-
-    def poll(self, timeout: float | None = 0.0) -> bool:
-        if self._has_next:
-            return True
-        try:
-            if timeout == 0:
-                self._next = self._queue.get_nowait()
-            else:
-                self._next = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return False
-        self._has_next = True
-        return True
-
-    def recv(self) -> Any:
-        if not self._has_next:
-            self.poll(None)
-        item = self._next
-        if item is _EOF:
-            raise EOFError("channel closed")
-        self._next, self._has_next = None, False
-        return item
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._queue.put(_EOF)
 
 
 class ProcessTransport:

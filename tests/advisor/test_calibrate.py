@@ -266,31 +266,34 @@ def test_the_vision_encoder_has_its_own_term() -> None:
     assert CostModel.from_dict({"const": 1, "prefill": 0, "decode": 0, "attn": 0}).vision == 0
 
 
-def test_a_burst_of_image_requests_enters_one_a_step() -> None:
+def test_a_burst_of_image_requests_enters_as_the_engine_takes_it_in() -> None:
     from advisor.simulate import EngineShape, SimRequest, simulate
 
     reqs = [
         SimRequest(f"img-{i}", 1_000, tuple(range(i * 10_000, i * 10_000 + 300)), 2, "vlm")
         for i in range(3)
     ] + [SimRequest("chat", 1_000, tuple(range(90_000, 90_040)), 2, "chat")]
-    shape = EngineShape(num_kv_blocks=1024)
+    images = {"img-0", "img-1", "img-2"}
 
-    def first_steps(**kw: Any) -> list[set[str]]:
+    def first_steps(shape: EngineShape, **kw: Any) -> list[set[str]]:
         res = simulate(
             reqs, shape, token_budget=4096, step_ns=lambda plan: 1_000_000, record_steps=True, **kw
         )
         return [{c.request_id for c in s.chunks if c.kind == "prefill"} for s in res.steps[:3]]
 
-    # without image ids: the three images (and the chat request) share the first step
-    assert first_steps()[0] == {"img-0", "img-1", "img-2", "chat"}
-    # the served engine takes one in per step, and what arrived after it waits with it
-    got = first_steps(image_requests={"img-0", "img-1", "img-2"})
+    # the engine core reads its commands ahead: everything that arrived shares the first step
+    now = EngineShape(num_kv_blocks=1024)
+    assert first_steps(now, image_requests=images)[0] == {"img-0", "img-1", "img-2", "chat"}
+    # an engine that takes one image request in per step: what arrived after one waits with it
+    one = EngineShape(num_kv_blocks=1024, image_requests_per_step=1)
+    assert first_steps(one)[0] == {"img-0", "img-1", "img-2", "chat"}  # no image ids given
+    got = first_steps(one, image_requests=images)
     assert got == [{"img-0"}, {"img-1"}, {"img-2", "chat"}]
-    # a vLLM engine (no such pipe) is not limited
-    vllm = EngineShape(num_kv_blocks=1024, scheduler="vllm")
+    # a vLLM engine's scheduler is never limited so
+    vllm = EngineShape(num_kv_blocks=1024, scheduler="vllm", image_requests_per_step=1)
     res = simulate(
         reqs, vllm, token_budget=4096, step_ns=lambda plan: 1_000_000, record_steps=True,
-        image_requests={"img-0", "img-1", "img-2"},
+        image_requests=images,
     )  # fmt: skip
     assert len({c.request_id for c in res.steps[0].chunks}) == 4
 
