@@ -243,21 +243,33 @@ def fit_carry(report: FitReport, traffic: Any, budgets: Sequence[int]) -> dict[s
     return quality
 
 
+RANGE_KEYS = ("itl_p99_ms", "itl_p999_ms", "itl_max_ms", "ttft_p99_ms")
+
+
 def median_windows(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The windows of several draws of the same simulations, each number the median over the
     draws (None when any draw has none); everything else (budget, cap, verdicts, per-class
-    dicts) from the first draw, except ``overloaded``, true when most draws say so."""
+    dicts) from the first draw, except ``overloaded``, true when most draws say so.
+
+    Beside the medians, ``draw_range``: the lowest and highest draw of each tail figure
+    (``RANGE_KEYS``). A wide range is a tail the traffic sits on the edge of (a chat ITL p99
+    where the stall gaps are about 1% of the gaps moves several-fold with one gap), which a
+    median alone hides."""
     if len(runs) == 1:
         return [dict(w) for w in runs[0]]
     out = []
     for ws in zip(*runs, strict=True):
         merged = dict(ws[0])
+        spread: dict[str, list[float]] = {}
         for key, v in ws[0].items():
             if key in ("budget", "cap") or isinstance(v, bool):
                 continue
             vals = [w.get(key) for w in ws]
             if all(isinstance(x, int | float) and not isinstance(x, bool) for x in vals):
                 merged[key] = float(statistics.median(vals))
+                if key in RANGE_KEYS:
+                    spread[key] = [float(min(vals)), float(max(vals))]
+        merged["draw_range"] = spread
         votes = sum(bool(w.get("overloaded")) for w in ws)
         if votes * 2 > len(ws) and not merged.get("overloaded"):
             first = next(w for w in ws if w.get("overloaded"))

@@ -63,11 +63,21 @@ def _fmt(v: Any) -> str:
     return f"{v:.1f}" if isinstance(v, float) else str(v)
 
 
+def _cell(window: Mapping[str, Any], column: str) -> str:
+    """A figure, with the lowest and highest of its draws where there were several
+    (``advisor.predict.median_windows``' ``draw_range``)."""
+    text = _fmt(window.get(column))
+    lo_hi = (window.get("draw_range") or {}).get(column)
+    if lo_hi and window.get(column) is not None and lo_hi[0] != lo_hi[1]:
+        text += f" ({lo_hi[0]:.0f}-{lo_hi[1]:.0f})"
+    return text
+
+
 def budget_table(
     windows: Sequence[Mapping[str, Any]], columns: Sequence[str], pareto: Sequence[int]
 ) -> list[str]:
     """One right-aligned line per budget under a header, then the Pareto front."""
-    rows = [[_fmt(w.get(c)) for c in columns] for w in windows]
+    rows = [[_cell(w, c) for c in columns] for w in windows]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.rjust(wd) for c, wd in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.rjust(wd) for v, wd in zip(r, widths, strict=True)) for r in rows]

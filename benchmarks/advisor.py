@@ -258,6 +258,7 @@ def replay(
                     runs.append([fig])
                 fig = median_windows(runs)[0]
                 row.update({f"{label}_{k}": v for k, v in fig.items() if k in FIGURE_KEYS})
+                row[f"{label}_draw_range"] = fig.get("draw_range", {})
             out.append(row)
     finally:
         db.dispose()
@@ -388,6 +389,12 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
             row[f"error_{key}"] = rel_err(row[f"predicted_{key}"], row[f"measured_{key}"])
             row[f"fresh_error_{key}"] = rel_err(row[f"fresh_{key}"], row[f"measured_{key}"])
             row[f"ownfit_error_{key}"] = rel_err(row[f"ownfit_{key}"], row[f"measured_{key}"])
+        # the lowest and highest of the draws, and whether the measurement fell between them
+        # (a wide range is a tail on a knife edge; a measurement outside it, the model's miss)
+        row["predicted_draw_range"] = r.get("replay_draw_range", {})
+        for key, (lo, hi) in row["predicted_draw_range"].items():
+            meas = row.get(f"measured_{key}")
+            row[f"within_draws_{key}"] = None if meas is None else bool(lo <= meas <= hi)
         row["measured_overloaded"] = bool(w.get("overloaded"))
         row["measured_overload_reason"] = w.get("overload_reason")
         row["predicted_overloaded"] = bool(r.get("replay_overloaded"))

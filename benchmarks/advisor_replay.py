@@ -129,6 +129,11 @@ def replay_workload(
             row[f"measured_{k}"] = w[k]
             row[f"predicted_{k}"] = r.get(f"replay_{k}")
             row[f"error_{k}"] = rel_err(row[f"predicted_{k}"], w[k])
+            lo_hi = r.get("replay_draw_range", {}).get(k)
+            row[f"draw_range_{k}"] = lo_hi
+            row[f"within_draws_{k}"] = (
+                None if lo_hi is None or w[k] is None else bool(lo_hi[0] <= w[k] <= lo_hi[1])
+            )
         windows.append(row)
     held = [r for r in windows if r["budget"] != baseline_budget]
     med = {

@@ -132,6 +132,12 @@ def test_draws_give_each_figure_its_median() -> None:
     got = median_windows(runs)[0]
     assert got["itl_p99_ms"] == 11.0 and got["budget"] == 128 and got["cap"] == 0
     assert got["itl_max_ms"] is None and got["overloaded"] is False
+    # the draws' lowest and highest beside the median: a wide one is a knife-edge tail
+    assert got["draw_range"] == {"itl_p99_ms": [10.0, 30.0]}
+    from advisor.text import budget_table
+
+    table = budget_table([got], ("budget", "itl_p99_ms", "itl_max_ms"), [128])
+    assert table[1].split() == ["128", "11.0", "(10-30)", "-"]
     runs[2][0]["overloaded"] = True
     runs[2][0]["overload_reason"] = "queue grew"
     assert median_windows(runs)[0]["overloaded"] is True  # most draws say so
