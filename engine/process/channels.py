@@ -76,7 +76,7 @@ def read_ahead(channel: _Receiver, name: str = "chunkscope-read-ahead") -> Queue
     is megabytes; the sender blocks on the full pipe), and at the step's end the core takes the
     first one and then whatever the sender has managed to start writing by the time it polls
     again: a race, one request in some steps and several in others (issue 19, ``vlm_mix`` at
-    budget 4096: five image requests arrived during one 1 s step and went into the next two
+    budget 4096: four image requests arrived during one 1 s step and went into the next two
     steps, two and two). Read ahead, every request sent before a step starts is there when it
     starts, as in vLLM's engine core (its input thread decodes requests into a queue the busy
     loop drains each step).
