@@ -154,10 +154,28 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, ``timeout``) unwind the script as Ctrl-C does: SystemExit(143)
+    from wherever the main thread is, so every ``finally`` stops the engines, collectors and
+    load generators the script started. Left at the default, SIGTERM ends the script at once
+    and its children run on, holding ports, CPU and stores. Only from the main thread (signal
+    handlers can be installed nowhere else); a no-op elsewhere."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def _exit(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def setup(args: argparse.Namespace) -> Path:
     """Apply the common arguments (and note the tree's state: the run's provenance); return the
     folder results go to."""
     logging.basicConfig(level=logging.WARNING)
+    exit_on_sigterm()
     _AT_START["git"] = git_state()
     if args.threads is not None:
         import torch

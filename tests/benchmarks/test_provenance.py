@@ -9,7 +9,9 @@ import ast
 import importlib.util
 import json
 import re
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -17,6 +19,14 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = sorted(p for p in BENCH.glob("*.py") if p.name not in ("_common.py", "__init__.py"))
+
+
+@pytest.fixture(autouse=True)
+def _keep_sigterm() -> Iterator[None]:
+    """``setup`` makes SIGTERM unwind the script; in this test process, put it back after."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
 
 
 def _load(path: Path) -> ModuleType:
@@ -144,3 +154,30 @@ def test_results_files_do_not_make_the_tree_dirty(
     status += " M engine/model/runner.py\n"
     state = common.git_state()
     assert state["git_dirty"] is True and state["git_changed_paths"] == ["engine/model/runner.py"]
+
+
+def test_sigterm_unwinds_a_benchmark_through_its_finally(tmp_path: Path) -> None:
+    """After ``setup``, SIGTERM raises SystemExit(143) in the main thread, so the script's
+    ``finally`` blocks stop what it started (a plain SIGTERM would end it with its children
+    left running)."""
+    import subprocess
+
+    script = (
+        "import argparse, os, signal, time\n"
+        "from benchmarks import _common as c\n"
+        "ap = argparse.ArgumentParser(); c.add_common_args(ap)\n"
+        f"c.setup(ap.parse_args(['--out-dir', {str(tmp_path)!r}]))\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "finally:\n"
+        "    print('children stopped', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=BENCH.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 143 and "children stopped" in done.stdout
