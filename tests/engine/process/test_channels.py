@@ -34,9 +34,10 @@ def test_messages_sent_while_the_reader_is_busy_are_all_there_in_order() -> None
     sender.join(timeout=30)
     assert not sender.is_alive()
     got = []
-    while inbox.poll(0):  # the step loop's "take every command there is"
+    for _ in payloads:  # the last bytes may still be on their way from the pipe's buffer
+        assert inbox.poll(10)
         got.append(inbox.recv())
-    assert [p for _, p in got] == payloads
+    assert [p for _, p in got] == payloads and not inbox.poll(0)
     send_end.close()
     recv_end.close()
 
@@ -131,3 +132,35 @@ def test_requests_sent_during_a_step_all_enter_the_next_one() -> None:
     assert engine.steps[1] == [f"img-{i}" for i in range(4)]
     send_end.close()
     recv_end.close()
+
+
+def test_the_core_process_reads_its_commands_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child process's entry wraps its command pipe in ``read_ahead`` (run here in this
+    process, on the ``tiny`` preset, with a shutdown already waiting)."""
+    import gc
+    import signal
+
+    from engine.core.config import EngineConfig
+    from engine.process import core
+
+    names: list[str] = []
+    real = core.read_ahead
+
+    def spy(channel: Any, name: str = "") -> QueueChannel:
+        names.append(name)
+        return real(channel, name)
+
+    monkeypatch.setattr(core, "read_ahead", spy)
+    recv_end, send_end = _pipe()
+    results = QueueChannel()
+    send_end.send(("shutdown",))
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        config = EngineConfig(model="tiny", device="cpu", max_model_len=256)
+        core.run_core_process(config, recv_end, results, logging.WARNING)
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # the core ignores Ctrl-C; this process does not
+        gc.unfreeze()
+    assert names == ["chunkscope-core-rx"]
+    assert results.recv()[0] == "ready"
+    send_end.close()
