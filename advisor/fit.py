@@ -658,7 +658,13 @@ def recent_noise(
     16.5% -> 14.0%; ``benchmarks/autopilot_nowcast.py``, docs/benchmarks.md, "The scatter of
     the last seconds"). Long steps keep the fit window's scatter: a quiet window has none of
     them, and long steps scatter less than short ones (issue 19d)."""
-    usable = _usable(steps)
+    return _recent_noise(report, steps, _usable(steps), min_steps)
+
+
+def _recent_noise(
+    report: FitReport, steps: pd.DataFrame, usable: pd.DataFrame, min_steps: int
+) -> NoiseModel | None:
+    """:func:`recent_noise` with ``usable`` (``_usable(steps)``) already selected."""
     if len(usable) < min_steps or report.noise is None:
         return None
     now = noise_model(
@@ -682,10 +688,11 @@ def recent_noise(
 def with_recent_noise(report: FitReport, steps: pd.DataFrame) -> tuple[FitReport, int]:
     """``report`` with :func:`recent_noise` of ``steps`` when there is one, and how many steps
     it was drawn from (0: the fit window's scatter is kept)."""
-    noise = recent_noise(report, steps)
+    usable = _usable(steps)  # selected once: it is also the count
+    noise = _recent_noise(report, steps, usable, NOISE_RECENT_MIN_STEPS)
     if noise is None:
         return report, 0
-    return replace(report, noise=noise), len(_usable(steps))
+    return replace(report, noise=noise), len(usable)
 
 
 def _with_calibration(quality: dict[str, Any], cal: dict[str, Any]) -> dict[str, Any]:
