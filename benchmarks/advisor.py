@@ -265,6 +265,13 @@ def replay(
     return out
 
 
+def within_draws(lo_hi: Any, measured: Any) -> bool | None:
+    """Whether ``measured`` fell between the lowest and highest draw (None without either)."""
+    if lo_hi is None or measured is None:
+        return None
+    return bool(lo_hi[0] <= measured <= lo_hi[1])
+
+
 FIGURE_KEYS = (
     "itl_p50_ms",
     "itl_p99_ms",
@@ -392,9 +399,8 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
         # the lowest and highest of the draws, and whether the measurement fell between them
         # (a wide range is a tail on a knife edge; a measurement outside it, the model's miss)
         row["predicted_draw_range"] = r.get("replay_draw_range", {})
-        for key, (lo, hi) in row["predicted_draw_range"].items():
-            meas = row.get(f"measured_{key}")
-            row[f"within_draws_{key}"] = None if meas is None else bool(lo <= meas <= hi)
+        for key, lo_hi in row["predicted_draw_range"].items():
+            row[f"within_draws_{key}"] = within_draws(lo_hi, row.get(f"measured_{key}"))
         row["measured_overloaded"] = bool(w.get("overloaded"))
         row["measured_overload_reason"] = w.get("overload_reason")
         row["predicted_overloaded"] = bool(r.get("replay_overloaded"))

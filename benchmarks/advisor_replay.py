@@ -99,7 +99,7 @@ def replay_workload(
     from advisor.fit import fit_from_store
     from advisor.predict import fit_carry
     from advisor.traffic import observed_traffic
-    from benchmarks.advisor import rel_err, replay
+    from benchmarks.advisor import rel_err, replay, within_draws
     from storage import db as dbm
 
     base = json.loads((work / f"{workload}-baseline.json").read_text())
@@ -131,9 +131,7 @@ def replay_workload(
             row[f"error_{k}"] = rel_err(row[f"predicted_{k}"], w[k])
             lo_hi = r.get("replay_draw_range", {}).get(k)
             row[f"draw_range_{k}"] = lo_hi
-            row[f"within_draws_{k}"] = (
-                None if lo_hi is None or w[k] is None else bool(lo_hi[0] <= w[k] <= lo_hi[1])
-            )
+            row[f"within_draws_{k}"] = within_draws(lo_hi, w[k])
         windows.append(row)
     held = [r for r in windows if r["budget"] != baseline_budget]
     med = {
