@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from advisor.quantiles import mass_quantiles
+
 logger = logging.getLogger(__name__)
 
 QUANTILES = 400
@@ -59,13 +61,6 @@ class ClientDelay:
         }
 
 
-def _quantiles(values: list[float]) -> list[float]:
-    if not values:
-        return []
-    qs = np.linspace(0, 1, QUANTILES)
-    return [float(v) for v in np.quantile(np.asarray(values), qs, method="inverted_cdf")]
-
-
 def client_delay(result: Mapping[str, Any]) -> ClientDelay:
     """From a loadgen result document (its ``requests`` with their ``server`` blocks)."""
     ttft: list[float] = []
@@ -88,7 +83,9 @@ def client_delay(result: Mapping[str, Any]) -> ClientDelay:
             "the load generator result has no request with the engine's token times (a "
             "`chunkscope` block): run it against chunkscope"
         )
-    out = ClientDelay(_quantiles(ttft), _quantiles(deltas), n_req, len(deltas))
+    out = ClientDelay(
+        mass_quantiles(ttft, QUANTILES), mass_quantiles(deltas, QUANTILES), n_req, len(deltas)
+    )
     logger.info("client delivery: %s", out.summary())
     return out
 

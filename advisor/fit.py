@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
+from advisor.quantiles import mass_quantiles
 from engine.core.cost_model import FEATURES, CostModel, StepWork, chunk_pairs, fit
 from storage import queries
 
@@ -43,8 +44,9 @@ class NoiseModel:
     not an average one).
 
     Steps are binned by predicted duration (``edges_s``: each bin's largest prediction); each bin
-    keeps the distribution of measured/predicted as evenly spaced quantiles, so drawing one of
-    them uniformly draws from that distribution. ``gaps_s`` keeps the busy pauses the same way.
+    keeps the distribution of measured/predicted as quantiles of equal mass
+    (``advisor.quantiles.mass_quantiles``), so drawing one of them uniformly draws from that
+    distribution. ``gaps_s`` keeps the busy pauses the same way.
     """
 
     edges_s: list[float]
@@ -101,15 +103,12 @@ def noise_model(
         raise ValueError(f"binning must be 'count' or 'duration', got {binning!r}")
     edges: list[float] = []
     ratios: list[list[float]] = []
-    qs = np.linspace(0, 1, NOISE_QUANTILES)
     for chunk_pred, chunk_ratio in groups:
         if chunk_pred.size == 0:
             continue
         edges.append(float(chunk_pred[-1]))
-        ratios.append([float(v) for v in np.quantile(chunk_ratio, qs, method="inverted_cdf")])
-    gq = np.linspace(0, 1, GAP_QUANTILES)
-    gaps = [float(v) for v in np.quantile(gaps_s, gq, method="inverted_cdf")] if gaps_s.size else []
-    return NoiseModel(edges, ratios, gaps)
+        ratios.append(mass_quantiles(chunk_ratio, NOISE_QUANTILES))
+    return NoiseModel(edges, ratios, mass_quantiles(gaps_s, GAP_QUANTILES))
 
 
 @dataclass(frozen=True)
