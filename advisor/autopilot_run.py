@@ -70,18 +70,70 @@ NOISE_REFRESH_S = 5.0  # the recent scatter is redrawn at most this often (for t
 DEFAULT_OUTPUT_TOKENS = 64  # assumed output of a queued request when no finished one says more
 
 
+def lookback_start(db: Engine, *, engine_id: str, run_id: str | None, since: float) -> float:
+    """``since`` moved back to the start of the step the engine was running at ``since`` (itself
+    when none was). A replay starts from an idle engine, so its window must start where the
+    engine was between steps: started mid-step, the replay would redo that whole step from the
+    window's start while the engine finished it sooner (a tick on the demo engine at budget
+    4096 began 2.1 s into a 3.5 s step and predicted TTFT p99 9.7 s where 3.0 s was seen)."""
+    st = queries.steps(db, engine_id=engine_id, run_id=run_id, until=since, limit=1)
+    if st.empty:
+        return since
+    last = st.loc[st["start"].idxmax()]
+    return float(last["start"]) if float(last["end"]) > since else since
+
+
+PROGRESS_STEPS = 256  # the steps read back for the backlog's prefill progress
+
+
+def prefill_progress(
+    db: Engine, *, engine_id: str, run_id: str | None, request_ids: set[str], until: float
+) -> dict[str, int]:
+    """How far each of ``request_ids`` had been prefilled by ``until`` (its cached tokens
+    included): the end of its furthest prefill chunk among the last ``PROGRESS_STEPS`` steps
+    that ended by then. A request being prefilled gets a chunk most steps (running requests
+    come first), so its last chunk is among them; one left out that long counts as not
+    started."""
+    if not request_ids:
+        return {}
+    st = queries.steps(db, engine_id=engine_id, run_id=run_id, until=until, limit=PROGRESS_STEPS)
+    st = st[st["end"] <= until]
+    out: dict[str, int] = {}
+    for (eid, rid), g in st.groupby(["engine_id", "run_id"], sort=False):
+        ch = queries.step_chunks(
+            db, engine_id=eid, run_id=rid, step_from=int(g["step"].min()),
+            step_to=int(g["step"].max()),
+        )  # fmt: skip
+        ch = ch[ch["step"].isin(g["step"]) & (ch["kind"] == "prefill")]
+        ch = ch[ch["request_id"].isin(request_ids)]
+        for req, end in (ch["start"] + ch["num_tokens"]).groupby(ch["request_id"]).max().items():
+            out[str(req)] = max(out.get(str(req), 0), int(end))
+    return out
+
+
 def recent_traffic(
     db: Engine, *, engine_id: str, run_id: str | None, since: float, until: float
 ) -> Traffic:
     """Requests that arrived in [since, until], the queued and running ones included, and the
     backlog: requests that arrived earlier and still had no first token at ``since`` (a burst
-    the engine is still working through), replayed as arriving at ``since``. A queued request's
-    output length is the median of the finished ones of its class (a running one's at least
-    that), since the store cannot know it yet."""
+    the engine is still working through), replayed as arriving at ``since`` with the prompt
+    tokens the engine had prefilled by then (:func:`prefill_progress`) already computed. A
+    queued request's output length is the median of the finished ones of its class (a running
+    one's at least that), since the store cannot know it yet. ``since`` should be a step
+    boundary (:func:`lookback_start`)."""
     df = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     df = _window_requests(df, since, until)
     if df.empty:
         return Traffic([], since, until)
+    backlog = df["arrival"] < since
+    progress = prefill_progress(
+        db,
+        engine_id=engine_id,
+        run_id=run_id,
+        request_ids=set(df.loc[backlog, "request_id"].astype(str)),
+        until=since,
+    )
+    df.loc[backlog, "arrival"] = since
     done = df[df["finished"].notna()]
     medians = done.groupby(done["traffic_class"].fillna(""))["num_output_tokens"].median()
     overall = float(done["num_output_tokens"].median()) if not done.empty else math.nan
@@ -102,6 +154,7 @@ def recent_traffic(
                 num_image_tokens=int(r.num_image_tokens or 0),
                 num_cached_tokens=int(r.num_cached_tokens or 0),
                 num_output_tokens=max(1, out),
+                num_computed_tokens=progress.get(str(r.request_id), 0),
             )
         )
     return Traffic(reqs, since, until)
@@ -109,14 +162,12 @@ def recent_traffic(
 
 def _window_requests(df: pd.DataFrame, since: float, until: float) -> pd.DataFrame:
     """The requests a tick replays: arrived in [since, until], and the backlog (arrived earlier,
-    no first token at ``since``) with its arrival moved to ``since``."""
+    no first token at ``since``), still at its own arrival (before ``since``)."""
     if df.empty:
         return df
     df = df[df["arrival"].notna() & (df["arrival"] <= until)]
     backlog = (df["arrival"] < since) & (df["first_token"].isna() | (df["first_token"] > since))
-    df = df[backlog | (df["arrival"] >= since)].copy()
-    df.loc[backlog, "arrival"] = since
-    return df
+    return df[backlog | (df["arrival"] >= since)].copy()
 
 
 def observed(
@@ -131,7 +182,8 @@ def observed(
         ttft = np.empty(0)
     else:
         first = req["first_token"].where(req["first_token"] <= until, until).fillna(until)
-        ttft = ((first - req["arrival"]) * 1e3).to_numpy(dtype=float)
+        # the backlog's TTFT counts from the window's start, as the replay has it arrive
+        ttft = ((first - req["arrival"].clip(lower=since)) * 1e3).to_numpy(dtype=float)
     itl = queries.token_itl(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     ids = set(req["request_id"]) if not req.empty else set()
     itl = itl[itl["request_id"].isin(ids)] if not itl.empty else itl
@@ -343,7 +395,9 @@ class Runner:
         if foreign is not None:
             self.paused(foreign)
             return None
-        since = now - o.lookback_s
+        since = lookback_start(
+            self.db, engine_id=o.engine_id, run_id=self.run_id, since=now - o.lookback_s
+        )
         fit = self._fit(now)
         fit, noise_steps = self._recent_noise(fit, now)
         traffic = recent_traffic(

@@ -40,6 +40,9 @@ class ObservedRequest:
     num_image_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    # prompt tokens the engine had computed (cached ones included) when the window began: a
+    # request it was still prefilling then (``advisor.autopilot_run.prefill_progress``)
+    num_computed_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,11 @@ def to_sim_requests(
                 warm.append(tuple(own[:cached]))
             else:
                 own[:cached] = prompts[donor][:cached]
+        # prefilled before the window began: its own computed prefix is in the KV cache
+        computed = min(r.num_computed_tokens, n - 1)
+        computed -= computed % block_size
+        if computed > cached:
+            warm.append(tuple(own[:computed]))
         prompts.append(own)
         out.append(
             SimRequest(

@@ -5,14 +5,23 @@ simulated with a known cost model and written as telemetry."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from advisor.autopilot import AutopilotSlo, Setting, predict_settings
-from advisor.autopilot_run import main, observed, recent_traffic, tick_wait_s
+from advisor.autopilot_run import (
+    lookback_start,
+    main,
+    observed,
+    prefill_progress,
+    recent_traffic,
+    tick_wait_s,
+)
 from advisor.fit import FitReport
-from advisor.simulate import EngineShape, SimRequest, cost_model_step_ns, simulate
+from advisor.simulate import EngineShape, SimRequest, SimResult, cost_model_step_ns, simulate
+from advisor.traffic import Traffic
 from engine.core.cost_model import CostModel
 from storage import db as dbm
 from tests.advisor.helpers import store_run
@@ -49,6 +58,72 @@ def test_backlog_counts_as_arriving_at_the_window_start(tmp_path: Path) -> None:
     assert all(abs(got[r].arrival - since) < 1e-6 for r in waiting)
     assert abs(got["c0"].arrival - (t0 + 3.0005)) < 1e-3
     assert got["b7"].num_prompt_tokens == 500
+    db.dispose()
+
+
+def _burst_run(tmp_path: Path) -> tuple[str, float, SimResult]:
+    """8 prompts of 500 tokens at t=0 and a chat request at 3.0 s, budget 256, 1 ms a token,
+    stored: (store URL, the run's wall start in seconds, the simulation)."""
+    burst = [
+        SimRequest(f"b{i}", 500_000, tuple(i * 100_000 + p for p in range(500)), 4, "rag")
+        for i in range(8)
+    ]
+    chat = SimRequest("c0", 3_000_500_000, tuple(900_000 + p for p in range(20)), 4, "chat")
+    res = simulate(
+        [*burst, chat], SHAPE, token_budget=256, step_ns=cost_model_step_ns(COST.predict),
+        gap_ns=0, record_steps=True,
+    )  # fmt: skip
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    wall_ns = store_run(url, [*burst, chat], res, SHAPE, engine_id="e")
+    return url, wall_ns / 1e9, res
+
+
+def test_the_window_starts_where_the_engine_was_between_steps(tmp_path: Path) -> None:
+    # a replay starts from an idle engine: a look-back that begins inside a step begins at
+    # that step's start instead (before any step, it stays where it is)
+    url, t0, res = _burst_run(tmp_path)
+    db = dbm.connect(url, readonly=True)
+    mid = next(s for s in res.steps if s.end_ns - s.start_ns > 100_000_000)  # a 256-token step
+    inside = t0 + (mid.start_ns + mid.end_ns) / 2e9
+    assert lookback_start(db, engine_id="e", run_id=None, since=inside) == pytest.approx(
+        t0 + mid.start_ns / 1e9, abs=1e-6
+    )
+    assert lookback_start(db, engine_id="e", run_id=None, since=t0 - 5.0) == t0 - 5.0
+    db.dispose()
+
+
+def test_the_backlog_is_replayed_from_where_its_prefill_had_got(tmp_path: Path) -> None:
+    # the look-back starts in the middle of the burst (b3 has 285 of its 500 tokens done): the
+    # requests being prefilled then carry their progress, so the replay (exact here: no
+    # scatter) reproduces the TTFT the store saw; replayed from their first prompt token, every
+    # later request would wait for b3's 272 tokens (whole blocks) again, 1 ms each
+    url, t0, res = _burst_run(tmp_path)
+    db = dbm.connect(url, readonly=True)
+    since = lookback_start(db, engine_id="e", run_id=None, since=t0 + 2.0)
+    until = t0 + 6.0  # the whole burst served
+    done_ns = round((since - t0) * 1e9)
+    expect: dict[str, int] = {}
+    for s in res.steps:
+        if s.end_ns <= done_ns:
+            for ch in s.chunks:
+                if ch.kind == "prefill":
+                    expect[ch.request_id] = ch.start + ch.num_tokens
+    tr = recent_traffic(db, engine_id="e", run_id=None, since=since, until=until)
+    got = {r.request_id: r.num_computed_tokens for r in tr.requests}
+    started = {rid: n for rid, n in expect.items() if rid in got}
+    assert any(0 < n < 500 for n in started.values())  # one was mid-prefill
+    assert {rid: got[rid] for rid in started} == started
+    assert prefill_progress(db, engine_id="e", run_id=None, request_ids=set(), until=until) == {}
+    obs = observed(db, engine_id="e", run_id=None, since=since, until=until, steady=True)
+    report = FitReport(COST, 500, 0.0, 0.0)
+    slo = AutopilotSlo(itl_ms=1000.0, ttft_ms=3000.0)
+    [pred] = predict_settings(report, tr, SHAPE, [Setting(256)], slo)
+    assert obs.ttft_p99_ms is not None and pred.ttft_seen_p99_ms is not None
+    assert pred.ttft_seen_p99_ms == pytest.approx(obs.ttft_p99_ms, rel=0.05)
+    fresh = Traffic([replace(r, num_computed_tokens=0) for r in tr.requests], tr.since, tr.until)
+    [redo] = predict_settings(report, fresh, SHAPE, [Setting(256)], slo)
+    assert redo.ttft_seen_p99_ms is not None
+    assert redo.ttft_seen_p99_ms > obs.ttft_p99_ms + 250.0
     db.dispose()
 
 
