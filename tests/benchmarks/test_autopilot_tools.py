@@ -129,3 +129,56 @@ def test_tick_cost_against_a_revision_runs_both_trees(
         ["git", "-C", str(REPO), "worktree", "list"], capture_output=True, text=True
     ).stdout
     assert "autopilot-tick-" not in listed
+
+
+def test_tick_check_finds_the_window_figures_in_every_arm(
+    store: tuple[Path, float], tmp_path: Path
+) -> None:
+    # the steps follow the model exactly and nothing scatters: each arm's tick is the store's
+    # own figures, the moments are those with one setting through the look-back
+    from benchmarks import autopilot_check as bench
+
+    path, _ = store
+    argv = ["--store", str(path), "--out-dir", str(tmp_path), "--every", "10",
+            "--lookback", "5", "--fit-window", "25", "--noise-window", "10", "--draws", "2",
+            "--warmup", "20"]  # fmt: skip
+    assert bench.main(argv) == 0
+    doc = json.loads((tmp_path / "autopilot_check.json").read_text())
+    [run] = doc["runs"]
+    assert len(run["moments"]) >= 3
+    assert all(m["setting"] == "budget 256 cap off" for m in run["moments"])
+    for arm in bench.ARMS:
+        s = doc["pooled"][arm]
+        assert s["itl"]["num_moments"] == len(run["moments"])
+        assert s["itl"]["median_error"] < 0.05 and s["ttft"]["median_error"] < 0.05
+    # the "now" arm's look-back starts at a step boundary, at or before the others'
+    assert all(m["now"]["since_shift_s"] <= 0 for m in run["moments"])
+
+
+def test_tick_check_refuses_bad_flags_and_missing_stores(tmp_path: Path) -> None:
+    from benchmarks import autopilot_check as bench
+
+    for argv in (
+        ["--store", str(tmp_path / "none.db")],
+        ["--store", str(tmp_path / "none.db"), "--every", "0"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            bench.main([*argv, "--out-dir", str(tmp_path / "o")])
+        assert exc.value.code == 2
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_before_arm_keeps_the_old_quantiles_and_window() -> None:
+    # the ablation swaps the module functions for the arm and puts them back
+    import advisor.autopilot_run as ar
+    import advisor.fit as fit
+    from benchmarks import autopilot_check as bench
+
+    rare = [1.0] * 99 + [50.0]
+    with bench.arm_code("before"):
+        assert fit.mass_quantiles(rare, 10)[-1] == 50.0  # the maximum, one draw in 10
+        assert (
+            ar.prefill_progress(None, engine_id="e", run_id=None, request_ids={"x"}, until=0) == {}
+        )
+    assert fit.mass_quantiles(rare, 10) == [1.0] * 10  # restored: middles of equal shares
+    assert ar.prefill_progress is not None and ar.prefill_progress.__name__ == "prefill_progress"
