@@ -40,6 +40,13 @@ class SwitchSlo:
         if self.tail_itl_ms is not None and not self.tail_itl_ms > 0:
             raise ValueError(f"the ITL max SLO must be positive, got {self.tail_itl_ms:g}")
 
+    def label(self) -> str:
+        """The SLOs as the page says them: ``chat ITL p99 <= 250 ms, TTFT p99 <= 2000 ms``."""
+        out = f"chat ITL p99 <= {self.itl_ms:g} ms, TTFT p99 <= {self.ttft_ms:g} ms"
+        if self.tail_itl_ms is not None:
+            out += f", ITL max <= {self.tail_itl_ms:g} ms"
+        return out
+
 
 class AutopilotSwitch:
     """At most one autopilot child per engine id, shared by every browser session."""

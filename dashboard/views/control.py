@@ -208,7 +208,7 @@ def switch_autopilot(eng: str, where: ui.Context) -> None:
         st.session_state["control_answer"] = ("refused", f"Autopilot not started: {exc}")
         st.session_state[f"ap_on_{eng}"] = False
         return
-    st.session_state["control_answer"] = ("applied", f"Autopilot on for {eng}: {slo}")
+    st.session_state["control_answer"] = ("applied", f"Autopilot on for {eng}: {slo.label()}")
 
 
 st.subheader("Autopilot")

@@ -78,3 +78,6 @@ def test_switch_runs_the_cli_with_the_slos(tmp_path: Path, monkeypatch: pytest.M
     assert sw.state("e1") == "off"
     with pytest.raises(ValueError, match="ITL p99"):
         sw.start("ws://127.0.0.1:1", "e1", "sqlite:///x.db", SwitchSlo(0, 1500))
+    # what the Control page says it started with (it showed the dataclass's repr before)
+    assert SwitchSlo(250, 2000).label() == "chat ITL p99 <= 250 ms, TTFT p99 <= 2000 ms"
+    assert SwitchSlo(80, 1500, 400).label().endswith(", ITL max <= 400 ms")
