@@ -75,7 +75,7 @@ def lookback_start(db: Engine, *, engine_id: str, run_id: str | None, since: flo
     when none was). A replay starts from an idle engine, so its window must start where the
     engine was between steps: started mid-step, the replay would redo that whole step from the
     window's start while the engine finished it sooner (a tick on the demo engine at budget
-    4096 began 2.1 s into a 3.5 s step and predicted TTFT p99 9.7 s where 3.0 s was seen)."""
+    4096 began 2.1 s into a 3.5 s step)."""
     st = queries.steps(db, engine_id=engine_id, run_id=run_id, until=since, limit=1)
     if st.empty:
         return since

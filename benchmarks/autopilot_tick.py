@@ -70,6 +70,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         from advisor.fit import with_recent_noise
     except ImportError:  # a revision from before it
         with_recent_noise = None
+    try:
+        from advisor.autopilot_run import lookback_start
+    except ImportError:  # a revision from before it: the look-back started anywhere
+        lookback_start = None
     from advisor.traffic import engine_shape, observed_load
     from storage import queries
 
@@ -93,8 +97,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     fit_at = -1e18
     for now in np.arange(lo, hi, args.every)[: args.max_ticks]:
         now = float(now)
-        since = now - args.lookback
         c0 = time.process_time()
+        since = now - args.lookback
+        if lookback_start is not None:
+            since = lookback_start(db, engine_id=eid, run_id=None, since=since)
         foreign_control(db, engine_id=eid, run_id=None, since=lo)
         traffic = recent_traffic(db, engine_id=eid, run_id=None, since=since, until=now)
         steady = not changed_since(db, engine_id=eid, run_id=None, since=since)
