@@ -9,10 +9,12 @@ This script makes the prediction from earlier data only, and so measures the mod
 forecast of the step times:
 
 for each logged tick at ``t`` whose look-back ran one setting (the log's ``observed.steady``),
-the window ``[t - L, t]`` (``L`` = ``--lookback``) is replayed at that setting with
+the window ``[s, t]`` is replayed at that setting, ``s`` the start of the step in flight at
+``t - L`` (``L`` = ``--lookback``; ``advisor.autopilot_run.lookback_start``, as the autopilot
+starts its look-back), with
 
-- the step-cost model fitted on ``[t - L - fit_window, t - L]`` (``advisor.fit.fit_from_store``),
-- the scatter and pauses of ``[t - L - W, t - L]`` for each ``W`` of ``--noise-windows``
+- the step-cost model fitted on ``[s - fit_window, s]`` (``advisor.fit.fit_from_store``),
+- the scatter and pauses of ``[s - W, s]`` for each ``W`` of ``--noise-windows``
   (``advisor.fit.with_recent_noise``; ``W = 0``: the fit window's own, as before
   ``--noise-window`` existed),
 - the window's own requests (``advisor.autopilot_run.recent_traffic``),
@@ -52,7 +54,7 @@ def replay_log(
 ) -> dict[str, Any]:
     """Every ``--stride``-th steady tick of one decision log, predicted at each noise window."""
     from advisor.autopilot import AutopilotSlo, Setting, predict_settings
-    from advisor.autopilot_run import observed, recent_traffic
+    from advisor.autopilot_run import lookback_start, observed, recent_traffic
     from advisor.fit import FitError, fit_from_store, load_steps, with_recent_noise
     from advisor.traffic import engine_shape
     from storage import queries
@@ -68,7 +70,8 @@ def replay_log(
         if not d.get("observed", {}).get("steady", False):
             continue
         t = float(d["time"])
-        lo = t - args.lookback
+        # where the tick's look-back starts (the start of the step in flight then)
+        lo = lookback_start(db, engine_id=eid, run_id=rid, since=t - args.lookback)
         setting = Setting(int(d["previous_budget"]), int(d["previous_cap"]))
         traffic = recent_traffic(db, engine_id=eid, run_id=rid, since=lo, until=t)
         if len(traffic.requests) < args.min_requests:
