@@ -4,8 +4,8 @@ Each of the ``k`` values stands for an equal share ``1/k`` of the measurements: 
 the middle of its share, ``(i + 0.5) / k``. The rarest measurements (the top and bottom
 ``1/(2k)``) are then left out, as a sample of that size would mostly leave them out. Kept at
 ``0, 1/(k-1), ..., 1`` instead, the minimum and the maximum each stand for ``1/k``: a step that
-was 45x slower once in 3,000 (a pause of the machine) was drawn once in 200, and the simulated
-chat ITL p99 of the demo engine came out 2.3x the measured one (issue 19).
+was 45x slower once in about 2,500 (a pause of the machine) was drawn once in 200, and the
+simulated chat ITL p99 of the demo engine came out 2.3x the measured one (issue 19).
 """
 
 from __future__ import annotations
