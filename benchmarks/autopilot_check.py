@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks._common import add_common_args, config_of, setup, write_json
+from benchmarks.advisor import rel_err
 
 SCRIPT = "autopilot_check.py"
 ARMS = ("before", "quantiles", "now")
@@ -66,12 +67,6 @@ def arm_code(arm: str) -> Iterator[None]:
         yield
     finally:
         fit.mass_quantiles, ar.prefill_progress = saved  # type: ignore[assignment]
-
-
-def _err(pred: float | None, obs: float | None) -> float | None:
-    if pred is None or not obs:
-        return None
-    return abs(pred - obs) / obs
 
 
 def check_engine(db: Any, engine_id: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -132,21 +127,33 @@ def _moment(
     setting = Setting(int(budget), int(cap_value))
     row: dict[str, Any] = {"t_s": round(t - args.t0, 2), "setting": setting.label()}
     recent = load_steps(db, engine_id=engine_id, since=t - args.noise_window, until=t)
+    # the arms share work: "quantiles" and "now" fit alike, "before" and "quantiles" read the
+    # same window; each is done once
+    fits: dict[bool, Any] = {}
+    windows: dict[bool, tuple[Any, Any]] = {}
     for arm in ARMS:
-        since = aligned if arm == "now" else raw
+        old_fit, new_window = arm == "before", arm == "now"
+        since = aligned if new_window else raw
         with arm_code(arm):
-            try:
-                fit = fit_from_store(
-                    db, engine_id=engine_id, since=t - args.fit_window, until=t, resamples=0
+            if old_fit not in fits:
+                try:
+                    fit = fit_from_store(
+                        db, engine_id=engine_id, since=t - args.fit_window, until=t, resamples=0
+                    )
+                except FitError:
+                    return None
+                if args.noise_window > 0:
+                    fit, _ = with_recent_noise(fit, recent)
+                fits[old_fit] = fit
+            if new_window not in windows:
+                traffic = recent_traffic(db, engine_id=engine_id, run_id=None, since=since, until=t)
+                obs = observed(
+                    db, engine_id=engine_id, run_id=None, since=since, until=t, steady=True
                 )
-            except FitError:
-                return None
-            if args.noise_window > 0:
-                fit, _ = with_recent_noise(fit, recent)
-            traffic = recent_traffic(db, engine_id=engine_id, run_id=None, since=since, until=t)
+                windows[new_window] = (traffic, obs)
+        fit, (traffic, obs) = fits[old_fit], windows[new_window]
         if len(traffic.requests) < args.min_requests:
             return None
-        obs = observed(db, engine_id=engine_id, run_id=None, since=since, until=t, steady=True)
         if not obs.itl_p99_ms or not obs.ttft_p99_ms:
             return None
         draws = [
@@ -163,8 +170,8 @@ def _moment(
             "num_requests": len(traffic.requests),
             "predicted": pred,
             "observed": [obs.itl_p99_ms, obs.ttft_p99_ms],
-            "itl_error": _err(pred[0], obs.itl_p99_ms),
-            "ttft_error": _err(pred[1], obs.ttft_p99_ms),
+            "itl_error": rel_err(pred[0], obs.itl_p99_ms),
+            "ttft_error": rel_err(pred[1], obs.ttft_p99_ms),
         }
     return row
 
