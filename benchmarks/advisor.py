@@ -176,7 +176,8 @@ def rel_err(pred: Any, meas: Any) -> float | None:
     return abs(pred - meas) / meas
 
 
-def _median(xs: list[float | None]) -> float | None:
+def median_present(xs: list[float | None]) -> float | None:
+    """The median of the values that are not None (None when none is)."""
     vals = [x for x in xs if x is not None]
     return statistics.median(vals) if vals else None
 
@@ -406,13 +407,13 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
         row["predicted_overloaded"] = bool(r.get("replay_overloaded"))
         row["fresh_overloaded"] = bool(w.get("predicted_overloaded"))
         rows.append(row)
-    med_itl = _median([r["error_itl_p99_ms"] for r in rows])
-    med_ttft = _median([r["error_ttft_p50_ms"] for r in rows])
+    med_itl = median_present([r["error_itl_p99_ms"] for r in rows])
+    med_ttft = median_present([r["error_ttft_p50_ms"] for r in rows])
     # issue 19: the error at the budgets other than the one fitted on, per figure
     held = [r for r in rows if r["budget"] != a.baseline_budget]
 
     def errs(prefix: str) -> tuple[dict[str, float | None], dict[str, float | None]]:
-        med = {k: _median([r[f"{prefix}error_{k}"] for r in held]) for k in ERROR_KEYS}
+        med = {k: median_present([r[f"{prefix}error_{k}"] for r in held]) for k in ERROR_KEYS}
         top = {
             k: max(
                 (r[f"{prefix}error_{k}"] for r in held if r[f"{prefix}error_{k}"] is not None),
@@ -454,8 +455,12 @@ def run_profile(a: argparse.Namespace, profile: str, work: Path) -> dict[str, An
         "budgets": rows,
         "median_rel_error_itl_p99": med_itl,
         "median_rel_error_ttft_p50": med_ttft,
-        "fresh_median_rel_error_itl_p99": _median([r["fresh_error_itl_p99_ms"] for r in rows]),
-        "fresh_median_rel_error_ttft_p50": _median([r["fresh_error_ttft_p50_ms"] for r in rows]),
+        "fresh_median_rel_error_itl_p99": median_present(
+            [r["fresh_error_itl_p99_ms"] for r in rows]
+        ),
+        "fresh_median_rel_error_ttft_p50": median_present(
+            [r["fresh_error_ttft_p50_ms"] for r in rows]
+        ),
         "meets_15pct_target": (med_itl is not None and med_itl < 0.15)
         and (med_ttft is not None and med_ttft < 0.15),
         "holdout_budgets": [r["budget"] for r in held],

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks._common import add_common_args, config_of, setup, write_json
-from benchmarks.advisor import rel_err
+from benchmarks.advisor import median_present, rel_err
 
 SCRIPT = "autopilot_check.py"
 ARMS = ("before", "quantiles", "now")
@@ -161,8 +161,8 @@ def _moment(
             for k in range(args.draws)
         ]
         pred = [
-            _median([p.itl_seen_p99_ms for p in draws]),
-            _median([p.ttft_seen_p99_ms for p in draws]),
+            median_present([p.itl_seen_p99_ms for p in draws]),
+            median_present([p.ttft_seen_p99_ms for p in draws]),
         ]
         row["observed"] = [obs.itl_p99_ms, obs.ttft_p99_ms]  # the last arm's ("now")
         row[arm] = {
@@ -174,11 +174,6 @@ def _moment(
             "ttft_error": rel_err(pred[1], obs.ttft_p99_ms),
         }
     return row
-
-
-def _median(values: list[float | None]) -> float | None:
-    v = [x for x in values if x is not None]
-    return float(np.median(v)) if v else None
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -39,14 +39,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks._common import add_common_args, config_of, setup, write_json
+from benchmarks.advisor import rel_err
 
 SCRIPT = "autopilot_nowcast.py"
-
-
-def _err(pred: float | None, obs: float | None) -> float | None:
-    if pred is None or not obs:
-        return None
-    return abs(pred - obs) / obs
 
 
 def replay_log(
@@ -100,8 +95,8 @@ def replay_log(
             row[f"W{w:g}"] = {
                 "predicted": [p.itl_seen_p99_ms, p.ttft_seen_p99_ms],
                 "noise_steps": n,
-                "itl_error": _err(p.itl_seen_p99_ms, obs.itl_p99_ms),
-                "ttft_error": _err(p.ttft_seen_p99_ms, obs.ttft_p99_ms),
+                "itl_error": rel_err(p.itl_seen_p99_ms, obs.itl_p99_ms),
+                "ttft_error": rel_err(p.ttft_seen_p99_ms, obs.ttft_p99_ms),
             }
         rows.append(row)
     summary = {}
