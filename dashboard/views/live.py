@@ -112,7 +112,8 @@ def _status(ctx: ui.Context, lw: LiveWindow, problem: str | None) -> None:
     parts = [f"**{ctx.label}**"]
     if row is not None:
         parts.append(f"budget {row.get('token_budget')} · policy {row.get('policy')}")
-        parts.append(f"last step {row.get('last_step')}")
+        last = row.get("last_step")
+        parts.append("no steps yet" if last is None else f"last step {last}")
         if not row.get("connected"):
             ended = "without goodbye" if row.get("ended_without_goodbye") else "normally"
             parts.append(f"engine disconnected ({ended}): showing stored data")

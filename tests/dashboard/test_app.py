@@ -381,3 +381,22 @@ def test_the_sidebar_shows_the_store_size(
     [line] = [c for c in _texts(at, "caption") if c.startswith("Store size:")]
     used = store_size(dbm.connect(seeded[1], readonly=True)).used_bytes
     assert human_bytes(used) in line and "chunkscope prune" in line
+
+
+def test_a_run_without_steps_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that said hello and has not stepped yet (the dashboard's first seconds): the
+    status line says so instead of a Python ``None``."""
+    from testkit.collector import start_collector
+
+    db_url = f"sqlite:///{tmp_path / 'nosteps.db'}"
+    collector = start_collector(db_url)
+    try:
+        run = SynthRun(engine_id="engine-new", run_id="run-new", change_at_step=None)
+        run.num_steps = 0
+        send_run(collector.url, run)
+        at = _app(monkeypatch, collector.url, db_url).run()
+    finally:
+        collector.stop()
+    assert not at.exception
+    status = next(t for t in _texts(at, "caption") if "engine-new" in t)
+    assert "no steps yet" in status and "None" not in status
