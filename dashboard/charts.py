@@ -65,9 +65,13 @@ def class_color(traffic_class: object) -> str:
 
 
 def _empty(fig: go.Figure, text: str) -> go.Figure:
+    """``fig`` with ``text`` in its middle and no axes (an empty plot's default ticks, -1 to 6,
+    read as data)."""
     fig.add_annotation(
         text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font={"size": 14}
     )
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
     return fig
 
 

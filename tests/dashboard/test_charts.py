@@ -126,6 +126,9 @@ def test_empty_frames_give_an_annotated_empty_figure(make) -> None:
     fig = make()
     assert len(fig.data) == 0
     assert any("no " in a.text or "produced no" in a.text for a in fig.layout.annotations)
+    # no axes: an empty plot's default ticks (-1 to 6) would read as data
+    axes = [fig.layout[k] for k in fig.layout if k.startswith(("xaxis", "yaxis"))]
+    assert axes and all(ax.visible is False for ax in axes)
 
 
 def test_latency_figure_has_p50_and_p99_per_class_for_ttft_and_tpot() -> None:
