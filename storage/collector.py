@@ -35,7 +35,15 @@ from websockets.http11 import Request, Response
 from storage import db as dbm
 from storage import ingest, retention
 from storage.ingest import CLOSE_BAD_INPUT
-from storage.store import CollectorControl, Disconnect, Events, EventsResult, Hello, RunInfo
+from storage.store import (
+    CollectorControl,
+    Disconnect,
+    Events,
+    EventsResult,
+    Hello,
+    RunInfo,
+    SeqHole,
+)
 from storage.writer import Writer
 from wire import credentials
 from wire.control import (
@@ -236,6 +244,9 @@ class IngestConn:
     # and must not put them back in this row
     settings_from_step: int | None = None
     current: bool = True  # False once replaced by a newer connection of the same run
+    # True from the first of its frames the store could not take: nothing more is accepted
+    # from it and it is closed, so the engine reconnects and resends from the durable seq
+    failed: bool = False
     pending: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     # control id -> (source, reason) its /control client declared, stamped on the engine's
     # control events with that id as they are stored (the newest MAX_DECLARED kept)
@@ -484,9 +495,9 @@ class Collector:
             oldest = op.received if oldest is None else min(oldest, op.received)
             conn: IngestConn | None = op.tag
             if isinstance(result, BaseException):
-                m.refuse("store_error")
-                if conn is not None:
-                    self._spawn(conn.ws.close(CLOSE_STORE_ERROR, "store error; resend"))
+                m.refuse("seq_hole" if isinstance(result, SeqHole) else "store_error")
+                if conn is not None and not conn.failed:
+                    self._fence(conn, result)
                 continue
             self._count(result)
             if conn is not None:
@@ -502,6 +513,21 @@ class Collector:
             self._drained.set()
         for conn, seq in acks.values():
             self._spawn(self._send(conn.ws, {"type": "ack", "seq": seq}))
+
+    def _fence(self, conn: IngestConn, exc: BaseException) -> None:
+        """The store could not take a frame of ``conn``: accept nothing more from it (frames
+        already queued behind it are refused by the store, which never stores past a seq it
+        did not store) and close it; the engine reconnects and resends from the durable seq."""
+        conn.failed = True
+        logger.warning(
+            "engine %s run %s: events not stored (%s: %s); closing, the engine resends from "
+            "the durable seq",
+            conn.engine_id,
+            conn.run_id,
+            type(exc).__name__,
+            str(exc)[:200],
+        )
+        self._spawn(conn.ws.close(CLOSE_STORE_ERROR, "store error; resend"))
 
     def _count(self, result: EventsResult) -> None:
         m = self.metrics
@@ -724,6 +750,9 @@ class Collector:
     async def _ingest_frame(self, conn: IngestConn, raw: str | bytes) -> bool:
         """Handle one frame after the hello (the rules are ``storage.ingest``'s; this carries
         out the verdict); False when the connection was closed."""
+        if conn.failed:
+            await conn.ws.close(CLOSE_STORE_ERROR, "store error; resend")
+            return False
         msg, why = ingest.parse(raw)
         if msg is None:
             await self._close(conn.ws, CLOSE_BAD_INPUT, why)
@@ -741,7 +770,7 @@ class Collector:
             self.metrics.duplicates.inc(verdict.duplicates)
         if verdict.accepted:
             await self._backpressure()
-            if not conn.current:
+            if not conn.current or conn.failed:
                 return False
             conn.expected = verdict.expected
             if conn.declared:

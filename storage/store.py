@@ -9,6 +9,11 @@ Idempotence: each run remembers its highest stored ``seq`` (``runs.last_seq``, u
 transaction as the rows); an event whose seq is not above it is a resend and is skipped, and the
 primary keys (run_key, seq) make a double row impossible even if that logic were wrong.
 
+No holes: the durable seq only ever moves to the next seq, or over seqs a ``gap`` event declares
+lost. An ``Events`` op whose first new seq would skip an unstored one (the op before it failed
+and this one was queued behind it) is refused whole with :class:`SeqHole` as its result, so an
+acknowledgement never covers a seq that is neither stored nor declared lost.
+
 Token times are stamped here: a step's chunk with ``produced_token`` gives its request token
 ``k = previous k + 1`` at the step's ``end_ns`` (the request's ``num_tokens`` / ``last_token_ns``
 carry the count across batches and restarts), and ``itl_ns = end_ns - time of token k-1``.
@@ -95,6 +100,20 @@ def _opt_int(value: Any, name: str) -> int | None:
 
 def _opt_str(value: Any) -> str | None:
     return None if value is None else str(value)
+
+
+def _hole(events: list[dict[str, Any]], expected: int) -> int | None:
+    """The first seq that ``events`` would leave unstored when the run's next seq is
+    ``expected`` (None when none): each new seq must be the next one, unless it is a ``gap``
+    event declaring the seqs before it lost. Resent seqs (below ``expected``) are skipped."""
+    for ev in events:
+        seq = ev["seq"]
+        if seq < expected:
+            continue
+        if seq != expected and not ingest.declares(ev, expected):
+            return expected
+        expected = seq + 1
+    return None
 
 
 @dataclass(eq=False)
@@ -242,6 +261,16 @@ class _Batch:
 
     def touch(self, run: RunState, req: RequestState) -> None:
         self.dirty_requests.setdefault(run.run_key, {})[req.req_no] = req
+
+
+class SeqHole(RuntimeError):
+    """An ``Events`` op refused whole: its first new seq is not the run's durable seq + 1 and no
+    ``gap`` event declares the seqs between lost. Returned as the op's result (nothing of it is
+    stored, the batch goes on); ``expected`` is the seq the run needs next."""
+
+    def __init__(self, message: str, expected: int) -> None:
+        super().__init__(message)
+        self.expected = expected
 
 
 class RunGone(RuntimeError):
@@ -502,8 +531,15 @@ class Store:
 
     # -- events -------------------------------------------------------------------------------
 
-    def _events(self, op: Events, batch: _Batch) -> EventsResult:
+    def _events(self, op: Events, batch: _Batch) -> EventsResult | SeqHole:
         run = self._run(op.run_key)
+        hole = _hole(op.events, run.last_seq + 1)
+        if hole is not None:
+            return SeqHole(
+                f"run {run.engine_id}/{run.run_id}: seq {hole} is not stored yet and no gap "
+                f"declares it lost; events from seq {run.last_seq + 1} are needed first",
+                run.last_seq + 1,
+            )
         if run.partial:
             self._look_up_requests(run, op.events, batch)
         res = EventsResult(run.run_key, run.last_seq, 0, 0, [], [], {})

@@ -6,7 +6,9 @@ everything queued (up to ``max_batch_events`` events), applies it in one transac
 If a batch fails, each op is retried alone so one bad op cannot take the others down; an op that
 still fails gets its exception as its result, and so does every later ``Events`` op of the same
 run in that batch (not applied: a run's durable seq never moves past events it failed to store;
-the collector closes that connection and the engine resends from the durable seq). The latest
+the collector closes that connection and the engine resends from the durable seq). An ``Events``
+op of a later batch that was queued behind the failed one is refused by the store itself
+(``SeqHole`` as its result) for the same reason, even once the fault has cleared. The latest
 outcome is kept for ``/healthz``: ``last_error`` (None once a batch with events commits
 again) and ``alive``.
 

@@ -11,6 +11,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -177,3 +178,41 @@ def test_the_disk_full_wrapper_really_refuses_writes(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "refused" in out.stdout, out.stdout + out.stderr
+
+
+def test_sqlite_lock_released_while_frames_wait_behind_the_failed_one(
+    collector_factory: Any, sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fault clears while frames are queued behind the failed batch: frame N fails (the
+    lock is held past the busy timeout, twice: the batch, then N alone), frame N+1 was accepted
+    meanwhile and waits in the writer's queue, and the lock goes before N+1 is written. The
+    collector must neither store nor acknowledge N+1 past the hole: the engine reconnects,
+    resends from the durable seq, and every seq is stored exactly once."""
+    monkeypatch.setattr(dbm, "BUSY_TIMEOUT_MS", 1500)
+    col = collector_factory(sqlite_url)
+    eng = _engine()
+    client = FakeEngineClient(col.url, eng)
+    client.connect()
+    sent = eng.steps(10)
+    client.send_events(sent)
+    client.wait_ack(sent[-1]["seq"])
+    durable = client.acked
+    path = sqlite_url.removeprefix("sqlite:///")
+    locker = sqlite3.connect(path, timeout=5, isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")
+    try:
+        n = eng.steps(5)
+        client.send_events(n, per_frame=len(n))
+        time.sleep(0.5)  # the writer holds frame N alone, waiting for the lock
+        later = eng.steps(5)
+        client.send_events(later, per_frame=len(later))
+        sent += n + later
+        assert client.wait_closed(15) == 1011  # frame N failed
+    finally:
+        locker.execute("ROLLBACK")  # ...and the fault clears with N+1 still queued
+        locker.close()
+    wait_until(lambda: col._writer._queue.empty(), 10, "the queued frame to be written")
+    time.sleep(0.3)  # its result reaches the event loop
+    assert client.acked == durable, "acknowledged past a seq that was never stored"
+    assert _reconnect_and_resend(col.url, eng, sent) == durable
+    _assert_each_once(sqlite_url, eng, durable)

@@ -8,7 +8,7 @@ from sqlalchemy import event, select
 
 from storage import db as dbm
 from storage import schema
-from storage.store import Events, EventsResult, Hello, Store
+from storage.store import Events, EventsResult, Hello, SeqHole, Store
 from testkit.engines import SyntheticEngine
 
 
@@ -79,5 +79,41 @@ def test_requests_evicted_after_they_finish_are_found_again_with_one_query(db_ur
     assert len({r.req_no for r in rows}) == len(rows)
     assert by_id["a"].num_preemptions == 1 and by_id["a"].finished_ns == 2000
     assert by_id["b"].num_tokens == 2 and all(by_id[rid].num_tokens == 1 for rid in new)
+    store.close()
+    db.dispose()
+
+
+def test_events_that_would_skip_an_unstored_seq_are_refused_unless_a_gap_declares_it(
+    db_url: str,
+) -> None:
+    db = dbm.connect(db_url)
+    dbm.migrate(db)
+    store = Store(db)
+    store.startup()
+    [info] = store.apply([Hello(SyntheticEngine(engine_id="e", run_id="r", seed=1).hello())])
+    [res] = store.apply([Events(info.run_key, [_request(1, "a", "arrived", 10)])])
+    assert isinstance(res, EventsResult) and res.last_seq == 1
+    skipping = [_request(3, "b", "arrived", 11), _request(4, "c", "arrived", 12)]
+    [res] = store.apply([Events(info.run_key, skipping)])
+    assert isinstance(res, SeqHole) and res.expected == 2
+    gap = {
+        "type": "gap",
+        "seq": 3,
+        "first_seq_lost": 2,
+        "last_seq_lost": 2,
+        "num_events_lost": 1,
+        "reason": "spill limit reached",
+        "time_ns": 20,
+    }
+    # a hole inside one op is refused too, and nothing of the op is stored
+    [res] = store.apply([Events(info.run_key, [_request(2, "b", "arrived", 11), skipping[1]])])
+    assert isinstance(res, SeqHole) and res.expected == 2
+    [res] = store.apply([Events(info.run_key, [gap, skipping[1]])])
+    assert isinstance(res, EventsResult) and res.last_seq == 4 and res.stored == 2
+    with db.connect() as c:
+        gaps = c.execute(select(schema.gaps.c.first_seq_lost, schema.gaps.c.reason)).all()
+        ids = c.execute(select(schema.requests.c.request_id)).scalars().all()
+    assert [tuple(g) for g in gaps] == [(2, "spill limit reached")]
+    assert sorted(ids) == ["a", "c"]
     store.close()
     db.dispose()

@@ -3,15 +3,18 @@ failed to store, and says so for ``/healthz`` (issue 18). Driven directly, no se
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Any
 
 from sqlalchemy import select
 
 from storage import db as dbm
 from storage import schema
-from storage.store import Events, EventsResult, Hello, RunInfo
+from storage.store import Events, EventsResult, Hello, RunInfo, SeqHole
 from storage.writer import Writer
 from testkit.engines import SyntheticEngine
+
+from .helpers import stored_seqs
 
 
 def test_a_failed_op_stops_its_run_until_the_engine_resends(sqlite_url: str) -> None:
@@ -86,3 +89,58 @@ def test_an_integer_a_column_cannot_hold_is_one_bad_event_not_a_failed_batch(db_
     assert len(rows) == len(step_events) - 1 + sum(e["type"] == "step" for e in ev_b)
     writer.store.close()
     db.dispose()
+
+
+def test_a_frame_queued_behind_a_failed_one_never_moves_the_durable_seq_past_it(
+    sqlite_url: str, monkeypatch: Any
+) -> None:
+    """A real fault that clears between batches: another connection holds SQLite's write lock
+    past the busy timeout while frame N is written, then lets go before frame N+1 (queued behind
+    N) is written. N+1 must not be stored on its own: the durable seq would jump over N, the
+    ack would cover N, and nothing would say N is missing. Once the engine resends from the
+    durable seq, every seq is stored exactly once."""
+    monkeypatch.setattr(dbm, "BUSY_TIMEOUT_MS", 200)
+    db = dbm.connect(sqlite_url)
+    dbm.migrate(db)
+    commits: list[tuple[list[Any], list[Any]]] = []
+    writer = Writer(db, lambda ops, results, _s: commits.append((ops, results)))
+    eng = SyntheticEngine(engine_id="a", run_id="ra", seed=3)
+    writer._write([Hello(eng.hello())])
+    [info] = commits[-1][1]
+    assert isinstance(info, RunInfo)
+    first, n, after = eng.steps(3), eng.steps(3), eng.steps(3)
+    writer._write([Events(info.run_key, first)])
+    durable = first[-1]["seq"]
+    assert commits[-1][1][0].last_seq == durable
+
+    locker = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")
+    try:
+        writer._write([Events(info.run_key, n)])
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    [failed] = commits[-1][1]
+    assert isinstance(failed, Exception) and "locked" in str(failed)
+    writer._write([Events(info.run_key, after)])  # the fault has cleared
+    [late] = commits[-1][1]
+    assert not isinstance(late, EventsResult) or late.last_seq == durable, (
+        f"stored past seq {n[0]['seq']}, which was never stored"
+    )
+    assert isinstance(late, SeqHole) and late.expected == n[0]["seq"]
+    assert _durable(db, info.run_key) == durable
+
+    # the engine resends from the durable seq: everything lands, once
+    writer._write([Events(info.run_key, n + after)])
+    [again] = commits[-1][1]
+    assert isinstance(again, EventsResult) and again.last_seq == after[-1]["seq"]
+    assert stored_seqs(sqlite_url, "a", "ra") == list(range(1, eng.seq + 1))
+    writer.store.close()
+    db.dispose()
+
+
+def _durable(db: Any, run_key: int) -> int:
+    with db.connect() as c:
+        return int(
+            c.execute(select(schema.runs.c.last_seq).where(schema.runs.c.id == run_key)).scalar()
+        )
