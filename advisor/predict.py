@@ -9,6 +9,7 @@ import random
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from advisor.client import ClientDelay, ClientDraw, load_client_delay
@@ -161,13 +162,18 @@ def predict_traffic(
             reqs,
             shape,
             sorted({int(b) for b in budgets}),
-            timing=lambda k=k: step_timing(
-                report, step_gap=step_gap, noise=noise, seed=seed + k, image_share=shares
+            timing=partial(
+                step_timing,
+                report,
+                step_gap=step_gap,
+                noise=noise,
+                seed=seed + k,
+                image_share=shares,
             ),
             warm_prefixes=warm,
             max_steps=max_steps,
             window_ns=(round(warmup_s * 1e9), max(round(traffic.duration_s * 1e9), 1)),
-            client=None if client is None else (lambda k=k: ClientDraw(client, seed + 1 + k)),
+            client=None if client is None else partial(ClientDraw, client, seed + 1 + k),
             caps=caps,
             image_requests=shares.keys(),
         )

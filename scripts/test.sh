@@ -6,6 +6,7 @@ bash scripts/setup.sh || exit 1
 .venv/bin/ruff check . || exit 1
 .venv/bin/ruff format --check . || exit 1
 .venv/bin/lint-imports || exit 1
+.venv/bin/mypy || exit 1
 .venv/bin/python -m pytest -q "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

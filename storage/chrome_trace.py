@@ -315,13 +315,13 @@ def _run_events(
             firsts.setdefault(rid, []).append(tok)
 
     for rid, tid in tids.items():
-        r = info.get(rid)
-        cls = r["traffic_class"] if r is not None else None
+        req = info.get(rid)
+        cls = req["traffic_class"] if req is not None else None
         label = f"req {rid}" + (f" [{cls}]" if cls else "")
         trace.meta("thread_name", pid, tid, {"name": label})
         trace.meta("thread_sort_index", pid, tid, {"sort_index": tid})
         spans = [step_times[int(c["step"])] for c in req_chunks.get(rid, [])]
-        _request_events(trace, pid, tid, rid, r, req_chunks.get(rid, []), spans, token_of)
+        _request_events(trace, pid, tid, rid, req, req_chunks.get(rid, []), spans, token_of)
         for tok in firsts.get(rid, []):
             t = _finite(tok["time"])
             if t is not None:
@@ -373,12 +373,12 @@ def _request_events(
         args["request_id"] = rid
         args["finished"] = finished is not None
         trace.slice(f"request {rid}", pid, tid, begin, end, args)
-        parents = _phases(begin, end, first_scheduled, first_token)
+        parents: list[tuple[str, float, float]] = _phases(begin, end, first_scheduled, first_token)
         for name, t0, t1 in parents:
             trace.slice(name, pid, tid, t0, t1, None)
     else:
         trace.slice(f"request {rid}", pid, tid, begin, end, {"request_id": rid})
-        parents: list[tuple[str, float, float]] = []
+        parents = []
     for c, (t0, t1) in zip(chunks, spans, strict=True):
         # a chunk runs within one phase; clamp to it so the trace stays properly nested
         for _, p0, p1 in parents:

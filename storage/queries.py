@@ -128,7 +128,7 @@ def steps(
     ``limit`` keeps the newest ``limit`` rows of each run (still returned in step order).
     """
     s = schema.steps
-    cols = [
+    cols: list[Any] = [
         s.c.step,
         s.c.start_ns,
         s.c.end_ns,

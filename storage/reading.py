@@ -88,7 +88,7 @@ def fetch_rows(conn: Any, stmt: Any) -> list[tuple[Any, ...]]:
         cursor.close()
 
 
-def window_conds(col: Any, lo: int | None, hi: int | None) -> list[Any]:
+def window_conds(col: Any, lo: float | None, hi: float | None) -> list[Any]:
     conds = []
     if lo is not None:
         conds.append(col >= lo)
