@@ -566,7 +566,7 @@ class Collector:
     @staticmethod
     async def _send(ws: ServerConnection, msg: dict[str, Any]) -> None:
         try:
-            await ws.send(json.dumps(msg))
+            await ws.send(json.dumps(msg, allow_nan=False))
         except ConnectionClosed:
             pass
 
@@ -988,7 +988,7 @@ class Collector:
                 token, control_id=cid, engine_id=conn.engine_id, run_id=conn.run_id, changes=new
             )
         try:
-            await conn.ws.send(json.dumps(out))
+            await conn.ws.send(json.dumps(out, allow_nan=False))
             answer = await asyncio.wait_for(fut, self.config.control_timeout)
         except ConnectionClosed:
             return refuse(f"engine {engine_id} disconnected before answering", "disconnected")

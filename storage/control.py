@@ -56,7 +56,7 @@ def exchange(
         with connect(
             url, open_timeout=timeout, proxy=None, close_timeout=1, additional_headers=headers
         ) as ws:
-            ws.send(json.dumps(message))
+            ws.send(json.dumps(message, allow_nan=False))
             while True:
                 reply = json.loads(ws.recv(timeout=max(0.0, deadline - time.monotonic())))
                 if not isinstance(reply, dict):

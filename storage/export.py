@@ -63,7 +63,7 @@ def _portable(df: pd.DataFrame) -> pd.DataFrame:
     for name in ("old_value", "new_value"):
         if name in out.columns:
             out[name] = pd.Series(
-                [None if v is None else json.dumps(v) for v in out[name]],
+                [None if v is None else json.dumps(v, allow_nan=False) for v in out[name]],
                 index=out.index,
                 dtype=object,
             )

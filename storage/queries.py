@@ -447,13 +447,21 @@ def controls(
     return df
 
 
+def _none(_constant: str) -> None:
+    return None
+
+
 def _json(text: str | None) -> Any:
+    """A stored JSON value; NaN and infinities (not JSON, so never exported) read as None."""
     if text is None:
         return None
     try:
-        return json.loads(text)
+        value = json.loads(text, parse_constant=_none)
     except ValueError:
         return text
+    if isinstance(value, float) and value - value != 0.0:
+        return None  # a number too large for a float
+    return value
 
 
 def gaps(db: Engine, *, engine_id: str | None = None, run_id: str | None = None) -> pd.DataFrame:

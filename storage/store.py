@@ -98,6 +98,12 @@ def _opt_int(value: Any, name: str) -> int | None:
     return None if value is None else _int(value, name)
 
 
+def _json_text(value: Any) -> str:
+    """``value`` as JSON text; ValueError for NaN or an infinity (not JSON: a reader or an
+    export would fail on it)."""
+    return json.dumps(value, default=str, allow_nan=False)
+
+
 def _opt_str(value: Any) -> str | None:
     return None if value is None else str(value)
 
@@ -379,8 +385,8 @@ class Store:
                     "time_ns": None,
                     "wall": op.wall,
                     "key": op.key,
-                    "old_value": json.dumps(op.old_value),
-                    "new_value": json.dumps(op.new_value),
+                    "old_value": _json_text(op.old_value),
+                    "new_value": _json_text(op.new_value),
                     "accepted": op.accepted,
                     "source": op.source,
                     "applied_at_step": None,
@@ -477,8 +483,8 @@ class Store:
                     max_token_budget=_opt_int(h.get("max_token_budget"), "max_token_budget"),
                     kv_blocks_total=_opt_int(h.get("kv_blocks_total"), "kv_blocks_total"),
                     block_size=_opt_int(h.get("block_size"), "block_size"),
-                    config=json.dumps(h.get("config"), default=str),
-                    hello=json.dumps(hello_copy, default=str),
+                    config=_json_text(h.get("config")),
+                    hello=_json_text(hello_copy),
                     clock_wall_ns=_int(clock["wall_ns"], "clock.wall_ns"),
                     clock_mono_ns=_int(clock["mono_ns"], "clock.mono_ns"),
                     started=now,
@@ -771,8 +777,8 @@ class Store:
             "time_ns": time_ns,
             "wall": run.wall(time_ns) if time_ns is not None else time.time(),
             "key": key,
-            "old_value": json.dumps(ev.get("old_value"), default=str),
-            "new_value": json.dumps(ev.get("new_value"), default=str),
+            "old_value": _json_text(ev.get("old_value")),
+            "new_value": _json_text(ev.get("new_value")),
             "accepted": accepted,
             "source": _opt_str(ev.get("source")),
             "applied_at_step": _opt_int(ev.get("applied_at_step"), "applied_at_step"),

@@ -2,15 +2,17 @@
 and control messages. Stdlib only.
 
 Plain ``json.loads`` takes ``NaN`` and ``Infinity`` (not JSON, and poison once stored or
-exported) and raises ``RecursionError`` for deep nesting, which servers turn into 500/1011.
-:func:`loads` refuses both with a reason a client can act on, as a :class:`JSONRefused`
-(a ``ValueError``).
+exported), reads a number too large for a float (``1e999``) as infinity, and raises
+``RecursionError`` for deep nesting, which servers turn into 500/1011. :func:`loads` refuses all
+three with a reason a client can act on, as a :class:`JSONRefused` (a ``ValueError``).
 
 Cost: the collector parses every telemetry frame with this (a 64-chunk frame is ~150 KB), so
 the checks stay at C speed. NaN/Infinity: the C scanner's ``parse_constant`` hook, called only
-when such a constant appears. Depth: :func:`text_depth_over` reads the nesting from the text's
-brackets with ``bytes.translate``/``bytes.replace`` (a fraction of the parse's own time); only
-a text with a bracket inside a string is walked as parsed values (:func:`depth_over`).
+when such a constant appears; numbers with a fraction or exponent: its ``parse_float`` hook
+(telemetry events carry integers only, so a frame calls it rarely). Depth:
+:func:`text_depth_over` reads the nesting from the text's brackets with
+``bytes.translate``/``bytes.replace`` (a fraction of the parse's own time); only a text with a
+bracket inside a string is walked as parsed values (:func:`depth_over`).
 """
 
 from __future__ import annotations
@@ -32,9 +34,19 @@ def _no_constant(name: str) -> Any:
     raise JSONRefused(f"{name} is not a JSON number (NaN and Infinity are refused)")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value - value != 0.0:  # inf - inf is nan; a finite float gives 0.0
+        raise JSONRefused(
+            f"{text[:40]} is not a finite number (too large for a 64-bit float; NaN and "
+            "Infinity are refused)"
+        )
+    return value
+
+
 # One decoder for every call (json.loads with a hook builds a new one each time). Safe to share
 # between threads like json's own default decoder: its scanner keeps no state across calls.
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
 
 # The text's structure: quotes and brackets kept, "{" and "}" read as "[" and "]", all else gone.
 _BRACKETS = bytes.maketrans(b"{}", b"[]")

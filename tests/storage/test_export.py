@@ -559,3 +559,30 @@ def test_postgresql_store_exports_the_same_tables(
     assert export.main(["--db", pg_url, "--format", "chrome-trace", "--out", str(out)]) == 0
     events = validate_trace(json.loads(out.read_text()))
     assert sum(1 for e in events if e["ph"] == "X" and e["name"].startswith("step ")) == 120
+
+
+def test_a_non_finite_control_value_in_the_store_exports_as_null(tmp_path: Path) -> None:
+    """A control row whose value is ``Infinity`` (not JSON; the collector refuses such numbers
+    at its edge, but a store may already hold one): every export format still works, and the
+    value reads as null."""
+    url = f"sqlite:///{tmp_path / 'inf.db'}"
+    db = connect(url)
+    migrate(db)
+    store = Store(db)
+    eng = SyntheticEngine(engine_id="e", run_id="r", seed=1, concurrency=2, wall_ns=WALL_NS)
+    (info,) = store.apply([Hello(eng.hello())])
+    events = eng.steps(3)
+    eng.control("token_budget", 64, accepted=False, reason="refused")
+    events += eng.steps(2)
+    store.apply([Events(info.run_key, events)])
+    store.close()
+    with db.begin() as c:
+        c.exec_driver_sql("UPDATE controls SET new_value = 'Infinity', old_value = '-Infinity'")
+    db.dispose()
+    out = tmp_path / "t.json"
+    assert export.main(["--db", url, "--format", "chrome-trace", "--out", str(out)]) == 0
+    json.loads(out.read_text())
+    assert export.main(["--db", url, "--format", "csv", "--out", str(tmp_path / "csv")]) == 0
+    controls = pd.read_csv(tmp_path / "csv" / "controls.csv")
+    assert len(controls) == 1 and controls["new_value"].isna().all()
+    assert "Infinity" not in (tmp_path / "csv" / "controls.csv").read_text()

@@ -221,6 +221,15 @@ def test_nan_infinity_and_deep_nesting_are_refused_with_a_reason() -> None:
     assert msg is None and ("deep" in why or "malformed" in why)
 
 
+def test_a_number_beyond_a_float_is_refused_not_stored_as_infinity() -> None:
+    frame = (
+        f'{{"schema": {SCHEMA_VERSION}, "type": "events", "events": [{{"seq": 1, '
+        '"type": "control", "key": "token_budget", "new_value": 1e999, "accepted": false}]}'
+    )
+    msg, why = ingest.parse(frame)
+    assert msg is None and "finite" in why
+
+
 def test_the_engines_remembered_are_bounded_and_connected_ones_kept() -> None:
     rows = {f"e{i}": {"connected": i % 2 == 0} for i in range(10)}
     assert ingest.seen_to_forget(rows, limit=10) == []

@@ -117,3 +117,28 @@ def test_events_that_would_skip_an_unstored_seq_are_refused_unless_a_gap_declare
     assert sorted(ids) == ["a", "c"]
     store.close()
     db.dispose()
+
+
+def test_a_non_finite_value_given_to_the_store_is_a_bad_event_never_stored_as_infinity(
+    db_url: str,
+) -> None:
+    db = dbm.connect(db_url)
+    dbm.migrate(db)
+    store = Store(db)
+    store.startup()
+    [info] = store.apply([Hello(SyntheticEngine(engine_id="e", run_id="r", seed=1).hello())])
+    control = {
+        "type": "control",
+        "seq": 1,
+        "time_ns": 5,
+        "key": "token_budget",
+        "old_value": 512,
+        "new_value": float("inf"),
+        "accepted": False,
+    }
+    [res] = store.apply([Events(info.run_key, [control])])
+    assert isinstance(res, EventsResult) and [seq for seq, _ in res.bad] == [1]
+    with db.connect() as c:
+        assert c.execute(select(schema.controls.c.new_value)).all() == []
+    store.close()
+    db.dispose()

@@ -17,6 +17,18 @@ def test_nan_and_infinity_are_refused(text: str) -> None:
         strict_json.loads(text)
 
 
+@pytest.mark.parametrize(
+    "text", ["1e999", "-1e999", '{"a": [1, 1e400]}', "1" + "0" * 400 + ".0", b"[2E+999]"]
+)
+def test_numbers_too_big_for_a_float_are_refused_not_read_as_infinity(text: str | bytes) -> None:
+    with pytest.raises(strict_json.JSONRefused, match="not a finite number"):
+        strict_json.loads(text)
+
+
+def test_large_and_small_finite_floats_still_parse() -> None:
+    assert strict_json.loads("[1e308, -1e308, 1e-999, 0.5]") == [1e308, -1e308, 0.0, 0.5]
+
+
 def test_depth_is_bounded_with_a_reason_never_recursion_error() -> None:
     limit = strict_json.MAX_DEPTH
     assert strict_json.loads("[" * limit + "]" * limit) is not None
