@@ -46,6 +46,9 @@ def check_request(
     for t in prompt:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {t!r}")
+    bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+    if bad is not None:
+        raise ValueError(f"stop_token_ids must be ids in [0, {vocab}), got {bad}")
     total = len(prompt) + params.max_tokens
     if total > limits.max_model_len:
         raise ValueError(

@@ -75,9 +75,21 @@ def resolve_max_tokens(
     return requested
 
 
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> Any:
+def sampling_params(
+    state: ServerState, req: CompletionRequest | ChatCompletionRequest, max_tokens: int
+) -> Any:
+    """The request's ``SamplingParams``; its stop token ids must lie in the vocabulary."""
     from engine.core.sampling_params import SamplingParams
 
+    vocab = int(state.client.tokenizer.vocab_size)
+    bad = next((t for t in req.stop_token_ids or () if t >= vocab), None)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"stop token id {bad} is outside the vocabulary (0..{vocab - 1})",
+            param="stop_token_ids",
+            code="invalid_value",
+        )
     try:
         return SamplingParams(**req.sampling_kwargs(max_tokens))
     except (TypeError, ValueError) as exc:

@@ -13,6 +13,14 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from engine.core.sampling_params import (
+    MAX_SEED,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
+    MAX_TOP_K,
+    MIN_SEED,
+    MIN_TEMPERATURE,
+)
 from engine.process.errors import APIError
 from wire import strict_json
 
@@ -36,22 +44,38 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions.
+
+    The sampling bounds are those of ``engine.core.sampling_params.SamplingParams`` (within
+    the OpenAI ranges): whatever passes here samples without error.
+    """
 
     model_config = _STRICT
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS
+    )
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     user: str | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, value: float) -> float:
+        if 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}; a smaller one "
+                "overflows the logits"
+            )
+        return value
 
     @field_validator("stop")
     @classmethod

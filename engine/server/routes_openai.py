@@ -80,7 +80,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
         req, ids = await _prepared(len(body) >= OFF_LOOP_BYTES, prepare)
         max_tokens = resolve_max_tokens(state, req.max_tokens, len(ids), "prompt")
-        params = sampling_params(req, max_tokens)
+        params = sampling_params(state, req, max_tokens)
         gen, deltas = await runner.submit(
             request, ids, params, stops=req.stop_list, traffic_class=traffic_class
         )
@@ -105,7 +105,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
         ids, images = await _prepared(big or bool(req.num_images), prepare)
         max_tokens = resolve_max_tokens(state, req.requested_max_tokens, len(ids), "messages")
-        params = sampling_params(req, max_tokens)
+        params = sampling_params(state, req, max_tokens)
         gen, deltas = await runner.submit(
             request, ids, params, stops=req.stop_list, traffic_class=traffic_class, images=images
         )

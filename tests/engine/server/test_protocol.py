@@ -131,3 +131,46 @@ def test_traffic_class_and_error_body() -> None:
     assert error_body("m", code="c") == {
         "error": {"message": "m", "type": "invalid_request_error", "param": None, "code": "c"}
     }
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temperature": 1e-40}, "temperature"),
+        ({"temperature": 5e-324}, "temperature"),
+        ({"temperature": 0.005}, "temperature"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+        ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+def test_sampling_bounds_name_the_field(model: type, extra: dict, param: str) -> None:
+    base = (
+        {"prompt": "x"}
+        if model is CompletionRequest
+        else {"messages": [{"role": "user", "content": "x"}]}
+    )
+    err = _error(model, {**base, **extra})
+    assert err.param is not None and err.param.startswith(param), err.to_dict()
+    assert err.to_dict()["error"]["code"] == "invalid_value"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"temperature": 0},
+        {"temperature": 0.01},
+        {"temperature": 2},
+        {"seed": 2**63 - 1},
+        {"seed": -(2**63)},
+        {"stop_token_ids": list(range(64))},
+    ],
+)
+def test_sampling_bounds_accept_the_edges(extra: dict) -> None:
+    req = _parse(CompletionRequest, {"prompt": "x", **extra})
+    assert isinstance(req, CompletionRequest)
