@@ -298,7 +298,11 @@ class LLMEngine:
             return StepResult(None, outputs)
         forward_ns = round(self.runner.last_forward_time * 1e9)
         end_ns = time.monotonic_ns()
-        produced = self.scheduler.update(plan, sampled, end_ns)
+        # A request whose sampling or stop check failed fails alone; the step goes on.
+        self._fail_requests(plan, getattr(self.runner, "sample_errors", {}), events, outputs)
+        stop_failed: dict[str, str] = {}
+        produced = self.scheduler.update(plan, sampled, end_ns, stop_failed)
+        self._fail_requests(plan, stop_failed, events, outputs)
         for req in produced:
             if req.num_output_tokens == 1:
                 events.after.append(request_event("first_token", req, end_ns, plan.step))
@@ -336,15 +340,44 @@ class LLMEngine:
     def _fail_plan(
         self, plan: StepPlan, error: str, events: StepEvents, outputs: list[RequestOutput]
     ) -> None:
-        now_ns = time.monotonic_ns()
+        """The step itself failed (the forward pass): every request of its plan fails."""
+        for chunk in plan.chunks:
+            if not chunk.request.status.finished:
+                self._fail_request(chunk.request, error, plan.step, events, outputs, None)
+
+    def _fail_requests(
+        self,
+        plan: StepPlan,
+        errors: dict[str, str],
+        events: StepEvents,
+        outputs: list[RequestOutput],
+    ) -> None:
+        """Fail the requests of the plan named in ``errors`` (request id -> error), each with
+        finish reason "error"."""
         for chunk in plan.chunks:
             req = chunk.request
-            if req.status.finished:
-                continue
-            self.scheduler.abort(req.request_id)
-            events.after.append(request_event("aborted", req, now_ns, plan.step))
-            self._retire(req)
-            outputs.append(request_output(req, self.clock_anchor, [], [], error=error))
+            error = errors.get(req.request_id)
+            if error is not None and not req.status.finished:
+                logger.warning("request %s failed at step %d: %s", req.request_id, plan.step, error)
+                self._fail_request(req, error, plan.step, events, outputs, "error")
+
+    def _fail_request(
+        self,
+        req: Request,
+        error: str,
+        step: int,
+        events: StepEvents,
+        outputs: list[RequestOutput],
+        reason: str | None,
+    ) -> None:
+        """End one request with ``error`` (its last output carries it) and finish reason
+        ``reason`` (``None``: "abort")."""
+        self.scheduler.abort(req.request_id)
+        if reason is not None:
+            req.abort_reason = reason
+        events.after.append(request_event("aborted", req, time.monotonic_ns(), step))
+        self._retire(req)
+        outputs.append(request_output(req, self.clock_anchor, [], [], error=error))
 
     def _retire(self, req: Request) -> None:
         self._requests.pop(req.request_id, None)

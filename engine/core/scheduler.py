@@ -361,10 +361,20 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs
 
     # --- after the model ran ------------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[str, int], now_ns: int) -> list[Request]:
+    def update(
+        self,
+        plan: StepPlan,
+        sampled: dict[str, int],
+        now_ns: int,
+        failed: dict[str, str] | None = None,
+    ) -> list[Request]:
         """Advance computed counts, append sampled tokens (stamped ``now_ns``, monotonic
         nanoseconds), finish requests. Returns the requests that produced a token this step
-        (finished ones included)."""
+        (finished ones included).
+
+        With ``failed`` given, a request whose stop check raises is left running and not
+        returned, and ``failed[request_id]`` says why: the caller fails that request alone.
+        Without it, the exception propagates."""
         produced: list[Request] = []
         for chunk in plan.chunks:
             req = chunk.request
@@ -375,8 +385,14 @@ class Scheduler:
             if not chunk.produces_token:
                 continue
             req.append_token(sampled[req.request_id], now_ns)
+            try:
+                stop = req.check_stop()
+            except Exception as exc:
+                if failed is None:
+                    raise
+                failed[req.request_id] = f"stop check failed: {type(exc).__name__}: {exc}"
+                continue
             produced.append(req)
-            stop = req.check_stop()
             if stop is None and req.num_tokens >= self.max_model_len:
                 stop = RequestStatus.FINISHED_LENGTH
             if stop is not None:

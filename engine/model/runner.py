@@ -12,7 +12,7 @@ from engine.core.request import Request
 from engine.core.scheduler import StepPlan
 from engine.model.attention.common import AttentionBackend, SeqSlice
 from engine.model.llama import LlamaModel
-from engine.model.sampler import Sampler
+from engine.model.sampler import SampleFailure, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class ModelRunner:
         self.last_forward_time = 0.0
         self._encoder_time = 0.0  # of the current step: the vision encoder runs before t0
         self.kept_logits: dict[str, list[torch.Tensor]] = {}
+        # request id -> why its sampling failed, for the last ``execute``
+        self.sample_errors: dict[str, str] = {}
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -61,7 +63,9 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         """Run the model over every chunk of the plan; return the sampled token of each request
-        whose chunk reaches its last known token."""
+        whose chunk reaches its last known token. A request whose sampling failed has no token
+        but an entry in ``sample_errors`` (set anew by each call)."""
+        self.sample_errors = {}
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqSlice] = []
@@ -110,7 +114,13 @@ class ModelRunner:
         tokens = self.sampler.sample(
             logits, [r.request_id for r in sample_reqs], [r.params for r in sample_reqs]
         )
-        return {r.request_id: t for r, t in zip(sample_reqs, tokens, strict=True)}
+        sampled: dict[str, int] = {}
+        for r, t in zip(sample_reqs, tokens, strict=True):
+            if isinstance(t, SampleFailure):
+                self.sample_errors[r.request_id] = t.error
+            else:
+                sampled[r.request_id] = t
+        return sampled
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

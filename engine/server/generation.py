@@ -129,7 +129,8 @@ class GenerationRunner:
         """Yield text deltas until the request finishes; abort the engine request on exit.
 
         Raises ``ClientGone`` when the client disconnects, ``RequestFailed`` when the engine
-        fails the request.
+        fails the request or its output cannot be detokenized (the engine request is then
+        aborted).
         """
         detok = IncrementalDetokenizer(self.state.client.tokenizer)
         acc = TextAccumulator(stops)
@@ -150,9 +151,15 @@ class GenerationRunner:
                 gen.arrival_time = out.arrival_time
                 gen.first_scheduled_time = out.first_scheduled_time
                 gen.token_times.extend(out.token_times)
-                acc.add(detok.add(list(out.new_token_ids)))
-                if out.finished:
-                    acc.add(detok.flush())
+                try:
+                    acc.add(detok.add(list(out.new_token_ids)))
+                    if out.finished:
+                        acc.add(detok.flush())
+                except Exception as exc:  # noqa: BLE001 - this request fails, not the server
+                    logger.exception("detokenizing request %s failed", gen.request_id)
+                    raise RequestFailed(
+                        f"detokenizing the output failed: {type(exc).__name__}: {exc}"
+                    ) from exc
                 if acc.stopped and not out.finished:
                     self.state.client.abort(gen.request_id, reason="stop")
                     done = True
