@@ -33,17 +33,47 @@ def _positive(text: str) -> float:
     return v
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="advisor",
-        description="Budget advisor: predict what each token budget would do to TTFT, ITL and "
-        "throughput for the traffic recorded in the store, and recommend one.",
-    )
+DESCRIPTION = (
+    "Budget advisor: predict what each token budget would do to TTFT, ITL and throughput for "
+    "the traffic recorded in the store, and recommend one."
+)
+PREDICT_HELP = "fit the step cost model, simulate the observed traffic at each budget, recommend"
+CALIBRATE_HELP = (
+    "prefill prompts of a few lengths one at a time at each budget on a served engine (its "
+    "telemetry stores the steps), so that `predict --calibration` pins the cost of every chunk "
+    "size down"
+)
+
+
+def build_parser(prog: str = "advisor") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
-    pr = sub.add_parser(
-        "predict",
-        help="fit the step cost model, simulate the observed traffic at each budget, recommend",
+    add_predict_arguments(sub.add_parser("predict", help=PREDICT_HELP))
+    add_calibrate_arguments(sub.add_parser("calibrate", help=CALIBRATE_HELP))
+    return p
+
+
+def build_advise_parser(prog: str = "chunkscope advise") -> argparse.ArgumentParser:
+    """`chunkscope advise`: `predict`'s options on a parser of its own."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=f"{DESCRIPTION} The same as `python -m advisor predict`.",
+        epilog=f"`{prog} calibrate --help`: measure the cost of each chunk size on a served "
+        "engine first (python -m advisor calibrate).",
     )
+    add_predict_arguments(p)
+    return p
+
+
+def build_calibrate_parser(prog: str = "chunkscope advise calibrate") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description=CALIBRATE_HELP[0].upper() + CALIBRATE_HELP[1:]
+    )
+    add_calibrate_arguments(p)
+    return p
+
+
+def add_predict_arguments(pr: argparse.ArgumentParser) -> None:
     pr.add_argument("--db", required=True, help="store URL, e.g. sqlite:///data/chunkscope.db")
     pr.add_argument("--engine", dest="engine_id", help="engine id (default: all)")
     pr.add_argument("--run", dest="run_id", help="run id (default: all)")
@@ -127,12 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pr.add_argument("--out", metavar="FILE.json", help="write the prediction document here")
     pr.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    ca = sub.add_parser(
-        "calibrate",
-        help="prefill prompts of a few lengths one at a time at each budget on a served engine "
-        "(its telemetry stores the steps), so that `predict --calibration` pins the cost of "
-        "every chunk size down",
-    )
+
+
+def add_calibrate_arguments(ca: argparse.ArgumentParser) -> None:
     ca.add_argument("--url", required=True, help="the engine's HTTP address")
     ca.add_argument("--budgets", type=parse_budgets, default=parse_budgets(DEFAULT_BUDGETS))
     ca.add_argument(
@@ -157,7 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ca.add_argument("--out", metavar="FILE.json", required=True, help="the calibration record")
     ca.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    return p
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -194,8 +220,22 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def advise_main(argv: list[str], prog: str = "chunkscope advise") -> int:
+    """`chunkscope advise [predict] ...` (python -m advisor predict) and `chunkscope advise
+    calibrate ...` (python -m advisor calibrate)."""
+    if argv[:1] == ["calibrate"]:
+        args = build_calibrate_parser(f"{prog} calibrate").parse_args(argv[1:])
+        args.command = "calibrate"
+    else:
+        args = build_advise_parser(prog).parse_args(argv[1:] if argv[:1] == ["predict"] else argv)
+        args.command = "predict"
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=args.log_level,

@@ -16,7 +16,7 @@ import logging
 import signal
 import sys
 
-from storage.db import default_url
+from storage.db import default_url, masked_url, scrub
 from wire import credentials
 from wire.ready import collector_ready_line
 
@@ -25,16 +25,21 @@ logger = logging.getLogger(__name__)
 DEFAULT_URL = "ws://127.0.0.1:8765"
 
 
-def _collector_parser() -> argparse.ArgumentParser:
+def _collector_parser(prog: str = "python -m storage") -> argparse.ArgumentParser:
     from storage.collector import DEFAULT_MAX_FRAME_BYTES, DEFAULT_PORT
 
+    others = (
+        "Steer engines with `chunkscope control`, export with `chunkscope export`, prune with "
+        "`chunkscope prune`."
+        if prog.startswith("chunkscope")
+        else "Other subcommands: `control`, `engines`, `export`, `prune` (see `python -m storage "
+        "control --help`)."
+    )
     p = argparse.ArgumentParser(
-        prog="python -m storage",
+        prog=prog,
         description="Telemetry collector: engines stream step, request and control events to "
         "ws://HOST:PORT/ingest; they are stored in SQLite (WAL) or PostgreSQL. Control clients "
-        "use ws://HOST:PORT/control; GET /healthz and /metrics answer on the same port. "
-        "Other subcommands: `control`, `engines`, `export` (see `python -m storage control "
-        "--help`).",
+        "use ws://HOST:PORT/control; GET /healthz and /metrics answer on the same port. " + others,
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument(
@@ -160,10 +165,10 @@ def _size(value: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def run_collector(argv: list[str]) -> int:
+def run_collector(argv: list[str], prog: str = "python -m storage") -> int:
     from storage.collector import Collector, CollectorConfig
 
-    args = _collector_parser().parse_args(argv)
+    args = _collector_parser(prog).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -174,7 +179,7 @@ def run_collector(argv: list[str]) -> int:
         try:
             engine_credentials = credentials.load_engine_credentials(args.credentials_file)
         except credentials.CredentialsFileError as exc:
-            print(f"python -m storage: --credentials-file {exc}", file=sys.stderr)
+            print(f"{prog}: --credentials-file {exc}", file=sys.stderr)
             return 2
         logger.info(  # the ids only, never a token
             "%d engine(s) with credentials of their own: %s",
@@ -191,7 +196,7 @@ def run_collector(argv: list[str]) -> int:
         "the collector", args.host, missing, allowed=args.allow_unauthenticated
     )
     if refusal:
-        print(f"python -m storage: {refusal}", file=sys.stderr)
+        print(f"{prog}: {refusal}", file=sys.stderr)
         return 2
     try:
         config = CollectorConfig(
@@ -211,7 +216,7 @@ def run_collector(argv: list[str]) -> int:
             retention_interval=args.retention_interval,
         )
     except ValueError as exc:
-        print(f"python -m storage: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
 
     async def main() -> None:
@@ -229,17 +234,19 @@ def run_collector(argv: list[str]) -> int:
     try:
         asyncio.run(main())
     except ValueError as exc:
-        print(f"python -m storage: {exc}", file=sys.stderr)
+        print(f"{prog}: {scrub(str(exc), config.db_url)}", file=sys.stderr)
         return 2
     except OSError as exc:  # the port is taken, the data folder cannot be written, ...
-        print(f"python -m storage: cannot listen or open the store: {exc}", file=sys.stderr)
+        why = scrub(str(exc), config.db_url)
+        print(f"{prog}: cannot listen or open the store: {why}", file=sys.stderr)
         return 1
     except Exception as exc:
         from sqlalchemy.exc import SQLAlchemyError
 
         if not isinstance(exc, SQLAlchemyError):
             raise
-        print(f"python -m storage: cannot open the store {config.db_url!r}: {exc}", file=sys.stderr)
+        store, why = masked_url(config.db_url), scrub(str(exc), config.db_url)
+        print(f"{prog}: cannot open the store {store!r}: {why}", file=sys.stderr)
         return 1
     return 0
 
@@ -257,17 +264,22 @@ def _client_credentials(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_control(argv: list[str]) -> int:
+def run_control(
+    argv: list[str],
+    prog: str = "python -m storage control",
+    engines_prog: str = "python -m storage engines",
+) -> int:
     from storage.control import send_control
 
     p = argparse.ArgumentParser(
-        prog="python -m storage control",
+        prog=prog,
         description="Change an engine's token budget, policy or long-prefill cap through the "
         "collector; prints "
         "the engine's answer (JSON). Exit status 0 when applied, 1 when refused.",
+        epilog=f"`{engines_prog}` lists the engines the collector has seen.",
     )
     p.add_argument("--url", default=DEFAULT_URL, help=f"collector URL (default {DEFAULT_URL})")
-    p.add_argument("--engine", required=True, help="engine id (see `python -m storage engines`)")
+    p.add_argument("--engine", required=True, help=f"engine id (see `{engines_prog}`)")
     p.add_argument("--token-budget", type=int, default=None, help="new token budget per step")
     p.add_argument("--policy", default=None, help="new scheduling policy (chunked, unchunked)")
     p.add_argument(
@@ -303,17 +315,17 @@ def run_control(argv: list[str]) -> int:
             timeout=args.timeout,
         )
     except (OSError, TimeoutError, RuntimeError) as exc:
-        print(f"python -m storage control: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(ack))
     return 0 if ack.get("ok") else 1
 
 
-def run_engines(argv: list[str]) -> int:
+def run_engines(argv: list[str], prog: str = "python -m storage engines") -> int:
     from storage.control import list_engines
 
     p = argparse.ArgumentParser(
-        prog="python -m storage engines",
+        prog=prog,
         description="List the engines the collector has seen (JSON, one per line).",
     )
     p.add_argument("--url", default=DEFAULT_URL, help=f"collector URL (default {DEFAULT_URL})")
@@ -325,7 +337,7 @@ def run_engines(argv: list[str]) -> int:
             args.url, auth_token=args.control_token or args.auth_token, timeout=args.timeout
         )
     except (OSError, TimeoutError, RuntimeError) as exc:
-        print(f"python -m storage engines: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     for engine in engines:
         print(json.dumps(engine))
@@ -376,7 +388,7 @@ def run_prune(argv: list[str], prog: str = "python -m storage prune") -> int:
         if args.dry_run:
             return 0
         if dbm.current_revision(db) is None:
-            print(f"{prog}: {url!r} holds no chunkscope store", file=sys.stderr)
+            print(f"{prog}: {masked_url(url)!r} holds no chunkscope store", file=sys.stderr)
             return 2
         if args.older_than is not None or args.max_bytes is not None:
             result = retention.prune(db, older_than_s=args.older_than, max_bytes=args.max_bytes)
@@ -386,10 +398,11 @@ def run_prune(argv: list[str], prog: str = "python -m storage prune") -> int:
             size = retention.store_size(db)
             print(f"vacuumed: {retention.human_bytes(size.file_bytes)} on disk")
     except (ValueError, FileNotFoundError) as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{prog}: {scrub(str(exc), url)}", file=sys.stderr)
         return 2
     except SQLAlchemyError as exc:
-        print(f"{prog}: cannot prune {url!r}: {str(exc).splitlines()[0]}", file=sys.stderr)
+        why = scrub(str(exc).splitlines()[0], url)
+        print(f"{prog}: cannot prune {masked_url(url)!r}: {why}", file=sys.stderr)
         return 1
     return 0
 

@@ -118,9 +118,9 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
 ]  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m engine",
+        prog=prog,
         description="Serve a chunked-prefill engine behind an OpenAI-compatible HTTP API "
         "(/v1/completions, /v1/chat/completions, /v1/models, /v1/scheduler, /metrics, /health). "
         "The engine core (model, scheduler, step loop) runs in a child process and the HTTP "
@@ -170,8 +170,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     ).validate()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -39,7 +39,7 @@ def test_chunkscope_collector_dispatches_without_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "python -m storage" in out.stdout
+    assert "usage: chunkscope collector" in out.stdout
 
 
 def test_usage_errors(tmp_path: Any, capsys: Any) -> None:
