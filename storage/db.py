@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,32 @@ def _env_seconds(name: str, default: float) -> float:
     return value
 
 
+# scheme://user:password@ : the password runs to the last "@" (an unescaped "@" in it too)
+_CREDENTIALS = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s]*):(?P<pw>\S*)@")
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its password shown as ``***``, whether or not it parses: for messages and
+    logs (a URL must never be shown any other way)."""
+    return _CREDENTIALS.sub(r"\g<head>:***@", url)
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` (an error message, say) with every form of ``url``'s password replaced by
+    ``***``: as typed in the URL, decoded, and inside the URL itself."""
+    secrets = {m.group("pw") for m in _CREDENTIALS.finditer(url)}
+    try:
+        password = make_url(url).password
+    except Exception:  # not a URL: its raw password form is still scrubbed
+        password = None
+    if password:
+        secrets.add(str(password))
+    text = text.replace(url, masked_url(url))
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return masked_url(text)
+
+
 def default_url(data_dir: str | Path) -> str:
     """The default store: ``sqlite:///<data_dir>/chunkscope.db``."""
     return f"sqlite:///{Path(data_dir) / DB_FILENAME}"
@@ -75,21 +102,23 @@ def connect(
     environment, else the defaults above; a statement timeout of 0 is none).
     """
     if not isinstance(url, str) or not url:
-        raise ValueError(f"database URL must be a non-empty string, got {url!r}")
+        raise ValueError(f"database URL must be a non-empty string, got {type(url).__name__}")
     try:
         parsed = make_url(url)
-    except Exception as exc:  # sqlalchemy.exc.ArgumentError
+        parsed.port  # noqa: B018  (a port that is not a number raises here, not later)
+    except Exception:  # sqlalchemy.exc.ArgumentError, ValueError
         raise ValueError(
-            f"not a database URL: {url!r} (expected e.g. sqlite:///data/chunkscope.db or "
-            "postgresql+psycopg://user@host/db)"
-        ) from exc
+            f"not a database URL: {masked_url(url)!r} (expected e.g. "
+            "sqlite:///data/chunkscope.db or postgresql+psycopg://user:password@host/db, with "
+            "characters such as @ : / % in the password escaped as %40 %3A %2F %25)"
+        ) from None
     backend = parsed.get_backend_name()
     kwargs: dict[str, Any] = {"echo": echo}
     if backend == "sqlite":
         path = parsed.database
         if path and path != ":memory:" and not path.startswith("file:"):
             if readonly and not Path(path).expanduser().is_file():
-                raise FileNotFoundError(f"no store at {path} (from {url!r})")
+                raise FileNotFoundError(f"no store at {path} (from {masked_url(url)!r})")
             Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
         kwargs["connect_args"] = {"check_same_thread": False, "timeout": BUSY_TIMEOUT_MS / 1000}
     elif backend == "postgresql":
@@ -160,7 +189,10 @@ def alembic_config(db: Engine | None = None) -> Any:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     if db is not None:
-        cfg.set_main_option("sqlalchemy.url", db.url.render_as_string(hide_password=False))
+        # for display only (the migrations run on the connection in ``cfg.attributes``): no
+        # password, and "%" doubled because the config interpolates it
+        url = db.url.render_as_string(hide_password=True)
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
 
 

@@ -12,7 +12,7 @@ import pandas as pd
 
 from storage import queries
 from storage.columns import STEP_CHUNKS_COLUMNS, TOKENS_COLUMNS, empty
-from storage.db import connect
+from storage.db import connect, masked_url, scrub
 
 
 class ExportError(Exception):
@@ -52,21 +52,21 @@ def open_store(url: str) -> Any:
         parsed = make_url(url)
     except Exception as exc:  # sqlalchemy.exc.ArgumentError
         raise ExportError(
-            f"not a database URL: {url!r} (expected e.g. sqlite:///data/chunkscope.db or "
-            "postgresql+psycopg://user@host/db)"
+            f"not a database URL: {masked_url(url)!r} (expected e.g. "
+            "sqlite:///data/chunkscope.db or postgresql+psycopg://user@host/db)"
         ) from exc
     if parsed.get_backend_name() == "sqlite":
         path = parsed.database
         if not path or path == ":memory:" or path.startswith("file:"):
-            raise ExportError(f"not a stored SQLite file: {url!r}")
+            raise ExportError(f"not a stored SQLite file: {masked_url(url)!r}")
         if not Path(path).expanduser().is_file():
-            raise ExportError(f"no store at {path} (from {url!r})")
+            raise ExportError(f"no store at {path} (from {masked_url(url)!r})")
     try:
         return connect(url, readonly=True)
     except ValueError as exc:
-        raise ExportError(str(exc)) from exc
+        raise ExportError(scrub(str(exc), url)) from exc
     except ImportError as exc:  # a PostgreSQL URL without its driver
-        raise ExportError(f"cannot open {url!r}: {exc}") from exc
+        raise ExportError(f"cannot open {masked_url(url)!r}: {scrub(str(exc), url)}") from exc
 
 
 def load_tables(db: Any, selection: Selection) -> dict[str, pd.DataFrame]:
@@ -88,7 +88,8 @@ def load_tables(db: Any, selection: Selection) -> dict[str, pd.DataFrame]:
         controls = queries.controls(db, **filters)
     except SQLAlchemyError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExportError(f"cannot read the store: {first_line}") from exc
+        why = scrub(first_line, db.url.render_as_string(hide_password=False))
+        raise ExportError(f"cannot read the store: {why}") from exc
     tokens = _tokens(chunks, steps, itl)
     return {
         "steps": steps,
