@@ -19,9 +19,10 @@ from typing import Any
 
 from dashboard.processes import ManagedProcess, python_argv
 from dashboard.settings import Settings
+from loadgen.profiles import MAX_CHAT_USERS
 from loadgen.saturation import RATIO as OVERLOAD_RATIO
 from loadgen.shapes import CHOICES as SHAPE_CHOICES
-from loadgen.shapes import DEMO_MODELS, background_rate, shaped_profiles
+from loadgen.shapes import DEMO_MODELS, background_rate, background_users, shaped_profiles
 from wire import credentials
 from wire.ready import COLLECTOR_READY, ENGINE_READY
 
@@ -227,11 +228,12 @@ def child_env(**given: str | None) -> dict[str, str | None]:
 
 @dataclass(frozen=True)
 class TrafficProfile:
-    """A launcher preset: a loadgen profile, its rate and the chat background beside it."""
+    """A launcher preset: a loadgen profile, its rate and the chat beside it."""
 
     profile: str
     rate: float
-    background: float  # req/s of chat streams beside the profile's requests (loadgen's default)
+    background: float  # req/s of open-loop chat beside the profile's requests (loadgen's default)
+    users: int = 0  # closed-loop chat users beside them: the streams a long prompt stalls
 
 
 def _presets(shapes: str = "demo") -> dict[str, TrafficProfile]:
@@ -242,6 +244,7 @@ def _presets(shapes: str = "demo") -> dict[str, TrafficProfile]:
             name,
             float(getattr(p, name).rate),
             background_rate(name, None, p, trace=False),
+            background_users(name, None, p, trace=False),
         )
         for name in ("mixed", "rag", "vlm", "chat")
     }
@@ -250,7 +253,8 @@ def _presets(shapes: str = "demo") -> dict[str, TrafficProfile]:
 # Sized for the CPU `demo` engine on two cores (loadgen/shapes.py): chat streams stay below
 # saturation at any budget while each RAG prompt (thousands of tokens) or image is a step lasting
 # up to seconds at a large budget, which every chat stream in flight waits for. `rag` and `vlm`
-# carry a chat background (the streams to be stalled); `mixed` has chat, RAG and images.
+# carry chat users (the streams to be stalled, several in flight at any moment); `mixed` has
+# chat, RAG and images, and the same chat users beside them.
 PROFILES: dict[str, TrafficProfile] = _presets("demo")
 DEFAULT_DURATION_S = 120.0
 
@@ -270,10 +274,12 @@ def loadgen_argv(
     seed: int,
     out: Path,
     background: float | None = None,
+    users: int | None = None,
     shapes: str = "demo",
 ) -> list[str]:
     """The ``python -m loadgen`` command line of a launcher run (validated here).
-    ``background``: req/s of chat beside the profile's requests (None: the preset's)."""
+    ``background``: req/s of open-loop chat beside the profile's requests, ``users``: closed-loop
+    chat users beside them (None: the preset's)."""
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
     if not rate > 0:
@@ -286,6 +292,10 @@ def loadgen_argv(
         background = PROFILES[profile].background
     if not background >= 0:
         raise ValueError(f"chat background must be >= 0 requests/s, got {background}")
+    if users is None:
+        users = PROFILES[profile].users
+    if not 0 <= users <= MAX_CHAT_USERS:
+        raise ValueError(f"chat users must be in 0..{MAX_CHAT_USERS}, got {users}")
     if shapes not in SHAPE_CHOICES:
         raise ValueError(f"shapes must be one of {', '.join(SHAPE_CHOICES)}, got {shapes!r}")
     return python_argv(
@@ -300,6 +310,8 @@ def loadgen_argv(
         f"{rate:g}",
         "--chat-background",
         f"{background:g}",
+        "--chat-users",
+        str(int(users)),
         "--duration",
         f"{duration:g}",
         "--seed",
@@ -353,6 +365,7 @@ class TrafficLauncher:
         duration: float,
         seed: int = 0,
         background: float | None = None,
+        users: int | None = None,
         shapes: str = "demo",
         api_key: str | None = None,
     ) -> None:
@@ -363,6 +376,8 @@ class TrafficLauncher:
                 raise RuntimeError("a load run is already going: stop it first")
             if background is None:
                 background = PROFILES[profile].background if profile in PROFILES else 0.0
+            if users is None:
+                users = PROFILES[profile].users if profile in PROFILES else 0
             self._seq += 1
             stamp = time.strftime("%Y%m%d-%H%M%S")
             out = self.data_dir / "loadgen" / f"{stamp}-{profile}-{self._seq}.json"
@@ -374,6 +389,7 @@ class TrafficLauncher:
                 seed=seed,
                 out=out,
                 background=background,
+                users=users,
                 shapes=shapes,
             )
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -382,7 +398,8 @@ class TrafficLauncher:
             )
             self.offered_rps = rate + background
             self.started_at = time.time()
-            extra = f" + chat background {background:g} req/s" if background else ""
+            extra = f" + {users} chat users" if users else ""
+            extra += f" + chat background {background:g} req/s" if background else ""
             self.description = (
                 f"{profile} at {rate:g} req/s{extra} for {duration:g} s (shapes {shapes}) → {url}"
             )

@@ -28,6 +28,7 @@ from dashboard.services import (
 )
 from dashboard.settings import Settings, parse_settings
 from dashboard.text import as_text
+from loadgen.profiles import MAX_CHAT_USERS
 from loadgen.saturation import MIN_ELAPSED_S
 from storage.control import CollectorUnavailable
 
@@ -294,15 +295,16 @@ def _traffic_panel() -> None:
         step=0.1,
         key=f"traffic_rate_{profile}",
     )
-    background = st.number_input(
-        "Chat background (req/s)",
-        min_value=0.0,
-        max_value=100.0,
-        value=float(PROFILES[profile].background),
-        step=0.1,
-        key=f"traffic_background_{profile}",
-        help="chat streams sent beside the profile's requests: the streams a long prompt or an "
-        "image stalls (0 = none)",
+    users = st.number_input(
+        "Chat users",
+        min_value=0,
+        max_value=MAX_CHAT_USERS,
+        value=int(PROFILES[profile].users),
+        step=1,
+        key=f"traffic_users_{profile}",
+        help="chat users beside the profile's requests, each sending its next turn a moment "
+        "after its answer ends: about this many chat streams are in flight whenever a long "
+        "prompt or image arrives (the streams it stalls; 0 = none)",
     )
     duration = st.number_input(
         "Duration (s)", min_value=1.0, max_value=3600.0, value=DEFAULT_DURATION_S, step=10.0
@@ -321,7 +323,7 @@ def _traffic_panel() -> None:
                 rate=rate,
                 duration=duration,
                 seed=int(time.time()) % 10_000,
-                background=background,
+                users=int(users),
                 shapes=shapes,
                 api_key=s.api_key or os.environ.get("OPENAI_API_KEY"),
             )

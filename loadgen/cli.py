@@ -11,8 +11,9 @@ import sys
 
 from loadgen import __version__
 from loadgen.arrivals import ARRIVALS
-from loadgen.options import id_range, non_negative, positive, setup
+from loadgen.options import id_range, non_negative, non_negative_int, positive, setup
 from loadgen.orchestrate import PlanError, run_from_args
+from loadgen.profiles import MAX_CHAT_USERS
 from loadgen.shapes import CHOICES as SHAPE_CHOICES
 from loadgen.traces import FORMATS
 from loadgen.workload import PROFILES
@@ -59,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
         "chat.background_rate under rag and vlm, 0 under chat, mixed and traces; 0 = none)",
     )
     p.add_argument(
+        "--chat-users",
+        type=non_negative_int,
+        metavar="N",
+        help="closed-loop chat users beside the profile's requests: each sends its next turn "
+        "chat.think_s after its answer ends, so about N chat streams are in flight (default: "
+        "chat.background_users under rag, vlm and mixed, 0 under chat and traces; 0 = none)",
+    )
+    p.add_argument(
         "--arrival",
         choices=ARRIVALS,
         help="arrival process for every class (default: each class's own; chat and rag "
@@ -91,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-requests",
         type=positive(int),
-        help=f"request count (default {DEFAULT_NUM_REQUESTS} if no --duration)",
+        help=f"count of the profile's own requests (default {DEFAULT_NUM_REQUESTS} if no "
+        "--duration); chat users send beside them until the last is sent",
     )
     p.add_argument("--max-concurrency", type=positive(int), help="cap on in-flight requests")
     p.add_argument("--seed", type=int, default=0, help="seeds arrivals, lengths and images")
@@ -202,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.duration is None and args.num_requests is None and not args.trace:
         args.num_requests = DEFAULT_NUM_REQUESTS
+    if args.chat_users is not None and args.chat_users > MAX_CHAT_USERS:
+        parser.error(f"--chat-users must be at most {MAX_CHAT_USERS}, got {args.chat_users}")
     if args.ramp_from and not args.ramp:
         parser.error("--ramp-from needs --ramp SECONDS")
     if args.trace and not os.path.isfile(args.trace):

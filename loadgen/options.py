@@ -38,6 +38,16 @@ def non_negative(text: str) -> float:
     return v
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from exc
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
 def id_range(text: str) -> tuple[int, int]:
     try:
         lo, hi = (int(v) for v in text.split(","))

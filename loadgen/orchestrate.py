@@ -18,11 +18,11 @@ from loadgen.profiles import Profiles
 from loadgen.progress import Progress
 from loadgen.report import table, write_json
 from loadgen.runner import execute, prefetch_images, probe_prompt_format, probe_server
-from loadgen.shapes import background_rate, resolve, shaped_profiles
+from loadgen.shapes import background_rate, background_users, resolve, shaped_profiles
 from loadgen.spec import RequestSpec
 from loadgen.tokens import TokenSource
 from loadgen.traces import load_trace, trace_specs
-from loadgen.workload import PlanOptions, build_plan
+from loadgen.workload import ChatUsers, PlanOptions, build_plan
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +87,13 @@ async def run_from_args(args: argparse.Namespace, profiles: Profiles) -> tuple[i
     background = background_rate(
         args.profile, getattr(args, "chat_background", None), profiles, trace=bool(args.trace)
     )
-    if shapes != "realistic" or background:
+    n_users = background_users(
+        args.profile, getattr(args, "chat_users", None), profiles, trace=bool(args.trace)
+    )
+    if shapes != "realistic" or background or n_users:
         print(
             f"loadgen: shapes {shapes} (server model {info.model}); "
+            f"chat users {n_users} (think {profiles.chat.think_s:g} s); "
             f"chat background {background:g} req/s",
             file=sys.stderr,
         )
@@ -123,6 +127,15 @@ async def run_from_args(args: argparse.Namespace, profiles: Profiles) -> tuple[i
         max_concurrency=args.max_concurrency,
         drain_timeout_s=args.drain_timeout,
         progress=Progress(len(specs), enabled=show),
+        users=ChatUsers(
+            profiles.chat,
+            n_users,
+            seed=args.seed,
+            max_model_len=ctx,
+            until_s=args.duration,
+        )
+        if n_users
+        else None,
     )
     slo = Slo(args.slo_ttft_ms, args.slo_itl_ms)
     summary = summarize_all(outcome.records, slo)
@@ -134,6 +147,7 @@ async def run_from_args(args: argparse.Namespace, profiles: Profiles) -> tuple[i
         prompt_format_used=cfg.prompt_format,
         shapes_used=shapes,
         chat_background_rate=background,
+        chat_users=n_users,
         profiles=profiles.as_dict(),
     )
     result = {

@@ -16,9 +16,13 @@ Defaults and their sources (copies in shared/traces, see shared/traces/SOURCES.m
   resolutions; output p50 97 / p90 265 tokens; the median inter-arrival CV over its 2,094
   client windows is 1.37, hence gamma arrivals with shape 0.5 (CV 1.41).
 - mixed: chat / rag / vlm together (60/20/20 of the total rate), each its own arrival process.
-- chat background: under `rag` and `vlm` a chat population (`chat.background_rate`, Poisson, the
-  chat shapes) runs beside the profile's own requests, as chats do beside long prompts in
-  production; `--chat-background 0` turns it off.
+- chat users: under `rag`, `vlm` and `mixed` a closed population of chat users
+  (`chat.background_users`, `--chat-users`) runs beside the profile's own requests, as chats do
+  beside long prompts in production: each user sends its next turn a think time
+  (`chat.think_s`, exponential) after its answer ends, so that many streams are in flight
+  whenever a long prompt or image arrives, whatever the engine's speed. An open-loop chat
+  background at a fixed rate (`chat.background_rate`, Poisson, `--chat-background`) can be
+  added under `rag` and `vlm`; `--chat-users 0 --chat-background 0` sends no chat beside them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 CLASSES = ("chat", "rag", "vlm")
+MAX_CHAT_USERS = 1024  # closed-loop chat users of one run
 
 
 @dataclass
@@ -40,9 +45,14 @@ class ChatProfile:
     """Chat turns behind one shared system prompt (Azure conv trace, see module doc)."""
 
     rate: float = 4.0  # req/s when --rate is not given
-    # req/s of the chat population sent under the rag and vlm profiles (the streams a long
-    # prompt or an image stalls); --chat-background overrides it, 0 sends none
+    # req/s of open-loop chat sent under the rag and vlm profiles; --chat-background
+    # overrides it, 0 sends none
     background_rate: float = 2.0
+    # closed-loop chat users under rag, vlm and mixed (the streams a long prompt or an image
+    # stalls): each sends its next turn think_s (exponential mean) after its answer ends;
+    # --chat-users overrides it, 0 sends none
+    background_users: int = 0
+    think_s: float = 1.0
     arrival: str = "poisson"
     burstiness: float = 1.0  # gamma shape (used when arrival is gamma)
     system_prompt_tokens: int = 512
@@ -195,6 +205,10 @@ def validate(p: Profiles) -> None:
     c, r, v = p.chat, p.rag, p.vlm
     if c.background_rate < 0:
         raise ValueError("chat.background_rate must be >= 0 (0 = no chat background)")
+    if not 0 <= c.background_users <= MAX_CHAT_USERS:
+        raise ValueError(f"chat.background_users must be in 0..{MAX_CHAT_USERS} (0 = none)")
+    if not c.think_s >= 0 or c.think_s > 3600:
+        raise ValueError("chat.think_s must be in [0, 3600] seconds")
     if c.system_prompt_tokens < 0 or not (1 <= c.input_min <= c.input_max):
         raise ValueError("chat: need system_prompt_tokens >= 0 and 1 <= input_min <= input_max")
     if not (0 < c.input_median <= c.input_p90):

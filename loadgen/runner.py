@@ -21,6 +21,7 @@ from loadgen.record import RequestRecord
 from loadgen.saturation import load as offered_vs_served
 from loadgen.spec import RequestSpec
 from loadgen.tokens import TokenSource
+from loadgen.workload import ChatUsers
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +127,11 @@ async def execute(
     max_concurrency: int | None = None,
     drain_timeout_s: float = 600.0,
     progress: Progress | None = None,
+    users: ChatUsers | None = None,
 ) -> RunOutcome:
-    """Send every request at `t0 + offset` (FIFO behind `max_concurrency` if set)."""
+    """Send every request at `t0 + offset` (FIFO behind `max_concurrency` if set); beside them,
+    ``users``' closed-loop chat turns, each sent when its user's previous answer has ended and
+    its think time passed (their records follow the plan's, numbered on)."""
     records = [new_record(s) for s in specs]
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(
@@ -171,8 +175,44 @@ async def execute(
     wall_start = time.time()
     t0 = time.perf_counter()
     tick = asyncio.create_task(ticker())
+    plan_sent = asyncio.Event()
+
+    async def user_loop(user: int) -> None:
+        assert users is not None
+        for pause, spec in users.turns(user):
+            if pause > 0:
+                await asyncio.sleep(pause)
+            now = time.perf_counter() - t0
+            if (users.until_s is not None and now >= users.until_s) or (
+                users.until_s is None and plan_sent.is_set()
+            ):
+                return
+            spec.offset_s = now
+            spec.index = len(specs) + len(user_records)
+            rec = new_record(spec)
+            user_records.append(rec)
+            try:
+                prep = prepare(spec, cfg, tokens)
+            except Exception as exc:  # noqa: BLE001 - record and go on
+                rec.fail(f"client error: could not build request: {type(exc).__name__}: {exc}")
+                counts["done"] += 1
+                counts["errors"] += 1
+                continue
+            counts["sent"] += 1
+            sent_at.append(now)
+            try:
+                await send(session, spec, prep, rec, cfg, t0)
+            finally:
+                counts["done"] += 1
+                counts["errors"] += rec.status == "error"
+                done_at.append(time.perf_counter() - t0)
+
+    user_tasks: list[asyncio.Task[None]] = []
+    user_records: list[RequestRecord] = []
     async with aiohttp.ClientSession(connector=connector) as session:
         try:
+            for user in range(users.count if users is not None else 0):
+                user_tasks.append(asyncio.create_task(user_loop(user)))
             for spec, rec in zip(specs, records, strict=True):
                 try:
                     prep = prepare(spec, cfg, tokens)
@@ -191,21 +231,26 @@ async def execute(
                 task = asyncio.create_task(one(spec, prep, rec))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-            if tasks:
-                _, pending = await asyncio.wait(set(tasks), timeout=drain_timeout_s)
+            if users is not None and users.until_s is not None:
+                # the users go on until their end even when the plan's last send came earlier
+                await asyncio.sleep(max(0.0, t0 + users.until_s - time.perf_counter()))
+            plan_sent.set()
+            waiting = set(tasks) | {t for t in user_tasks if not t.done()}
+            if waiting:
+                _, pending = await asyncio.wait(waiting, timeout=drain_timeout_s)
                 for task in pending:
                     task.cancel()
-                for rec in records:
+                for rec in [*records, *user_records]:
                     if rec.status == "pending" and rec.sent_s is not None:
                         rec.fail(f"cancelled: not finished within the {drain_timeout_s:g} s drain")
                 if pending:
                     await asyncio.gather(*pending, return_exceptions=True)
         finally:
-            for task in list(tasks):
+            for task in [*tasks, *user_tasks]:
                 task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-            for rec in records:
+            if tasks or user_tasks:
+                await asyncio.gather(*tasks, *user_tasks, return_exceptions=True)
+            for rec in [*records, *user_records]:
                 if rec.status == "pending":
                     rec.fail(
                         "not sent: run interrupted"
@@ -218,4 +263,6 @@ async def execute(
             if progress is not None:
                 progress.update(counts["sent"], counts["done"], counts["errors"], final=True)
             gc.unfreeze()
-    return RunOutcome(records, wall_start, time.time(), time.perf_counter() - t0, warnings)
+    return RunOutcome(
+        [*records, *user_records], wall_start, time.time(), time.perf_counter() - t0, warnings
+    )

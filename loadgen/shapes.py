@@ -19,7 +19,12 @@ logger = logging.getLogger(__name__)
 
 CHAT_DEMO = (
     "chat.rate=1.0",
-    "chat.background_rate=1.0",
+    # the streams a long prompt stalls: a closed population, so several are in flight whenever
+    # a RAG prompt or an image arrives (an open-loop 1 req/s had about half a stream in flight:
+    # the demo engine streams a 150-token answer in about half a second)
+    "chat.background_rate=0",
+    "chat.background_users=4",
+    "chat.think_s=0.3",
     "chat.system_prompt_tokens=32",
     "chat.input_median=48",
     "chat.input_p90=160",
@@ -83,6 +88,18 @@ def shaped_profiles(shapes: str, overrides: list[str] | tuple[str, ...] = ()) ->
         apply_override(profiles, item)
     validate(profiles)
     return profiles
+
+
+def background_users(
+    profile: str, requested: int | None, profiles: Profiles, *, trace: bool
+) -> int:
+    """Closed-loop chat users beside the profile's requests: ``requested`` when given, else
+    ``chat.background_users`` under ``rag``, ``vlm`` and ``mixed``, else 0."""
+    if requested is not None:
+        return requested
+    if trace or profile not in ("rag", "vlm", "mixed"):
+        return 0
+    return profiles.chat.background_users
 
 
 def background_rate(

@@ -7,6 +7,7 @@ Arrivals and lengths use separate random streams per class, so changing the rate
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -172,6 +173,42 @@ def background_chat_specs(p: ChatProfile, o: PlanOptions) -> list[RequestSpec]:
     )
     times = arrival_times(spec, arr_rng, num=o.num_requests, duration=o.duration)
     return chat_specs(p, times, len_rng, o.max_model_len, name="chat-bg")
+
+
+USERS_STREAM = 10  # the closed-loop chat users' random streams (one per user under it)
+MAX_TURNS = 1_000_000  # per user: bounds a run that nothing else stops
+
+
+@dataclass(frozen=True)
+class ChatUsers:
+    """A closed population of ``count`` chat users beside the plan: each sends a chat turn, reads
+    the answer to its end, thinks (exponential, mean ``think_s``) and sends the next, so about
+    ``count`` streams are in flight at any moment, whatever the server's speed. Turns are drawn
+    lazily from each user's own seeded stream (same seed, same turns); no user sends after
+    ``until_s`` seconds (None: once the plan's own requests are all sent)."""
+
+    profile: ChatProfile
+    count: int
+    seed: int = 0
+    max_model_len: int = 8192
+    until_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError(f"chat users must be >= 0, got {self.count}")
+
+    def turns(self, user: int) -> Iterator[tuple[float, RequestSpec]]:
+        """User ``user``'s (pause before it, turn) pairs: the first pause staggers the users'
+        starts over one think time, the others are think times."""
+        rng = np.random.default_rng([self.seed, USERS_STREAM, user])
+        think = self.profile.think_s
+        pause = float(rng.uniform(0.0, max(think, 0.5)))
+        for turn in range(MAX_TURNS):
+            name = f"chat-u{user}-t{turn}"
+            (spec,) = chat_specs(self.profile, np.zeros(1), rng, self.max_model_len, name=name)
+            spec.meta["user"] = user
+            yield pause, spec
+            pause = float(rng.exponential(think)) if think > 0 else 0.0
 
 
 def build_plan(profiles: Profiles, o: PlanOptions) -> list[RequestSpec]:

@@ -36,15 +36,21 @@ def test_loadgen_argv_carries_the_preset() -> None:
     flags = _flags(argv)
     assert flags["--url"] == "http://127.0.0.1:8000" and flags["--profile"] == "mixed"
     assert (flags["--rate"], flags["--duration"], flags["--seed"]) == ("1.5", "60", "7")
-    # the demo shapes by name; mixed carries its own chat, so no background beside it
+    # the demo shapes by name, and the chat users beside mixed's own requests
     assert flags["--shapes"] == "demo" and flags["--chat-background"] == "0"
+    assert int(flags["--chat-users"]) == PROFILES["mixed"].users >= 3
 
 
 @pytest.mark.parametrize("profile", ["rag", "vlm"])
-def test_rag_and_vlm_presets_bring_a_chat_background(profile: str) -> None:
+def test_rag_and_vlm_presets_bring_chat_users(profile: str) -> None:
     flags = _flags(loadgen_argv("http://h:1", profile, rate=0.3, duration=9, seed=1, out=Path("o")))
-    assert float(flags["--chat-background"]) == PROFILES[profile].background > 0
+    assert int(flags["--chat-users"]) == PROFILES[profile].users >= 3
+    assert flags["--chat-background"] == "0"  # closed-loop users, no open-loop rate
     assert flags["--rate"] == "0.3" and flags["--shapes"] == "demo"
+    argv = loadgen_argv("http://h:1", profile, rate=0.3, duration=9, seed=1, out=Path("o"), users=0)
+    assert _flags(argv)["--chat-users"] == "0"
+    with pytest.raises(ValueError, match="chat users must be in"):
+        loadgen_argv("http://h:1", profile, rate=0.3, duration=9, seed=1, out=Path("o"), users=-1)
     # the user's own background rate (0 = none) goes through as given
     argv = loadgen_argv(
         "http://h:1", profile, rate=0.3, duration=9, seed=1, out=Path("o"), background=0
@@ -60,6 +66,8 @@ def test_the_presets_are_loadgens_demo_shapes_and_mixed_has_images() -> None:
     demo = shaped_profiles("demo")
     assert PROFILES["rag"].rate == demo.rag.rate and PROFILES["vlm"].rate == demo.vlm.rate
     assert PROFILES["rag"].background == demo.chat.background_rate
+    assert PROFILES["rag"].users == PROFILES["mixed"].users == demo.chat.background_users
+    assert PROFILES["chat"].users == 0
     assert demo.mixed.vlm_share > 0 and demo.mixed.rag_share > 0 and demo.mixed.chat_share > 0
     # every prompt of the demo shapes fits one step of the starting budget (4096)
     assert demo.rag.doc_max <= 4096

@@ -234,7 +234,7 @@ def test_no_background_when_asked_for_none(mock_server: MockServer, tmp_path: Pa
 def test_show_profiles_with_demo_shapes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--shapes", "demo", "--show-profiles"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["rag"]["doc_max"] == 4000 and shown["chat"]["background_rate"] == 1.0
+    assert shown["rag"]["doc_max"] == 4000 and shown["chat"]["background_users"] == 4
     assert shown["mixed"]["vlm_share"] > 0
     # the user's --set goes on top of the shape set
     assert main(["--shapes", "demo", "--set", "rag.doc_max=3000", "--show-profiles"]) == 0

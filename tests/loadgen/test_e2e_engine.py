@@ -180,7 +180,9 @@ def test_profiles_against_engine(engine_url: str, tmp_path: Path, profile: str, 
     t = time.perf_counter()
     res = _run(engine_url, tmp_path, profile, n, "--set", "vlm.max_images=1")
     summary = res["summary"]
-    assert summary["overall"]["requests"] == n and summary["overall"]["ok"] == n
+    own = [r for r in res["requests"] if "user" not in r["meta"]]
+    assert len(own) == n  # the chat users run beside the profile's own requests
+    assert summary["overall"]["ok"] == summary["overall"]["requests"] == len(res["requests"])
     assert res["config"]["prompt_format_used"] == "ids"
     assert res["server"]["max_model_len"] == 32768
     for r in res["requests"]:
@@ -208,8 +210,10 @@ def test_multi_image_requests(engine_url: str, tmp_path: Path) -> None:
         "vlm.single_image_fraction=0",
         "--set",
         "vlm.max_images=3",
+        "--chat-users",
+        "0",
     )
-    assert res["summary"]["overall"]["ok"] == 4
+    assert res["summary"]["overall"]["ok"] == res["summary"]["overall"]["requests"] == 4
 
 
 # verbatim excerpt of the Azure conversation trace (licence note in data/README.md)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from loadgen.saturation import load
-from loadgen.shapes import background_rate, resolve, shaped_profiles
-from loadgen.workload import PlanOptions, build_plan
+from loadgen.shapes import background_rate, background_users, resolve, shaped_profiles
+from loadgen.workload import ChatUsers, PlanOptions, build_plan
 
 
 def test_auto_picks_demo_shapes_for_the_demo_presets_only() -> None:
@@ -17,8 +17,46 @@ def test_auto_picks_demo_shapes_for_the_demo_presets_only() -> None:
         resolve("huge", "demo")
 
 
-def test_background_defaults_under_rag_and_vlm_only() -> None:
+def test_chat_users_default_under_rag_vlm_and_mixed() -> None:
     p = shaped_profiles("demo")
+    assert p.chat.background_users >= 3  # several streams for every long prompt to stall
+    for profile in ("rag", "vlm", "mixed"):
+        assert background_users(profile, None, p, trace=False) == p.chat.background_users
+    assert background_users("chat", None, p, trace=False) == 0
+    assert background_users("rag", None, p, trace=True) == 0
+    assert background_users("rag", 0, p, trace=False) == 0
+    assert background_users("chat", 2, p, trace=False) == 2
+    assert shaped_profiles("realistic").chat.background_users == 0
+    with pytest.raises(ValueError, match="background_users must be in"):
+        shaped_profiles("demo", ["chat.background_users=-1"])
+    with pytest.raises(ValueError, match="think_s must be in"):
+        shaped_profiles("demo", ["chat.think_s=-0.5"])
+
+
+def test_chat_users_turns_are_seeded_and_never_share_a_user_prompt() -> None:
+    p = shaped_profiles("demo").chat
+    users = ChatUsers(p, 3, seed=7, max_model_len=4096)
+
+    def first(user: int, n: int) -> list[tuple[float, int, int, str]]:
+        out = []
+        for (pause, spec), _ in zip(users.turns(user), range(n), strict=False):
+            own = [seg.key for seg in spec.segments if not seg.shared]
+            out.append((pause, spec.max_tokens, spec.prompt_len, own[0]))
+        return out
+
+    a = first(0, 20)
+    assert a == first(0, 20)  # same seed, same turns
+    assert a != first(1, 20)
+    names = [x[3] for u in range(3) for x in first(u, 20)]
+    assert len(names) == len(set(names))  # only the system prompt is shared
+    pauses = [x[0] for x in a[1:]]
+    assert 0.3 * p.think_s < sum(pauses) / len(pauses) < 3 * p.think_s
+    with pytest.raises(ValueError, match="chat users must be >= 0"):
+        ChatUsers(p, -1)
+
+
+def test_background_defaults_under_rag_and_vlm_only() -> None:
+    p = shaped_profiles("demo", ["chat.background_rate=1"])
     assert background_rate("rag", None, p, trace=False) == p.chat.background_rate == 1.0
     assert background_rate("vlm", None, p, trace=False) == 1.0
     assert background_rate("mixed", None, p, trace=False) == 0.0
