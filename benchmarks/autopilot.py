@@ -3,8 +3,11 @@
 One engine (``python -m engine``, the CPU ``demo`` preset) reports to one collector (a temporary
 SQLite store). Per seed, the same bursty replay is served once per arm: four phases
 (``--phase-s``: one length, or quiet,rag,image,quiet2 lengths; make them longer than the
-autopilot's look-back, or no decision can pay), built from the real traces in
-``../shared/traces/`` (SOURCES.md there):
+autopilot's look-back, or no decision can pay), built from public traces in
+``--traces-dir``: ``AzureLLMInferenceTrace_conv.csv`` and ``AzureLLMInferenceTrace_code.csv``
+from Azure/AzurePublicDataset (``data/``, CC-BY-4.0) and ``servegen-mm-image/`` (the files
+``chunk-N-dataset.json`` and ``chunk-N-trace.csv`` of alibaba/ServeGen's
+``data/multimodal/mm-image/``, Apache-2.0):
 
 - ``quiet``: chat only: arrivals and lengths from the Azure LLM inference trace 2023,
   conversation (a seeded stretch; inter-arrival times rescaled to ``--chat-rate``, prompt and
@@ -38,7 +41,7 @@ for the setting in force over the requests of its look-back; the client measured
 requests; the medians over the phase's ticks are compared (``window_*``). Also recorded: the
 median prediction for the setting it chose or held against the whole phase's client p99.
 
-    flock /work/notes/bench.lock .venv/bin/python -m benchmarks.autopilot [--quick]
+    .venv/bin/python -m benchmarks.autopilot --traces-dir DIR [--quick]
 
 Writes benchmarks/results/autopilot.json and prints the tables of docs/benchmarks.md (--quick:
 tiny preset, 3-second phases, to the quick folder).
@@ -87,7 +90,6 @@ from testkit.collector import start_collector
 
 SCRIPT = "autopilot.py"
 CAP_KEY = "long_prefill_token_threshold"
-DEFAULT_TRACES = REPO_ROOT.parent / "shared" / "traces"
 PHASES = ("quiet", "rag", "image", "quiet2")
 ENGINE_ID = "autopilot-bench"
 logger = logging.getLogger("autopilot-bench")
@@ -709,7 +711,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES), help="../shared/traces")
+    ap.add_argument(
+        "--traces-dir",
+        required=True,
+        help="folder with the Azure 2023 conv and code CSVs and ServeGen's servegen-mm-image/",
+    )
     ap.add_argument(
         "--phase-s",
         default="15,30,30,15",
@@ -735,8 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-scale",
         type=float,
         default=1.0,
-        help="multiplies the chat, RAG and image rates (benchmarks/autopilot_load.py chooses it "
-        "for the engine's speed)",
+        help="multiplies the chat, RAG and image rates (raise it for a faster engine)",
     )
     ap.add_argument("--chat-rate", type=float, default=0.5)
     ap.add_argument("--chat-prompt-scale", type=float, default=0.2)

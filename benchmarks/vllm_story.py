@@ -13,7 +13,7 @@ to each further budget; each window's first seconds are discarded. Per window, m
 
 Chat ITL p50/p99/p99.9/max, RAG TTFT and output tokens/s per window.
 
-The bridge's overhead (with against without) is ``benchmarks/vllm_overhead.py``.
+The bridge's own cost per step is ``benchmarks/bench_vllm_bridge.py``.
 
 Run from the repo root:  .venv/bin/python -m benchmarks.vllm_story [--quick]
 Writes benchmarks/results/vllm_story.json.

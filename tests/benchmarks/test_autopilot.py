@@ -6,6 +6,9 @@ look-back lies in the phase, the summary's targets. No timing is asserted."""
 from __future__ import annotations
 
 import importlib
+import json
+import random
+from datetime import datetime
 from pathlib import Path
 from types import ModuleType
 
@@ -14,23 +17,52 @@ import pytest
 from advisor.autopilot import AutopilotSlo
 from loadgen.record import RequestRecord
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
     return importlib.import_module("benchmarks.autopilot")
 
 
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small folder in the layout of the public traces: Azure-style CSVs (TIMESTAMP,
+    ContextTokens, GeneratedTokens; the code trace in bursts) and 35 ServeGen mm-image clients,
+    each window as bursty as the real trace's worst (cv 12)."""
+    root = tmp_path_factory.mktemp("traces")
+    rng = random.Random(7)
+    for name, burst in (("conv", 1), ("code", 8)):
+        t, rows = 1_700_000_000.0, ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+        for i in range(3000):
+            t += rng.expovariate(1.0) if i % burst == 0 else 0.01
+            stamp = datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S.%f") + "0"
+            rows.append(f"{stamp},{rng.randint(100, 4000)},{rng.randint(5, 300)}")
+        (root / f"AzureLLMInferenceTrace_{name}.csv").write_text("\n".join(rows) + "\n")
+    mm = root / "servegen-mm-image"
+    mm.mkdir()
+    dist = {
+        "image_count": "{1: 0.8, 2: 0.2}",
+        "text_tokens": "{40: 0.5, 120: 0.5}",
+        "output_tokens": "{30: 0.7, 200: 0.3}",
+    }
+    for client in range(35):
+        windows = {str(w): dist for w in (0, 600, 1200)}
+        (mm / f"chunk-{client}-dataset.json").write_text(json.dumps(windows))
+        csv_rows = [f"{w},0.2,12.0,Gamma,0.007,700" for w in (0, 600, 1200)]
+        (mm / f"chunk-{client}-trace.csv").write_text("\n".join(csv_rows) + "\n")
+    return root
+
+
 def test_phase_bounds(bench: ModuleType) -> None:
-    args = bench.build_parser().parse_args(["--phase-s", "20,35,35,20"])
+    args = bench.build_parser().parse_args(["--phase-s", "20,35,35,20", "--traces-dir", "t"])
     assert bench.phase_bounds(args) == [
         ("quiet", 0.0, 20.0), ("rag", 20.0, 55.0), ("image", 55.0, 90.0), ("quiet2", 90.0, 110.0),
     ]  # fmt: skip
-    args = bench.build_parser().parse_args(["--phase-s", "8"])
+    args = bench.build_parser().parse_args(["--phase-s", "8", "--traces-dir", "t"])
     assert bench.phase_bounds(args)[-1] == ("quiet2", 24.0, 32.0)
     with pytest.raises(ValueError):
-        bench.phase_bounds(bench.build_parser().parse_args(["--phase-s", "8,8"]))
+        bench.phase_bounds(
+            bench.build_parser().parse_args(["--phase-s", "8,8", "--traces-dir", "t"])
+        )
 
 
 def test_keep_store_given_a_folder_is_refused_before_the_run(
@@ -38,15 +70,17 @@ def test_keep_store_given_a_folder_is_refused_before_the_run(
 ) -> None:
     # the store is copied after the run: a path that cannot take it must fail before it starts
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--quick", "--out-dir", str(tmp_path / "o"), "--keep-store", str(tmp_path)])
+        bench.main(
+            ["--quick", "--traces-dir", str(tmp_path), "--out-dir", str(tmp_path / "o"),
+             "--keep-store", str(tmp_path)]
+        )  # fmt: skip
     assert exc.value.code == 2
     assert not list((tmp_path / "o").glob("*.json"))  # nothing ran
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")
-def test_replay_is_seeded_and_phased(bench: ModuleType) -> None:
+def test_replay_is_seeded_and_phased(bench: ModuleType, traces: Path) -> None:
     args = bench.build_parser().parse_args(
-        ["--phase-s", "20,35,35,20", "--traces-dir", str(TRACES)]
+        ["--phase-s", "20,35,35,20", "--traces-dir", str(traces)]
     )
     a, info = bench.build_replay(args, 1)
     b, _ = bench.build_replay(args, 1)
@@ -62,11 +96,12 @@ def test_replay_is_seeded_and_phased(bench: ModuleType) -> None:
     assert info["num_requests"]["vlm"] == len(vlm)
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")
-def test_no_images_at_image_rate_zero_and_vllm_refuses_them(bench: ModuleType) -> None:
+def test_no_images_at_image_rate_zero_and_vllm_refuses_them(
+    bench: ModuleType, traces: Path
+) -> None:
     # vLLM's Llama folder here has no vision tower: its run has no images, the chat and RAG
     # requests are those of the same seed with images
-    base = ["--phase-s", "20,35,35,20", "--traces-dir", str(TRACES)]
+    base = ["--phase-s", "20,35,35,20", "--traces-dir", str(traces)]
     with_images, _ = bench.build_replay(bench.build_parser().parse_args(base), 2)
     args = bench.build_parser().parse_args([*base, "--image-rate", "0", "--engine", "vllm"])
     none, info = bench.build_replay(args, 2)
@@ -75,13 +110,12 @@ def test_no_images_at_image_rate_zero_and_vllm_refuses_them(bench: ModuleType) -
         (s.traffic_class, s.offset_s) for s in with_images if s.traffic_class != "vlm"
     ]
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--engine", "vllm", "--out-dir", "/nonexistent"])
+        bench.main(["--engine", "vllm", "--traces-dir", str(traces), "--out-dir", "/nonexistent"])
     assert exc.value.code == 2  # refused before anything starts
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")
-def test_load_scale_multiplies_every_rate(bench: ModuleType) -> None:
-    base = ["--phase-s", "20,35,35,20", "--traces-dir", str(TRACES)]
+def test_load_scale_multiplies_every_rate(bench: ModuleType, traces: Path) -> None:
+    base = ["--phase-s", "20,35,35,20", "--traces-dir", str(traces)]
     one, _ = bench.build_replay(bench.build_parser().parse_args(base), 0)
     args = bench.build_parser().parse_args([*base, "--load-scale", "3"])
     three, info = bench.build_replay(args, 0)
@@ -104,7 +138,9 @@ def _rec(i: int, cls: str, sent: float, ttft: float, gaps: list[float]) -> Reque
 
 
 def test_figures_per_phase_and_summary(bench: ModuleType) -> None:
-    args = bench.build_parser().parse_args(["--phase-s", "10", "--ap-lookback", "4"])
+    args = bench.build_parser().parse_args(
+        ["--phase-s", "10", "--ap-lookback", "4", "--traces-dir", "t"]
+    )
     slo = AutopilotSlo(100.0, 1000.0, None, {"rag": 5000.0})
     recs = [
         _rec(0, "chat", 1.0, 0.2, [0.05, 0.05]),  # quiet, meets
