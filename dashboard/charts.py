@@ -579,6 +579,11 @@ def _num(v: object) -> float | None:
     return float(v) if _is_number(v) else None
 
 
+def class_value(summary: pd.DataFrame | None, traffic_class: str, column: str) -> float | None:
+    """One figure of one class's row of a ``latency_summary`` frame (None when missing)."""
+    return _num(_class_row(summary, traffic_class).get(column))
+
+
 def _class_row(summary: pd.DataFrame | None, traffic_class: str) -> dict[str, object]:
     if summary is None or summary.empty:
         return {}

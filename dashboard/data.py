@@ -165,3 +165,29 @@ def token_times(
 @st.cache_data(ttl=5.0, show_spinner=False)
 def gaps(db_url: str | None, engine_id: str | None, run_id: str | None) -> pd.DataFrame:
     return _call(db_url, "gaps", engine_id=engine_id, run_id=run_id)
+
+
+@st.cache_data(ttl=5.0, show_spinner=False)
+def stall_window(
+    db_url: str | None,
+    engine_id: str,
+    run_id: str,
+    since: float,
+    until: float,
+    traffic_class: str | None = "chat",
+) -> Any:
+    """``storage.stalls.stall_window``: the stalls of one run's streams over a window."""
+    db = connection(db_url)
+    try:
+        from storage.stalls import stall_window as read
+
+        return read(
+            db,
+            engine_id=engine_id,
+            run_id=run_id,
+            since=since,
+            until=until,
+            traffic_class=traffic_class,
+        )
+    except Exception as exc:  # noqa: BLE001 - any driver error: not readable now
+        raise StoreUnavailable(f"cannot read the store (stalls): {_short(exc)}") from exc

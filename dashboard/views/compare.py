@@ -7,13 +7,14 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data, ui
+from dashboard import charts, data, story, ui
 
 st.header("Compare")
 ctx = ui.context()
 if ctx.empty:
     ui.empty_store_help(ctx)
     st.stop()
+stall_specs: tuple[tuple[float, float], tuple[float, float]] | None = None
 mode = st.radio(
     "Compare",
     ["Before / after a budget change", "Two windows", "Two runs", "Two engines"],
@@ -109,12 +110,33 @@ else:
     ]
     pick = st.selectbox("Change", labels)
     t = float(marks.iloc[options[labels.index(pick)]]["x"])
-    width = st.select_slider("Window each side (s)", options=[10, 20, 30, 60, 120, 300], value=30)
+    width = st.select_slider(
+        "Window each side (s)",
+        options=["auto", 10, 20, 30, 60, 120, 300],
+        value="auto",
+        help="auto: back to the previous change and on to the next (or the newest data), "
+        f"{story.MAX_WINDOW_S:.0f} s at most each side, so that each side holds the long "
+        "prompts that stalled streams in that time",
+    )
+    others = [float(x) for x in marks["x"] if float(x) != t]
+    first = pd.to_numeric(ctx.run.get("started"), errors="coerce")
+    win = story.change_windows(
+        t,
+        others,
+        first=None if pd.isna(first) else float(first),
+        latest=ctx.latest,
+        max_s=story.MAX_WINDOW_S if width == "auto" else float(width),
+    )
+    if win.after is None:
+        st.info("Nothing after this change yet: the page fills in as steps arrive.")
+        st.stop()
     specs = [
-        (ctx.engine_id, ctx.run_id, t - width, t),
-        (ctx.engine_id, ctx.run_id, t, t + width),
+        (ctx.engine_id, ctx.run_id, *win.before),
+        (ctx.engine_id, ctx.run_id, *win.after),
     ]
-    names = (f"A: {width} s before", f"B: {width} s after")
+    span = [f"{hi - lo:.0f} s" for lo, hi in (win.before, win.after)]
+    names = (f"A: {span[0]} before", f"B: {span[1]} after")
+    stall_specs = (win.before, win.after)
 
 try:
     a, b = (data.latency_summary(ctx.db_url, e, r, s, u) for e, r, s, u in specs)
@@ -129,6 +151,58 @@ cls = st.selectbox(
     index=CLASSES.index(charts.default_compare_class(a, b)),
     help="chat: the streams that long prompts and images stall",
 )
+if stall_specs is not None and ctx.engine_id and ctx.run_id:
+    what = "chat" if cls == "chat" else "stream"
+    try:
+        sa, sb = (
+            data.stall_window(
+                ctx.db_url, ctx.engine_id, ctx.run_id, lo, hi, None if cls == "all" else cls
+            )
+            for lo, hi in stall_specs
+        )
+    except data.StoreUnavailable as exc:
+        st.warning(str(exc))
+    else:
+        waiting = story.waiting_line(sa, sb, what)
+        if waiting:
+            st.info(waiting)
+        else:
+            st.markdown(story.headline(sa, sb, what))
+            ttft = tuple(
+                charts.class_value(s, cls, "ttft_p99_ms") for s in (a, b)
+            )  # fmt: skip
+            for line in story.detail_lines(sa, sb, what, ttft):
+                st.markdown(line)
+            m1, m2, m3, m4 = st.columns(4)
+            m1.metric(
+                "Worst stall (ms)",
+                story.ms_value(sb.stall_max_ms),
+                story.times(sa.stall_max_ms, sb.stall_max_ms) or None,
+                delta_color=story.delta_color(sa.stall_max_ms, sb.stall_max_ms),
+                delta_arrow=story.delta_arrow(sa.stall_max_ms, sb.stall_max_ms),
+                help=f"before: {story.ms_value(sa.stall_max_ms)} ms",
+            )
+            m2.metric(
+                "Stall p99.9 (ms)",
+                story.ms_value(sb.stall_p999_ms),
+                story.times(sa.stall_p999_ms, sb.stall_p999_ms) or None,
+                delta_color=story.delta_color(sa.stall_p999_ms, sb.stall_p999_ms),
+                delta_arrow=story.delta_arrow(sa.stall_p999_ms, sb.stall_p999_ms),
+                help=f"before: {story.ms_value(sa.stall_p999_ms)} ms",
+            )
+            m3.metric(
+                "Long prompts that stalled streams",
+                f"{sa.long_met} → {sb.long_met}",
+                help="long prompts or images whose prefill lay inside a stream's gap",
+            )
+            m4.metric(
+                "Long-prompt TTFT p50 (ms)",
+                story.ms_value(sb.long_ttft_p50_ms),
+                story.times(sa.long_ttft_p50_ms, sb.long_ttft_p50_ms) or None,
+                delta_color=story.delta_color(sa.long_ttft_p50_ms, sb.long_ttft_p50_ms),
+                delta_arrow=story.delta_arrow(sa.long_ttft_p50_ms, sb.long_ttft_p50_ms),
+                help=f"before: {story.ms_value(sa.long_ttft_p50_ms)} ms (the cost of chunking)",
+            )
 table = charts.compare_table(a, b, traffic_class=cls)
 st.caption(
     f"{names[0]}  vs  {names[1]} · traffic class {cls} · `better`: which way is better; "

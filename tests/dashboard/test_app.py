@@ -129,7 +129,18 @@ def test_every_page_renders_the_seeded_store(
 
     at.switch_page("views/compare.py").run()
     table = at.dataframe[0].value.set_index("metric")
-    # the stalled streams by default; 30 s either side of the change: the tail shrinks
+    # the page leads with the stalls: each side of the change reaches to the run's edges and
+    # holds two 2,000-token prompts; the worst chat gap across one goes from a whole-prompt
+    # step (254 ms) to a 128-token chunk (20 ms)
+    lead = _texts(at, "markdown")
+    assert lead[0].startswith("**Stalls 13.0x shorter**: the worst chat gap across a long ")
+    assert "from 255 ms to 20 ms" in lead[0]
+    assert "Before (" in lead[1] and ": 2 long prompt(s)" in lead[1]
+    assert "long prompts wait longer for their first token" in lead[2]
+    metrics = {m.label: m for m in at.metric}
+    assert metrics["Worst stall (ms)"].value == "20"
+    assert metrics["Long prompts that stalled streams"].value == "2 → 2"
+    # the stalled streams by default; the whole run either side of the change: the tail shrinks
     assert next(s for s in at.selectbox if s.label == "Traffic class").value == "chat"
     assert table.loc["ITL max (ms)", "B / A"] < 0.5
     assert table.loc["ITL max (ms)", "B vs A"] == "▲ better"
