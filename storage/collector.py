@@ -280,7 +280,7 @@ def _stamp_declared(
             continue
         ev["source"] = got[0]
         if got[1] is not None and ev.get("accepted"):
-            ev["reason"] = got[1]
+            ev["reason"] = ingest.clean_text(got[1])
 
 
 class Collector:
@@ -898,7 +898,11 @@ class Collector:
         ``presented``: the token the /control client connected with; a ``token`` in the
         message itself (older clients) takes its place."""
         cid = msg.get("id")
-        cid = str(cid)[: ingest.MAX_ID_CHARS] if cid is not None else f"collector-{next(self._ids)}"
+        cid = (
+            ingest.clean_text(str(cid), ingest.MAX_ID_CHARS)
+            if cid is not None
+            else f"collector-{next(self._ids)}"
+        )
         engine_id = msg.get("engine_id")
         run_id = msg.get("run_id")  # optional: which live run of the engine id
         new = msg.get("set")
@@ -930,7 +934,7 @@ class Collector:
                         key=key,
                         old_value=getattr(conn, key, None) if conn is not None and key else None,
                         new_value=value,
-                        reason=reason[:500],
+                        reason=ingest.clean_text(reason, 500),
                         request_id=cid,
                     )
                 )

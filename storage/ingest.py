@@ -12,7 +12,8 @@ Trust rules (docs/telemetry.md, "Identity and bounds"): a run is bound to the ``
 first hello presented (:func:`claim`); a hello that cannot prove a live run never replaces it
 (:func:`may_take_over`); a seq may jump only through a ``gap`` that declares a bounded, contiguous
 range (:func:`declares`); frames, hellos, ids and control messages are bounded in size and a
-refused control stores one row at most (:func:`control_refusal_row`).
+refused control stores one row at most (:func:`control_refusal_row`); every text field that is
+stored is free of control characters and bounded in length (:func:`clean_text`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,10 +39,63 @@ MAX_ID_CHARS = 128  # engine_id, run_id, a control's id
 MAX_HELLO_BYTES = 64 * 1024
 MAX_EVENTS_PER_FRAME = 4096
 MAX_CONTROL_BYTES = 16 * 1024  # one message on /control
+# Text fields (request ids, classes, reasons, the hello's model and host): longer ones are cut
+# (see clean_text); every text field of a stored event fits, whatever the backend.
+MAX_TEXT_CHARS = 512
 # Seqs stay exact in every reader (JavaScript's safe integers, float64) and far from int64's end.
 MAX_SEQ = 2**53
 # The most seqs one ``gap`` event may declare lost (about 50 days of drops at 1,000 events/s).
 MAX_GAP_EVENTS = 2**32
+
+
+_CONTROL_CHARS = re.compile("[\x00-\x1f\x7f-\x9f]")
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def clean_text(value: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """``value`` as the store keeps it: control characters (C0, DEL, C1) removed, lone
+    surrogates (which UTF-8 cannot encode) as U+FFFD, and at most ``limit`` characters. A
+    longer value keeps its start and ends in ``~`` and 16 hex digits of its SHA-256, so two
+    distinct long ids stay distinct and the same id is always cut the same way. PostgreSQL
+    refuses a NUL in text, so one would otherwise fail its batch on every resend."""
+    if len(value) <= limit and value.isprintable():
+        return value  # the common case, at C speed (isprintable is False for all of the above)
+    value = _SURROGATES.sub("\ufffd", _CONTROL_CHARS.sub("", value))
+    if len(value) > limit:
+        digest = hashlib.sha256(value.encode()).hexdigest()[:16]
+        value = f"{value[: limit - 17]}~{digest}"
+    return value
+
+
+def _clean_fields(d: dict[str, Any]) -> None:
+    """Every top-level string value of ``d`` through :func:`clean_text`, in place."""
+    for key, value in d.items():
+        if type(value) is str and (len(value) > MAX_TEXT_CHARS or not value.isprintable()):
+            d[key] = clean_text(value)
+
+
+def clean_events(events: list[dict[str, Any]]) -> None:
+    """The text of accepted events as the store keeps it (:func:`clean_text`), in place: each
+    event's string fields and its chunks' (a step's request ids)."""
+    limit = MAX_TEXT_CHARS
+    for ev in events:  # inline, no call per event or chunk: this runs on every frame
+        dirty = [
+            k for k, v in ev.items() if type(v) is str and (len(v) > limit or not v.isprintable())
+        ]
+        for k in dirty:
+            ev[k] = clean_text(ev[k])
+        chunks = ev.get("chunks")
+        if type(chunks) is not list:
+            continue
+        for c in chunks:
+            if type(c) is not dict:
+                continue
+            rid = c.get("request_id")
+            if type(rid) is str and (len(rid) > limit or not rid.isprintable()):
+                c["request_id"] = clean_text(rid)
+            kind = c.get("kind")
+            if type(kind) is str and not kind.isprintable():
+                c["kind"] = clean_text(kind)
 
 
 def secret_hash(secret: str) -> str:
@@ -215,7 +270,15 @@ def check_hello_frame(raw: str | bytes) -> tuple[dict[str, Any] | None, str]:
     if hello is None:
         return None, why
     why = check_hello(hello)
-    return (None, why) if why else (hello, "")
+    if why:
+        return None, why
+    credentials = {k: hello.pop(k) for k in ("token", "run_secret") if k in hello}
+    _clean_fields(hello)  # engine_id and run_id are printable and short already
+    hello.update(credentials)  # compared as presented, never stored
+    policies = hello.get("policies")
+    if isinstance(policies, list):
+        hello["policies"] = [clean_text(p) if isinstance(p, str) else p for p in policies]
+    return hello, ""
 
 
 def _int(value: Any) -> bool:
@@ -312,6 +375,7 @@ def frame(msg: dict[str, Any], *, engine_id: str, run_id: str, expected: int) ->
             break
         verdict.accepted.append(ev)
         verdict.expected = seq + 1
+    clean_events(verdict.accepted)
     return verdict
 
 
