@@ -110,7 +110,7 @@ else:
     ]
     pick = st.selectbox("Change", labels)
     t = float(marks.iloc[options[labels.index(pick)]]["x"])
-    width = st.select_slider(
+    side: object = st.select_slider(
         "Window each side (s)",
         options=["auto", 10, 20, 30, 60, 120, 300],
         value="auto",
@@ -125,7 +125,7 @@ else:
         others,
         first=None if pd.isna(first) else float(first),
         latest=ctx.latest,
-        max_s=story.MAX_WINDOW_S if width == "auto" else float(width),
+        max_s=story.MAX_WINDOW_S if side == "auto" else float(str(side)),
     )
     if win.after is None:
         st.info("Nothing after this change yet: the page fills in as steps arrive.")
@@ -168,9 +168,10 @@ if stall_specs is not None and ctx.engine_id and ctx.run_id:
             st.info(waiting)
         else:
             st.markdown(story.headline(sa, sb, what))
-            ttft = tuple(
-                charts.class_value(s, cls, "ttft_p99_ms") for s in (a, b)
-            )  # fmt: skip
+            ttft = (
+                charts.class_value(a, cls, "ttft_p99_ms"),
+                charts.class_value(b, cls, "ttft_p99_ms"),
+            )
             for line in story.detail_lines(sa, sb, what, ttft):
                 st.markdown(line)
             m1, m2, m3, m4 = st.columns(4)
