@@ -465,7 +465,9 @@ def _json(text: str | None) -> Any:
 
 
 def gaps(db: Engine, *, engine_id: str | None = None, run_id: str | None = None) -> pd.DataFrame:
-    """Telemetry the engine could not keep (its ``gap`` events), oldest first."""
+    """Telemetry that was lost, oldest first: the engine's ``gap`` events (what it could not
+    keep), and events the collector received but could not store (a gap of one at the event's
+    own seq, its reason saying why)."""
     g = schema.gaps
     out = []
     with db.connect() as conn:

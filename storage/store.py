@@ -573,9 +573,12 @@ class Store:
                     run.ended_without_goodbye = False
                 else:
                     res.unknown_types.append(str(kind))
+                    batch.gaps.append(self._not_stored(run, ev, f"unknown event type {kind!r}"))
                     kind = None
             except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-                res.bad.append((seq, f"{type(exc).__name__}: {exc}"))
+                why = f"{type(exc).__name__}: {exc}"
+                res.bad.append((seq, why))
+                batch.gaps.append(self._not_stored(run, ev, f"unreadable event: {why}"))
                 kind = None
             if kind is not None:
                 res.counts[kind] = res.counts.get(kind, 0) + 1
@@ -800,6 +803,24 @@ class Store:
         }
         run.num_gap_events += 1
         return row
+
+    def _not_stored(self, run: RunState, ev: dict[str, Any], why: str) -> dict[str, Any]:
+        """The gap row that records an event the store could not keep: its own seq, lost."""
+        seq = ev["seq"]
+        time_ns = ev.get("time_ns")
+        if type(time_ns) is not int or not -INT64_MAX <= time_ns <= INT64_MAX:
+            time_ns = None
+        run.num_gap_events += 1
+        return {
+            "run_key": run.run_key,
+            "seq": seq,
+            "first_seq_lost": seq,
+            "last_seq_lost": seq,
+            "num_events_lost": 1,
+            "reason": f"not stored by the collector: {why}"[: ingest.MAX_TEXT_CHARS],
+            "time_ns": time_ns,
+            "wall": run.wall(time_ns) if time_ns is not None else time.time(),
+        }
 
     # -- flush --------------------------------------------------------------------------------
 

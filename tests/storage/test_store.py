@@ -142,3 +142,38 @@ def test_a_non_finite_value_given_to_the_store_is_a_bad_event_never_stored_as_in
         assert c.execute(select(schema.controls.c.new_value)).all() == []
     store.close()
     db.dispose()
+
+
+def test_an_event_that_cannot_be_stored_leaves_a_gap_row_with_its_reason(db_url: str) -> None:
+    """A seq is either stored or declared lost with a reason: an unreadable event, or one of a
+    type this store does not know, is counted as received and recorded as a gap of one."""
+    db = dbm.connect(db_url)
+    dbm.migrate(db)
+    store = Store(db)
+    store.startup()
+    [info] = store.apply([Hello(SyntheticEngine(engine_id="e", run_id="r", seed=1).hello())])
+    events = [
+        _request(1, "a", "arrived", 10),
+        {**_step(2, 1, ["a"]), "num_running": 2**40},  # no column holds it
+        {"type": "from_the_future", "seq": 3, "time_ns": 12},
+        _step(4, 2, ["a"]),
+    ]
+    [res] = store.apply([Events(info.run_key, events)])
+    assert isinstance(res, EventsResult) and res.last_seq == 4
+    assert [seq for seq, _ in res.bad] == [2] and res.unknown_types == ["from_the_future"]
+    with db.connect() as c:
+        gaps = c.execute(
+            select(
+                schema.gaps.c.seq,
+                schema.gaps.c.first_seq_lost,
+                schema.gaps.c.last_seq_lost,
+                schema.gaps.c.num_events_lost,
+                schema.gaps.c.reason,
+            ).order_by(schema.gaps.c.seq)
+        ).all()
+        num_gap_events = c.execute(select(schema.runs.c.num_gap_events)).scalar()
+    assert [tuple(g[:4]) for g in gaps] == [(2, 2, 2, 1), (3, 3, 3, 1)]
+    assert "num_running" in gaps[0].reason and "from_the_future" in gaps[1].reason
+    assert num_gap_events == 2
+    store.close()
+    db.dispose()
