@@ -573,7 +573,10 @@ class Store:
                     run.ended_without_goodbye = False
                 else:
                     res.unknown_types.append(str(kind))
-                    batch.gaps.append(self._not_stored(run, ev, f"unknown event type {kind!r}"))
+                    why = f"unknown event type {kind!r}"
+                    if isinstance(ev.get("reason"), str):  # the engine's "unencodable" says why
+                        why += f": {ev['reason']}"
+                    batch.gaps.append(self._not_stored(run, ev, why))
                     kind = None
             except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
                 why = f"{type(exc).__name__}: {exc}"
