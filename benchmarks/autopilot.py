@@ -231,8 +231,7 @@ def build_replay(args: argparse.Namespace, seed: int) -> tuple[list[RequestSpec]
 def fresh(specs: list[RequestSpec], k: int) -> list[RequestSpec]:
     """The same requests (offsets, classes, lengths) with token content and images of their
     own for arm ``k``: the engine's prefix cache must not serve an arm what an earlier arm of
-    the run prefilled (the first version of this benchmark let it, so every arm after the first
-    ran on cached prompts)."""
+    the run prefilled (else every arm after the first would run on cached prompts)."""
     return [
         replace(
             s,

@@ -1,4 +1,4 @@
-"""Our engine against vLLM-CPU on the same model, the same core, the same traffic (issue 20).
+"""Our engine against vLLM-CPU on the same model, the same core, the same traffic.
 
 Both servers on one local random-weight Llama folder (``build_llama_folder``: hidden 256, 4
 layers, 4 query / 2 KV heads, a ``tokenizer.json`` vLLM loads), the same dtype, each engine's
