@@ -1,5 +1,5 @@
 """The stall story's report: the picture, the targets as ratios against the first window and
-the README table."""
+the table of docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def _ms(v: float | None) -> str:
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    """The README's table: client (SSE) / engine (stored events) for every chat ITL figure."""
+    """The table of docs/benchmarks.md: client (SSE) / engine (stored) per chat ITL figure."""
     head = (
         "| window | chat ITL p50 | p99 | p99.9 | max | chat TPOT p50 / p99 | RAG TTFT p50 / p99 "
         "| chat TTFT p50 / p99 | output tok/s |\n| --- | --- | --- | --- | --- | --- | --- | --- "

@@ -1,5 +1,5 @@
 """benchmarks/stall.py's bookkeeping, without an engine: windows, the RAG length cycle, which
-window a token gap belongs to, the README table. No timing is asserted."""
+window a token gap belongs to, the table of docs/benchmarks.md. No timing is asserted."""
 
 from __future__ import annotations
 
