@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 logger = logging.getLogger(__name__)
@@ -178,3 +179,35 @@ class RefreshPace:
             return False
         self._streak = 0
         return True
+
+
+DRAW_STEPS = 1500  # the most steps a Live chart draws (about one per pixel column)
+
+
+def coarsen_steps(steps: pd.DataFrame | None, max_steps: int = DRAW_STEPS) -> pd.DataFrame | None:
+    """At most about ``max_steps`` rows to draw: runs of steps shorter than the window's width /
+    ``max_steps`` merge into one row per slice (first start, last end, the largest token counts,
+    duration, queue and KV use of the slice), so every tall step still shows, while a step as
+    wide as a slice or wider stays as it is. A minute of fast steps is tens of thousands of rows:
+    drawn as they are, each redraw would ship megabytes to the browser every second."""
+    if steps is None or len(steps) <= max_steps or max_steps < 1:
+        return steps
+    start = steps["start"].to_numpy(dtype="float64")
+    end = steps["end"].to_numpy(dtype="float64")
+    width = (float(end.max()) - float(start.min())) / max_steps
+    if not width > 0:
+        return steps
+    slot = np.floor((start - start.min()) / width).astype(np.int64)
+    wide = (end - start) >= width
+    # a wide step is its own group; short steps group by slot (and never with a wide one)
+    key = np.where(wide, -1 - np.arange(len(steps)), slot)
+    group = np.cumsum(np.r_[True, key[1:] != key[:-1]])
+    agg: dict[str, Any] = {c: "max" for c in steps.columns}
+    for col in ("start", "step", "engine_id", "run_id", "policy"):
+        if col in agg:
+            agg[col] = "first"
+    for col in ("end", "token_budget", "long_prefill_token_threshold", "kv_blocks_total"):
+        if col in agg:
+            agg[col] = "last"
+    out = steps.groupby(group, sort=False).agg(agg).reset_index(drop=True)
+    return out[steps.columns]

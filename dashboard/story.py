@@ -9,6 +9,7 @@ Pure functions: no Streamlit, no store.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -150,3 +151,19 @@ def delta_arrow(before: float | None, after: float | None) -> Literal["up", "dow
     if r is None or abs(r - 1.0) < 0.05:
         return "off"
     return "down" if r > 1 else "up"
+
+
+def change_line(label: str, t: float, before: StallWindow, after: StallWindow) -> str:
+    """One line for the Live page: the change, and the stalls (chat gaps across a long
+    prefill) in the windows either side: how many and how tall the worst."""
+
+    def side(w: StallWindow) -> str:
+        if not w.met:
+            return f"no stall in {w.hi - w.lo:.0f} s"
+        return f"{w.stalls} stall(s) in {w.hi - w.lo:.0f} s, worst {_fmt_ms(w.stall_max_ms)}"
+
+    word = times(before.stall_max_ms, after.stall_max_ms) if before.met and after.met else ""
+    when = time.strftime("%H:%M:%S", time.gmtime(t))
+    return f"**{label}** at {when} UTC · before: {side(before)} · after: {side(after)}" + (
+        f" · **worst stall {word}**" if word else ""
+    )

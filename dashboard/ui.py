@@ -287,7 +287,7 @@ def _traffic_panel() -> None:
             "Engine URL", value=s.engine_url or "http://127.0.0.1:8000", key="traffic_url"
         )
     profile = st.selectbox("Profile", list(PROFILES), key="traffic_profile")
-    rate = st.number_input(
+    st.number_input(
         "Rate (req/s)",
         min_value=0.01,
         max_value=100.0,
@@ -295,7 +295,7 @@ def _traffic_panel() -> None:
         step=0.1,
         key=f"traffic_rate_{profile}",
     )
-    users = st.number_input(
+    st.number_input(
         "Chat users",
         min_value=0,
         max_value=MAX_CHAT_USERS,
@@ -306,8 +306,13 @@ def _traffic_panel() -> None:
         "after its answer ends: about this many chat streams are in flight whenever a long "
         "prompt or image arrives (the streams it stalls; 0 = none)",
     )
-    duration = st.number_input(
-        "Duration (s)", min_value=1.0, max_value=3600.0, value=DEFAULT_DURATION_S, step=10.0
+    st.number_input(
+        "Duration (s)",
+        min_value=1.0,
+        max_value=3600.0,
+        value=DEFAULT_DURATION_S,
+        step=10.0,
+        key="traffic_duration",
     )
     shapes = launcher_shapes(s.model if stk.embedded else None)
     st.caption(
@@ -315,25 +320,43 @@ def _traffic_panel() -> None:
         + (" (sized for the demo engine)" if shapes == "demo" else " (from the server's model)")
     )
     c1, c2 = st.columns(2)
-    if c1.button("Start traffic", disabled=lch.running or not url):
-        try:
-            lch.start(
-                url or "",
-                profile,
-                rate=rate,
-                duration=duration,
-                seed=int(time.time()) % 10_000,
-                users=int(users),
-                shapes=shapes,
-                api_key=s.api_key or os.environ.get("OPENAI_API_KEY"),
-            )
-        except (ValueError, RuntimeError, OSError) as exc:
-            st.error(str(exc))
-    if c2.button("Stop traffic", disabled=not lch.running):
-        lch.stop()
+    # callbacks, not `if st.button(...)`: a click is acted on before the rerun it triggers,
+    # with the values the widgets hold then, even when a periodic redraw of this panel or of
+    # the page is in flight at the moment of the click
+    start = {
+        "lch": lch, "url": url or "", "shapes": shapes,
+        "api_key": s.api_key or os.environ.get("OPENAI_API_KEY"),
+    }  # fmt: skip
+    c1.button(
+        "Start traffic", disabled=lch.running or not url, on_click=_start_traffic, kwargs=start
+    )
+    c2.button("Stop traffic", disabled=not lch.running, on_click=lch.stop)
+    problem = st.session_state.pop("traffic_error", None)
+    if problem:
+        st.error(problem)
     st.caption(f"Load: {lch.state()}")
     if lch.running:
         _served_load(stk, lch)
+
+
+def _start_traffic(lch: TrafficLauncher, url: str, shapes: str, api_key: str | None) -> None:
+    """The Start button: the launcher with the values the sidebar's widgets hold now."""
+    state = st.session_state
+    profile = str(state.get("traffic_profile") or next(iter(PROFILES)))
+    preset = PROFILES[profile]
+    try:
+        lch.start(
+            url,
+            profile,
+            rate=float(state.get(f"traffic_rate_{profile}", preset.rate)),
+            duration=float(state.get("traffic_duration", DEFAULT_DURATION_S)),
+            seed=int(time.time()) % 10_000,
+            users=int(state.get(f"traffic_users_{profile}", preset.users)),
+            shapes=shapes,
+            api_key=api_key,
+        )
+    except (ValueError, RuntimeError, OSError) as exc:
+        state["traffic_error"] = str(exc)
 
 
 def _served_load(stk: Stack, lch: TrafficLauncher) -> None:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import time
 
+import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data, ui
+from dashboard import charts, data, story, ui
 from dashboard.autopilot import autopilot_events, latest_status
-from dashboard.live import SUMMARY_GRID_S, LiveWindow, RefreshPace
+from dashboard.live import SUMMARY_GRID_S, LiveWindow, RefreshPace, coarsen_steps
 
 REFRESH_S = 1.0
 SUMMARY_REFRESH_S = 5.0
+ITL_POINTS = 4000  # drawn at most; every stall is always drawn
 
 st.header("Live")
 c1, c2, c3 = st.columns(3)
@@ -61,11 +63,13 @@ def _live_view() -> None:
         ctrl = data.controls(ctx.db_url, ctx.engine_id, ctx.run_id, since, None)
     except data.StoreUnavailable:
         ctrl = None
-    steps = lw.steps
+    steps = coarsen_steps(lw.steps)  # what a redraw ships stays bounded at any step rate
     fig = charts.step_tokens_figure(steps, ctrl)
     fig.update_layout(uirevision="live-steps", height=360)
     st.plotly_chart(fig, key="live_steps")
-    fig = charts.itl_figure(lw.itl, ctrl, factor=float(factor), floor_ms=float(floor))
+    fig = charts.itl_figure(
+        lw.itl, ctrl, factor=float(factor), floor_ms=float(floor), max_points=ITL_POINTS
+    )
     fig.update_layout(uirevision="live-itl", height=360)
     st.plotly_chart(fig, key="live_itl")
     ap = autopilot_events(ctrl)
@@ -81,6 +85,54 @@ def _live_view() -> None:
     fig = charts.kv_queue_figure(steps, ctrl)
     fig.update_layout(uirevision="live-kv", height=380)
     st.plotly_chart(fig, key="live_kv")
+
+
+@st.fragment(run_every=SUMMARY_REFRESH_S)
+def change_view() -> None:
+    """The newest accepted budget change, and the stalls either side of it (the windows of the
+    Compare page, at most the Live window each side): how many, and how tall the worst."""
+    ctx = ui.fresh_context()
+    if ctx.empty or ctx.run is None or not ctx.engine_id or not ctx.run_id:
+        return
+    latest = ctx.latest
+    try:
+        ctrl = data.controls(ctx.db_url, ctx.engine_id, ctx.run_id)
+    except data.StoreUnavailable:
+        return
+    marks = charts.control_marker_times(ctrl)
+    if marks.empty or latest is None:
+        return
+    marks = marks[marks["accepted"] & marks["label"].str.startswith("budget")]
+    if marks.empty:
+        return
+    last = marks.sort_values("x").iloc[-1]
+    t = float(last["x"])
+    if latest - t > 3 * float(window_s):
+        return  # an old change: the Compare page holds it
+    # the right edge moves in whole grid steps from the change: the cached reads are reused
+    # between refreshes
+    span = min(latest - t, float(window_s))
+    edge = t + (SUMMARY_GRID_S * (span // SUMMARY_GRID_S) if span > SUMMARY_GRID_S else span)
+    first = pd.to_numeric(ctx.run.get("started"), errors="coerce")
+    win = story.change_windows(
+        t,
+        [float(x) for x in marks["x"] if float(x) != t],
+        first=None if pd.isna(first) else float(first),
+        latest=edge,
+        max_s=float(window_s),
+    )
+    if win.after is None:
+        st.caption(f"**{last['label']}** at {charts.to_datetime([t]).iloc[0]:%H:%M:%S}: waiting "
+                   "for steps after it.")  # fmt: skip
+        return
+    try:
+        before, after = (
+            data.stall_window(ctx.db_url, ctx.engine_id, ctx.run_id, lo, hi, "chat")
+            for lo, hi in (win.before, win.after)
+        )
+    except data.StoreUnavailable:
+        return
+    st.markdown(story.change_line(str(last["label"]), t, before, after))
 
 
 @st.fragment(run_every=SUMMARY_REFRESH_S)
@@ -138,5 +190,6 @@ def _status(ctx: ui.Context, lw: LiveWindow, problem: str | None) -> None:
         st.warning(f"Collector unreachable ({err}): showing stored data.")
 
 
+change_view()
 st.fragment(run_every=pace.interval_s)(live_view)()
 latency_view()

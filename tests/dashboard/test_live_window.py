@@ -161,3 +161,32 @@ def test_a_halved_interval_does_not_bounce_back_up() -> None:
 def test_a_pace_that_could_flap_is_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         RefreshPace(**kwargs)
+
+
+def test_coarsen_steps_bounds_the_rows_and_keeps_every_tall_step() -> None:
+    import numpy as np
+
+    from dashboard.live import coarsen_steps
+
+    n = 20_000
+    start = np.arange(n) * 0.003  # a minute of 3 ms steps...
+    end = start + 0.002
+    prefill = np.zeros(n, dtype=np.int64)
+    prefill[[100, 7_000, 15_000]] = [4096, 256, 1500]  # ...with three prefills among them
+    end[7_000] = start[7_000] + 0.5  # one of them a wide step
+    steps = pd.DataFrame(
+        {
+            "step": np.arange(n), "start": start, "end": end, "engine_id": "e", "run_id": "r",
+            "num_decode_tokens": 4, "num_prefill_tokens": prefill, "token_budget": 4096,
+            "duration_ms": (end - start) * 1000, "num_running": 4, "num_waiting": 0,
+            "kv_blocks_used": 10, "kv_blocks_total": 100,
+        }
+    )  # fmt: skip
+    out = coarsen_steps(steps, max_steps=500)
+    assert out is not None and len(out) <= 502 and list(out.columns) == list(steps.columns)
+    assert sorted(out["num_prefill_tokens"].nlargest(3)) == [256, 1500, 4096]
+    wide = out[out["duration_ms"] >= 400]
+    assert len(wide) == 1 and wide.iloc[0]["step"] == 7_000  # the wide step stays itself
+    assert out["start"].is_monotonic_increasing and out["end"].max() == steps["end"].max()
+    assert coarsen_steps(steps.head(100), max_steps=500) is not None
+    assert len(coarsen_steps(steps.head(100), max_steps=500)) == 100  # type: ignore[arg-type]
