@@ -52,6 +52,9 @@ class StallWindow:
     long_ttft_p50_ms: float | None = None  # long requests whose first token is in the window
     long_ttft_max_ms: float | None = None
     met_request_ids: tuple[str, ...] = field(default=(), repr=False)
+    # per long request (by its first long-prefill step in the window): how many streams of the
+    # class were in flight (arrived, not finished) when that step began
+    in_flight: tuple[int, ...] = ()
 
     @property
     def met(self) -> bool:
@@ -61,6 +64,7 @@ class StallWindow:
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["met_request_ids"] = list(self.met_request_ids)
+        out["in_flight"] = list(self.in_flight)
         return out
 
 
@@ -124,6 +128,7 @@ def stall_window(
         out["long_ttft_max_ms"] = _ms(done)
     long_steps = _long_prefill_steps(db, engine_id, run_id, steps, set(long_reqs["request_id"]))
     out["long_requests"] = int(long_steps["request_id"].nunique()) if not long_steps.empty else 0
+    out["in_flight"] = _in_flight(reqs, long_steps, traffic_class)
     if long_steps.empty or itl.empty:
         return StallWindow(since, until, traffic_class, **out)
     # steps run one after another: the long steps inside a gap are a contiguous run of them
@@ -152,6 +157,24 @@ def stall_window(
         met_request_ids=tuple(sorted(met)),
     )
     return StallWindow(since, until, traffic_class, **out)
+
+
+def _in_flight(
+    reqs: pd.DataFrame, long_steps: pd.DataFrame, traffic_class: str | None
+) -> tuple[int, ...]:
+    """For each long request, the streams (of the class) in flight as its first long-prefill
+    step of the window began."""
+    if long_steps.empty:
+        return ()
+    streams = reqs if traffic_class is None else reqs[reqs["traffic_class"] == traffic_class]
+    arrived = streams["arrival"].fillna(streams["first_scheduled"]).to_numpy(dtype="float64")
+    finished = streams["finished"].fillna(np.inf).to_numpy(dtype="float64")
+    ids = streams["request_id"].to_numpy()
+    out = []
+    for rid, t0 in long_steps.groupby("request_id")["start"].min().sort_values().items():
+        live = (arrived <= t0) & (finished > t0) & (ids != rid)
+        out.append(int(live.sum()))
+    return tuple(out)
 
 
 def _long_prefill_steps(

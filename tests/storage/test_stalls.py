@@ -47,6 +47,8 @@ def test_a_window_before_the_cut_holds_whole_prompt_stalls(story: Any) -> None:
     # chat stream waited through: 4 ms + 250 ms, plus the decode step around it
     assert before.long_requests == 2 and before.long_met == 2 and before.met
     assert set(before.met_request_ids) == {"rag-0", "rag-1"}
+    # four long chat streams from step 0; a short chat arrives with rag-1 (step 60)
+    assert before.in_flight == (4, 5)
     one_step = 4 + 2000 * MS_PER_PREFILL_TOKEN
     assert one_step <= before.stall_max_ms <= one_step + 10
     assert before.stalls >= 2 * 4  # the four long chat streams, once per prompt
