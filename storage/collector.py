@@ -297,6 +297,10 @@ class Collector:
         self._pending_events = 0
         self._drained = asyncio.Event()
         self._ids = itertools.count(1)
+        # (engine_id, run_id) -> hellos submitted to the writer and not answered yet, and the
+        # run key whose Disconnect waits for them (see _disconnected)
+        self._hellos_pending: dict[tuple[str, str], int] = {}
+        self._deferred_disconnect: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._n_conns = 0  # open /ingest and /control connections
         self._retention: threading.Thread | None = None
@@ -610,19 +614,35 @@ class Collector:
             return
         conn = IngestConn(ws=ws, engine_id=hello["engine_id"], run_id=hello["run_id"])
         self._take_hello(conn, hello)
+        key = (conn.engine_id, conn.run_id)
+        self._hellos_pending[key] = self._hellos_pending.get(key, 0) + 1
+        failed: Exception | None = None
         try:
             fut = self._submit(Hello(hello), want_result=True)
             assert fut is not None
             info: RunInfo = await fut
         except Exception as exc:
-            logger.exception("registering run %s/%s failed", conn.engine_id, conn.run_id)
-            await ws.close(CLOSE_STORE_ERROR, f"store error: {type(exc).__name__}")
+            failed = exc
+        finally:
+            self._hello_answered(key)
+        if failed is not None:
+            logger.error(
+                "registering run %s/%s failed: %s: %s",
+                conn.engine_id,
+                conn.run_id,
+                type(failed).__name__,
+                str(failed)[:200],
+            )
+            self._settle_disconnect(key)
+            await ws.close(CLOSE_STORE_ERROR, f"store error: {type(failed).__name__}")
             return
         if info.refused:
+            self._settle_disconnect(key)
             await self._close(ws, CLOSE_NOT_YOURS, info.refused)
             return
         prev = self._by_run.get(info.run_key)
         if not ingest.may_take_over(proven=info.proven, live=prev is not None and prev.current):
+            self._settle_disconnect(key)
             await self._close(
                 ws,
                 CLOSE_REPLACED,
@@ -637,6 +657,7 @@ class Collector:
             prev.current = False
             self._spawn(prev.ws.close(CLOSE_REPLACED, "replaced by a newer connection of this run"))
         self._by_run[info.run_key] = conn
+        self._deferred_disconnect.pop(key, None)  # this hello marked the run connected again
         route = self._by_engine.get(conn.engine_id)
         if route is None or route is prev or route.run_key == conn.run_key:
             self._by_engine[conn.engine_id] = conn
@@ -704,7 +725,14 @@ class Collector:
         if self._by_run.get(conn.run_key) is conn:
             del self._by_run[conn.run_key]
             if conn.current and conn.run_key:
-                self._submit(Disconnect(conn.run_key))
+                key = (conn.engine_id, conn.run_id)
+                if self._hellos_pending.get(key):
+                    # A newer hello of this run is queued in the writer (the engine gave up on
+                    # this connection's): a Disconnect now would land after it and mark the new
+                    # connection's run disconnected. Its answer decides (_settle_disconnect).
+                    self._deferred_disconnect[key] = conn.run_key
+                else:
+                    self._submit(Disconnect(conn.run_key))
             if self._seen.get(conn.engine_id, {}).get("run_id") == conn.run_id:
                 self._refresh_seen(conn, connected=False)
         self._drop(conn)
@@ -715,6 +743,24 @@ class Collector:
             conn.run_id,
             conn.ws.close_code,
         )
+
+    def _hello_answered(self, key: tuple[str, str]) -> None:
+        n = self._hellos_pending.get(key, 0) - 1
+        if n > 0:
+            self._hellos_pending[key] = n
+        else:
+            self._hellos_pending.pop(key, None)
+
+    def _settle_disconnect(self, key: tuple[str, str]) -> None:
+        """A hello of ``key`` was answered without registering a connection: the Disconnect that
+        waited for it goes to the writer now, unless another hello is still on its way or the
+        run is live again."""
+        run_key = self._deferred_disconnect.get(key)
+        if run_key is None or self._hellos_pending.get(key):
+            return
+        del self._deferred_disconnect[key]
+        if run_key not in self._by_run:
+            self._submit(Disconnect(run_key))
 
     def _take_hello(self, conn: IngestConn, h: dict[str, Any]) -> None:
         conn.max_token_budget = h.get("max_token_budget")
