@@ -325,6 +325,8 @@ class Collector:
             max_bytes=self.config.prune_max_bytes,
             max_rows=self.config.prune_max_rows,
         )
+        # the runs the store's startup marks ended without goodbye keep a grace from now
+        await asyncio.to_thread(self._keeper.note_restart)
         self._writer = Writer(db, self._on_commit_threadsafe)
         await asyncio.to_thread(self._writer.start)
         try:

@@ -2,13 +2,17 @@
 
 What is deleted, so that every reader stays consistent and ingest's seq rules hold:
 
-- **Whole runs** that are not connected: their steps, request events, gaps and requests, their
-  controls, then the ``runs`` row (and an ``engines`` row left without runs). The ``runs`` row
+- **Whole runs** that are not connected and not within their reconnection grace
+  (:data:`RECONNECT_GRACE_S`: a run that lost its connection without a goodbye, or that was
+  connected when the collector started, may be back any moment): their steps, request events,
+  gaps and requests, their controls, then the ``runs`` row (and an ``engines`` row left without
+  runs). The ``runs`` row
   goes last, in one transaction with the requests, and only while it still says
   ``connected = false``; a run whose engine reconnects meanwhile is kept (what was already
   deleted of it was its oldest data). An engine that later says hello for a deleted run starts
   it again as a new run at seq 0.
-- **Old steps of a kept run** (a connected run, or one that ended after the cutoff): steps that
+- **Old steps of a kept run** (a connected run, one within its grace, or one that ended after
+  the cutoff): steps that
   started before the cutoff, request events and gaps before it, and requests that finished
   before it (a step after the cutoff only names requests still in flight then, so the
   dashboard's window reads never meet a step whose request row is gone). The ``runs`` row
@@ -47,6 +51,10 @@ from storage import schema
 logger = logging.getLogger(__name__)
 
 LOW_WATER = 0.9  # a size prune brings the store down to this share of the limit
+# A run that left without a goodbye is kept whole this long after it was last seen (and a run
+# that was connected when the collector started, this long after the start): its engine retries
+# with backoff and resends from the durable seq the runs row holds.
+RECONNECT_GRACE_S = 600.0
 DEFAULT_BATCH_ROWS = 5_000
 TABLES = ("steps", "requests", "request_events", "controls", "gaps", "runs", "engines")
 
@@ -309,6 +317,17 @@ def _runs(db: Engine) -> list[Any]:
         )
 
 
+def _kept_whole(run: Any, now: float, grace_s: float, keep: frozenset[int]) -> bool:
+    """A run that no prune deletes whole: connected, named in ``keep`` (connected when the
+    collector started, within the grace), or gone without a goodbye less than ``grace_s`` ago."""
+    if run.connected or run.id in keep:
+        return True
+    if run.ended is not None:
+        return False
+    last = run.last_seen if run.last_seen is not None else run.started
+    return last is not None and last > now - grace_s
+
+
 def prune(
     db: Engine,
     *,
@@ -318,10 +337,14 @@ def prune(
     max_rows: int | None = None,
     batch_rows: int = DEFAULT_BATCH_ROWS,
     already_freed: int = 0,
+    grace_s: float = RECONNECT_GRACE_S,
+    keep_whole: frozenset[int] = frozenset(),
 ) -> PruneResult:
     """Delete data older than ``older_than_s`` seconds and, while the store is over
     ``max_bytes``, the oldest runs (then the oldest steps of live runs). ``already_freed``: bytes
-    an earlier, unfinished size prune of this same size already freed (PostgreSQL)."""
+    an earlier, unfinished size prune of this same size already freed (PostgreSQL). Runs that
+    are connected, within ``grace_s`` of leaving without a goodbye, or in ``keep_whole`` are
+    never deleted whole (only their data before the cutoff, as a live run's)."""
     if older_than_s is not None and not older_than_s > 0:
         raise ValueError(f"older_than_s must be positive, got {older_than_s}")
     if max_bytes is not None and not max_bytes > 0:
@@ -340,7 +363,7 @@ def prune(
         cutoff = now - older_than_s
         for run in _runs(db):
             last = run.ended if run.ended is not None else (run.last_seen or run.started)
-            if not run.connected and last < cutoff:
+            if not _kept_whole(run, now, grace_s, keep_whole) and last < cutoff:
                 n, gone = _delete_run(db, run, batch_rows, budget)
                 res.rows_deleted += n
                 if gone:
@@ -372,7 +395,7 @@ def prune(
             for run in runs:
                 if need <= 0:
                     break
-                if run.connected:
+                if _kept_whole(run, now, grace_s, keep_whole):
                     continue
                 n, gone = _delete_run(db, run, batch_rows, budget)
                 res.rows_deleted += n
@@ -386,7 +409,7 @@ def prune(
             if need > 0:  # only live runs left: their oldest steps, the same share of each
                 share = min(1.0, need / max(1, size))
                 for run in _runs(db):
-                    if not run.connected:
+                    if not _kept_whole(run, now, grace_s, keep_whole):
                         continue
                     t_cut = _oldest_share_cut(db, run.id, share)
                     if t_cut is None:
@@ -443,8 +466,12 @@ class Keeper:
         max_bytes: int | None = None,
         max_rows: int = 50_000,
         batch_rows: int = DEFAULT_BATCH_ROWS,
+        grace_s: float = RECONNECT_GRACE_S,
     ) -> None:
         self.db = db
+        self.grace_s = grace_s
+        self._restart_keys: frozenset[int] = frozenset()
+        self._restart_at = time.monotonic()
         self.older_than_s = older_than_s
         self.max_bytes = max_bytes
         self.max_rows = max_rows
@@ -454,9 +481,22 @@ class Keeper:
         self._size_at_last_prune: int | None = None  # PostgreSQL: free space not measurable
         self._freed_pending = 0
 
+    def note_restart(self) -> None:
+        """Before the collector's store marks the runs left connected as ended without goodbye:
+        remember them, so that they are kept whole for ``grace_s`` from now (their engines are
+        reconnecting; how long ago they were last seen says nothing while the collector was
+        down)."""
+        r = schema.runs
+        with self.db.connect() as conn:
+            keys = conn.execute(select(r.c.id).where(r.c.connected.is_(True))).scalars()
+            self._restart_keys = frozenset(int(k) for k in keys)
+        self._restart_at = time.monotonic()
+
     def run_once(self) -> PruneResult | None:
         """One pass: prune (when limits are set), then measure. Returns what was pruned."""
         result = None
+        if self._restart_keys and time.monotonic() - self._restart_at > self.grace_s:
+            self._restart_keys = frozenset()
         if self.older_than_s is not None or self.max_bytes is not None:
             max_bytes = self.max_bytes
             if self._pg and max_bytes is not None and self._size_at_last_prune is not None:
@@ -473,6 +513,8 @@ class Keeper:
                 max_rows=self.max_rows,
                 batch_rows=self.batch_rows,
                 already_freed=self._freed_pending,
+                grace_s=self.grace_s,
+                keep_whole=self._restart_keys,
             )
             if self._pg and max_bytes is not None and result.estimated_freed:
                 if result.complete:

@@ -258,3 +258,47 @@ def test_a_run_pruned_under_the_writer_is_never_written_in_half(db_url: str) -> 
     assert info.last_seq == 0 and not info.refused
     store.close()
     db.dispose()
+
+
+def test_a_run_within_its_reconnection_grace_is_never_deleted_whole(db_url: str) -> None:
+    """A run whose engine left without a goodbye may come back (the engine retries with
+    backoff): a size prune keeps it whole for the grace period, and deletes a run that ended
+    with a goodbye instead."""
+    db = dbm.connect(db_url)
+    dbm.migrate(db)
+    store = Store(db)
+    gone_key, _ = _run(store, _engine("ended", 10, HOUR_NS // 1000, seed=1), 30, end=True)
+    away_key, _ = _run(store, _engine("away", 9, HOUR_NS // 1000, seed=2), 30, end=False)
+    store.apply([Disconnect(away_key)])  # no goodbye: in reconnect backoff
+    store.close()
+    result = retention.prune(db, max_bytes=1)
+    runs = {r.id for r in retention._runs(db)}
+    assert gone_key not in runs and away_key in runs and result.runs_deleted == 1
+    later = time.time() + retention.RECONNECT_GRACE_S + 1
+    assert retention.prune(db, max_bytes=1, now=later).runs_deleted == 1
+    assert away_key not in {r.id for r in retention._runs(db)}
+    db.dispose()
+
+
+def test_runs_live_when_the_collector_stopped_get_the_grace_from_its_restart(db_url: str) -> None:
+    """The collector restarts: its store marks every run that was connected as ended without
+    goodbye, and the keeper's first pass runs at once. A run last seen long ago (the collector
+    was down) is still kept whole while its engine reconnects."""
+    db = dbm.connect(db_url)
+    dbm.migrate(db)
+    store = Store(db)
+    key, _ = _run(store, _engine("live", 9, HOUR_NS // 1000, seed=3), 30, end=False)
+    store.close()
+    with db.begin() as conn:  # seen last a day ago, still marked connected: the collector died
+        conn.execute(schema.runs.update().values(last_seen=time.time() - DAY_S))
+    keeper = retention.Keeper(db, max_bytes=1)
+    keeper.note_restart()  # the collector does this before its store's startup
+    restarted = Store(db)
+    assert restarted.startup() == 1
+    restarted.close()
+    result = keeper.run_once()
+    assert result is not None and result.runs_deleted == 0
+    assert key in {r.id for r in retention._runs(db)}
+    # without the restart's grace (a prune by hand), the run is old enough to go
+    assert retention.prune(db, max_bytes=1).runs_deleted == 1
+    db.dispose()
