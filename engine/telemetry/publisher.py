@@ -374,6 +374,10 @@ class Publisher:
             acked + 1,
         )
         session = _Session(cursor=acked)
+        if acked < self.buffer.acked_seq:
+            # e.g. the run was deleted from the store (a prune) while the engine was away: the
+            # collector starts it again at ``acked``; what it acknowledged before is gone
+            session.lost_from = acked + 1
         reader = asyncio.create_task(self._read(ws, session))
         sender = asyncio.create_task(self._send(ws, session))
         try:
@@ -414,12 +418,15 @@ class Publisher:
             expected = int(msg["expected"])
             first_held = self.buffer.first_held_seq
             if first_held is not None and expected < first_held:
-                raise _SessionError(
-                    f"the collector expects seq {expected} but it was acknowledged before and "
-                    f"is no longer held (lowest held: {first_held}); did the collector lose data?"
-                )
-            logger.warning("telemetry: the collector asks to resend from seq %d", expected)
-            session.resend_from = expected
+                if expected > self.buffer.acked_seq:
+                    raise _SessionError(
+                        f"the collector expects seq {expected}, which is no longer held "
+                        f"(lowest held: {first_held})"
+                    )
+                session.lost_from = expected  # acknowledged before, released, now missing
+            else:
+                logger.warning("telemetry: the collector asks to resend from seq %d", expected)
+                session.resend_from = expected
             assert self._wake is not None
             self._wake.set()
         else:
@@ -429,6 +436,13 @@ class Publisher:
         assert self._wake is not None
         wake = self._wake
         while True:
+            if session.lost_from is not None:
+                declared = self._declare_lost(session.lost_from)
+                session.lost_from = None
+                session.carry.clear()
+                if declared is not None:
+                    frame, session.cursor = declared
+                    await ws.send(frame)
             if session.resend_from is not None:
                 session.cursor = min(session.cursor, session.resend_from - 1)
                 session.resend_from = None
@@ -470,6 +484,35 @@ class Publisher:
             (seq, item if isinstance(item, str) else encode_or_placeholder(seq, item))
             for seq, item in taken
         ]
+
+    def _declare_lost(self, first: int) -> tuple[str, int] | None:
+        """A frame of one ``gap`` event declaring ``first`` up to the seq before the lowest held
+        one lost (everything published so far when none is held), at that last seq (a gap may
+        declare its own seq lost), and that seq; None when nothing is missing. For seqs the
+        collector acknowledged before and no longer holds: the buffer released them."""
+        first_held = self.buffer.first_held_seq
+        last = first_held - 1 if first_held is not None else self.buffer.last_seq
+        if last < first:
+            return None
+        logger.warning(
+            "telemetry: the collector no longer holds seqs %d to %d, which it acknowledged "
+            "before (its run was deleted?); declaring them lost and going on",
+            first,
+            last,
+        )
+        gap = {
+            "type": "gap",
+            "seq": last,
+            "first_seq_lost": first,
+            "last_seq_lost": last,
+            "num_events_lost": last - first + 1,
+            "reason": (
+                f"the collector no longer holds seqs {first} to {last}, which it acknowledged "
+                "before (the run was deleted from the store, or the store lost them)"
+            ),
+            "time_ns": time.monotonic_ns(),
+        }
+        return self._frame_head + json.dumps(gap, separators=(",", ":")) + "]}", last
 
     def _frame(self, entries: list[tuple[int, str]], session: _Session) -> tuple[str, int, int]:
         """A frame of the first entries that fit ``max_frame_bytes`` (at least one); the rest
@@ -562,6 +605,9 @@ class _Session:
 
     cursor: int  # highest seq sent on this connection (or acknowledged at its start)
     resend_from: int | None = None
+    # the collector no longer holds seqs from this one on, which it acknowledged before and the
+    # buffer has released: declare them lost (a gap) before sending anything else
+    lost_from: int | None = None
     carry: deque[tuple[int, str]] = field(default_factory=deque)  # encoded, not yet sent
     acked: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -161,3 +161,42 @@ def test_a_vanished_spill_file_reaches_the_store_as_a_gap(tmp_path: Path) -> Non
     assert (gap["first_seq_lost"], gap["last_seq_lost"]) == (11, len(events))
     run = queries.engines(db).iloc[0]
     assert not run["ended_without_goodbye"]
+
+
+def test_an_engine_whose_run_was_deleted_declares_the_loss_and_goes_on(tmp_path: Path) -> None:
+    """The collector restarts without the run (deleted by a prune while the engine was away):
+    its hello is answered with durable seq 0, below what it acknowledged before. The engine
+    declares the seqs it no longer holds lost in a gap and goes on streaming, instead of
+    reconnecting forever on the collector's seq_gap."""
+    from storage import retention
+
+    db_url = f"sqlite:///{tmp_path / 'p.db'}"
+    port = free_port()
+    syn = SyntheticEngine(engine_id="eng-pruned", run_id="run-pruned-1", seed=8)
+    pub = _publisher(f"ws://127.0.0.1:{port}", syn).start()
+    collector = start_collector(db_url, args=["--port", str(port)])
+    try:
+        first = syn.steps(5)
+        for ev in first:
+            pub.publish({k: v for k, v in ev.items() if k != "seq"})
+        assert pub.wait_acked(timeout=WAIT_S)
+        collector.stop()
+        db = connect(db_url)
+        assert retention.prune(db, max_bytes=1, grace_s=0).runs_deleted == 1
+        db.dispose()
+        collector = start_collector(db_url, args=["--port", str(port)])
+        more = syn.steps(3)
+        for ev in more:
+            pub.publish({k: v for k, v in ev.items() if k != "seq"})
+        assert pub.wait_acked(timeout=WAIT_S)
+        pub.close(timeout=WAIT_S)
+    finally:
+        pub.close(timeout=1)
+        collector.stop()
+    db = connect(db_url, readonly=True)
+    [gap] = queries.gaps(db, engine_id="eng-pruned").itertuples()
+    assert (gap.first_seq_lost, gap.last_seq_lost) == (1, len(first))
+    assert "no longer holds" in gap.reason
+    n_steps = sum(ev["type"] == "step" for ev in more)
+    assert list(queries.steps(db, engine_id="eng-pruned")["step"]) == list(range(5, 5 + n_steps))
+    db.dispose()
