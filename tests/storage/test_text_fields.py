@@ -1,6 +1,6 @@
 """Text an engine sends (request ids, classes, reasons, the hello's model and host) reaches the
 store without control characters and within a bounded length, on every backend: PostgreSQL
-refuses a NUL in a text column, so one such character used to fail its batch on every resend."""
+refuses a NUL in a text column, so one such character would fail its batch on every resend."""
 
 from __future__ import annotations
 
