@@ -147,3 +147,16 @@ def test_the_ready_line_is_read_from_this_start_only(tmp_path: Path) -> None:
     finally:
         p.stop()
     assert "1111" in log.read_text() and "2222" in log.read_text()  # the history is kept
+
+
+def test_an_instrument_runs_nicer_than_the_dashboard(tmp_path: Path) -> None:
+    code = "import os, time; print('nice', os.nice(0), flush=True); time.sleep(30)"
+    p = ManagedProcess("loadgen", [sys.executable, "-c", code], tmp_path / "l.log", nice=5)
+    p.start()
+    try:
+        deadline = time.monotonic() + 20
+        while "nice" not in (tmp_path / "l.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f"nice {os.nice(0) + 5}" in (tmp_path / "l.log").read_text()
+    finally:
+        p.stop()
