@@ -31,6 +31,25 @@ def queries() -> Any:
     return q
 
 
+def shown_url(db_url: str | None) -> str:
+    """``db_url`` as the dashboard shows it: the password as ``***``."""
+    if not db_url:
+        return "—"
+    try:
+        from storage.db import masked_url
+    except ImportError:
+        return "(a database URL)"
+    return masked_url(db_url)
+
+
+def _scrub(text: str, db_url: str) -> str:
+    try:
+        from storage.db import scrub
+    except ImportError:
+        return "(reason hidden: the storage package cannot be imported)"
+    return scrub(text, db_url)
+
+
 @st.cache_resource(show_spinner=False)
 def _connect(db_url: str) -> Any:
     from storage import db as storage_db
@@ -46,7 +65,8 @@ def connection(db_url: str | None) -> Any:
     except ImportError as exc:
         raise StoreUnavailable(f"the storage package cannot be imported: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - any driver error means: cannot read the store
-        raise StoreUnavailable(f"cannot open the store {db_url}: {exc}") from exc
+        why = _scrub(str(exc), db_url)
+        raise StoreUnavailable(f"cannot open the store {shown_url(db_url)}: {why}") from exc
 
 
 def _call(db_url: str | None, name: str, **kwargs: Any) -> pd.DataFrame:

@@ -249,7 +249,8 @@ def _status_panel() -> None:
             if st.button("Restart stopped processes"):
                 stk.restart()
     else:
-        st.caption(f"Attached: collector {ctx.collector_url or '—'} · store {ctx.db_url}")
+        store = data.shown_url(ctx.db_url)
+        st.caption(f"Attached: collector {ctx.collector_url or '—'} · store {store}")
     live, err = collector_engines(ctx.collector_url)
     if live is not None:
         n = sum(1 for e in live if e.get("connected"))
