@@ -272,7 +272,7 @@ def check_hello_frame(raw: str | bytes) -> tuple[dict[str, Any] | None, str]:
     why = check_hello(hello)
     if why:
         return None, why
-    credentials = {k: hello.pop(k) for k in ("token", "run_secret") if k in hello}
+    credentials: dict[str, Any] = {k: hello.pop(k) for k in ("token", "run_secret") if k in hello}
     _clean_fields(hello)  # engine_id and run_id are printable and short already
     hello.update(credentials)  # compared as presented, never stored
     policies = hello.get("policies")
