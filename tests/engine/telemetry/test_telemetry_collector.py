@@ -4,6 +4,7 @@ stream in, ``storage.queries`` out; a declared gap; goodbye marks the run ended.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +201,46 @@ def test_an_engine_whose_run_was_deleted_declares_the_loss_and_goes_on(tmp_path:
     n_steps = sum(ev["type"] == "step" for ev in more)
     assert list(queries.steps(db, engine_id="eng-pruned")["step"]) == list(range(5, 5 + n_steps))
     db.dispose()
+
+
+def test_a_store_fault_that_clears_behind_queued_frames_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real publisher against the real collector: SQLite's write lock is held (another
+    connection) past the busy timeout while a frame is written, a later frame waits in the
+    collector's queue, and the lock goes before that frame's turn. Every seq ends up stored
+    exactly once: the later frame is not stored past the failed one, and the publisher's resend
+    from the durable seq fills the hole."""
+    import sqlite3
+
+    from storage import db as dbm
+    from tests.storage.helpers import stored_seqs
+
+    monkeypatch.setattr(dbm, "BUSY_TIMEOUT_MS", 1500)
+    db_url = f"sqlite:///{tmp_path / 'f.db'}"
+    syn = SyntheticEngine(engine_id="eng-fault", run_id="run-fault-1", seed=9)
+    with collector_in_thread(db_url) as collector:
+        pub = _publisher(collector.url, syn).start()
+        try:
+            for ev in syn.steps(5):
+                pub.publish({k: v for k, v in ev.items() if k != "seq"})
+            assert pub.wait_acked(timeout=WAIT_S)
+            locker = sqlite3.connect(str(tmp_path / "f.db"), isolation_level=None)
+            locker.execute("BEGIN EXCLUSIVE")
+            try:
+                for ev in syn.steps(3):  # frame N: its batch waits for the lock, then fails
+                    pub.publish({k: v for k, v in ev.items() if k != "seq"})
+                time.sleep(0.5)
+                for ev in syn.steps(3):  # frame N+1: queued behind it
+                    pub.publish({k: v for k, v in ev.items() if k != "seq"})
+                wait_until(lambda: collector.store_problem() != "", "the failed batch")
+            finally:
+                locker.execute("ROLLBACK")  # the fault clears; frame N+1 is still queued
+                locker.close()
+            for ev in syn.steps(2):
+                pub.publish({k: v for k, v in ev.items() if k != "seq"})
+            assert pub.wait_acked(timeout=WAIT_S)
+            pub.close(timeout=WAIT_S)
+        finally:
+            pub.close(timeout=1)
+    assert stored_seqs(db_url, "eng-fault", "run-fault-1") == list(range(1, syn.seq + 1))
