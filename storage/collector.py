@@ -64,6 +64,15 @@ DEFAULT_PORT = 8765
 # The publisher sends at most 1 MiB per frame (a single larger event alone): 4 MiB leaves room.
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_CONNECTIONS = 256
+# Connections to /ingest that have not yet shown a credential (a valid publish token in the
+# handshake's Authorization header, or an accepted hello): their own small pool, a few per peer
+# address, and a short time to say hello, so that idle sockets never crowd engines or controls out.
+DEFAULT_MAX_UNIDENTIFIED = 32
+DEFAULT_MAX_UNIDENTIFIED_PER_PEER = 8
+DEFAULT_HELLO_TIMEOUT = 3.0
+# Of max_connections, this many (at most an eighth) only /control may take, and as many only
+# /ingest connections with a credential may take.
+RESERVED_CONNECTIONS = 16
 MAX_QUEUED_FRAMES = 16  # frames read ahead per connection (websockets' max_queue)
 MAX_CONTROLS_IN_FLIGHT = 16  # per /control client
 
@@ -72,6 +81,20 @@ CLOSE_AUTH = 4401
 CLOSE_NOT_YOURS = 4403  # the hello cannot speak for the run it names (wrong run_secret)
 CLOSE_REPLACED = 4409
 CLOSE_STORE_ERROR = 1011
+
+
+def bearer(request: Request) -> str | None:
+    """The token of an ``Authorization: Bearer`` header, if any."""
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One admitted /ingest or /control connection, as the connection limits count it."""
+
+    kind: str  # "control", "ingest" (with a credential) or "unidentified"
+    peer: str
 
 
 def presented_token(request: Request) -> str | None:
@@ -99,9 +122,11 @@ class CollectorConfig:
     engine_credentials: dict[str, EngineCredentials] = field(default_factory=dict, repr=False)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     control_timeout: float = 15.0
-    hello_timeout: float = 10.0
+    hello_timeout: float = DEFAULT_HELLO_TIMEOUT  # a new /ingest connection's time to say hello
     max_pending_events: int = 200_000
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # /ingest and /control together
+    max_unidentified: int = DEFAULT_MAX_UNIDENTIFIED  # /ingest before a credential, in all
+    max_unidentified_per_peer: int = DEFAULT_MAX_UNIDENTIFIED_PER_PEER  # ... from one address
     db_connect_timeout: float | None = None  # PostgreSQL; None: storage.db's default
     db_statement_timeout: float | None = None
     # retention (storage.retention): a pass every retention_interval seconds on its own thread
@@ -132,6 +157,11 @@ class CollectorConfig:
             raise ValueError(f"max_frame_bytes must be at least 1024, got {self.max_frame_bytes}")
         if self.control_timeout <= 0:
             raise ValueError(f"control_timeout must be positive, got {self.control_timeout}")
+        if not self.hello_timeout > 0:
+            raise ValueError(f"hello_timeout must be positive, got {self.hello_timeout}")
+        for name in ("max_connections", "max_unidentified", "max_unidentified_per_peer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         clash = credentials.clash_with_shared(
             self.engine_credentials, (self.publish_token, self.control_token, self.auth_token)
         )
@@ -145,6 +175,16 @@ class CollectorConfig:
             raise ValueError(f"retention_interval must be positive, got {self.retention_interval}")
         if self.prune_max_rows < 1:
             raise ValueError(f"prune_max_rows must be at least 1, got {self.prune_max_rows}")
+
+    @property
+    def reserved(self) -> int:
+        """Slots kept for /control, and as many for /ingest with a credential."""
+        return min(RESERVED_CONNECTIONS, self.max_connections // 8)
+
+    def publish_tokens(self) -> tuple[str, ...]:
+        """The tokens that identify an /ingest connection in its handshake (empty: none)."""
+        shared = (self.ingest_token,) if self.ingest_token else ()
+        return shared + tuple(c.publish for c in self.engine_credentials.values())
 
 
 class Metrics:
@@ -283,6 +323,12 @@ def _stamp_declared(
             ev["reason"] = ingest.clean_text(got[1])
 
 
+def _peer(connection: ServerConnection) -> str:
+    """The peer's address without its port ("" when unknown)."""
+    addr = connection.remote_address
+    return str(addr[0]) if isinstance(addr, tuple) and addr else ""
+
+
 class Collector:
     def __init__(self, config: CollectorConfig) -> None:
         self.config = config
@@ -302,7 +348,12 @@ class Collector:
         self._hellos_pending: dict[tuple[str, str], int] = {}
         self._deferred_disconnect: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._n_conns = 0  # open /ingest and /control connections
+        # admitted /ingest and /control connections (see _admit), and their counts
+        self._slots: dict[ServerConnection, _Slot] = {}
+        self._n_conns = 0
+        self._n_control = 0
+        self._n_unidentified = 0
+        self._unidentified_by_peer: dict[str, int] = {}
         self._retention: threading.Thread | None = None
         self._retention_stop = threading.Event()
 
@@ -428,12 +479,6 @@ class Collector:
             response.headers["Content-Type"] = CONTENT_TYPE_LATEST
             response.headers["Content-Length"] = str(len(body))
             return response
-        if path in ("/ingest", "/control") and self._n_conns >= self.config.max_connections:
-            self.metrics.refuse("too_many_connections")
-            return connection.respond(
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                f"too many connections (at most {self.config.max_connections})\n",
-            )
         if path not in ("/ingest", "/control"):
             return connection.respond(
                 HTTPStatus.NOT_FOUND, "not found: use /ingest, /control, /healthz or /metrics\n"
@@ -448,18 +493,109 @@ class Collector:
                     "missing or wrong token: /control needs the collector's --control-token as "
                     "'Authorization: Bearer <token>' or ?token=\n",
                 )
+        kind = "control" if path == "/control" else "unidentified"
+        tokens = self.config.publish_tokens() if path == "/ingest" else ()
+        presented = bearer(request) if tokens else None
+        if presented is not None:
+            if not any(same_secret(presented, t) for t in tokens):
+                self.metrics.refuse("auth")
+                return connection.respond(
+                    HTTPStatus.UNAUTHORIZED, "wrong publish token in the Authorization header\n"
+                )
+            kind = "ingest"
+        return self._admit(connection, kind)
+
+    def _admit(self, connection: ServerConnection, kind: str) -> Response | None:
+        """Count a new connection against the limits (None: admitted), or the 503 that refuses
+        it. /control may take every slot but the ones kept for /ingest with a credential, and
+        such an /ingest connection every slot but the ones kept for /control; one without a
+        credential yet takes a slot of its own small pool only while both reserves stay free."""
+        cfg = self.config
+        total, reserved = self._n_conns, cfg.reserved
+        peer = _peer(connection)
+        if kind == "control":
+            why = (
+                ""
+                if total < cfg.max_connections
+                and self._n_control < (cfg.max_connections - reserved)
+                else f"too many connections (at most {cfg.max_connections})"
+            )
+        elif kind == "ingest":
+            why = (
+                ""
+                if total < cfg.max_connections - reserved
+                else (f"too many connections (at most {cfg.max_connections})")
+            )
+        elif self._n_unidentified >= cfg.max_unidentified:
+            why = f"too many connections without a hello yet (at most {cfg.max_unidentified})"
+        elif self._unidentified_by_peer.get(peer, 0) >= cfg.max_unidentified_per_peer:
+            why = (
+                "too many connections without a hello yet from this address (at most "
+                f"{cfg.max_unidentified_per_peer})"
+            )
+        elif total >= cfg.max_connections - 2 * reserved:
+            why = f"too many connections (at most {cfg.max_connections})"
+        else:
+            why = ""
+        if why:
+            self.metrics.refuse(
+                "too_many_unidentified" if "hello" in why else "too_many_connections"
+            )
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, why + "\n")
+        slot = _Slot(kind, peer)
+        self._slots[connection] = slot
+        self._n_conns += 1
+        if kind == "control":
+            self._n_control += 1
+        elif kind == "unidentified":
+            self._n_unidentified += 1
+            self._unidentified_by_peer[peer] = self._unidentified_by_peer.get(peer, 0) + 1
+        # the slot is freed when the handler ends, or when the connection closes should the
+        # handshake fail before any handler runs
+        self._spawn(self._release_when_closed(connection))
         return None
+
+    def _identified(self, connection: ServerConnection) -> None:
+        """An unidentified /ingest connection showed its credential: it leaves the small pool."""
+        slot = self._slots.get(connection)
+        if slot is None or slot.kind != "unidentified":
+            return
+        slot.kind = "ingest"
+        self._forget_unidentified(slot.peer)
+
+    def _forget_unidentified(self, peer: str) -> None:
+        self._n_unidentified -= 1
+        left = self._unidentified_by_peer.get(peer, 0) - 1
+        if left > 0:
+            self._unidentified_by_peer[peer] = left
+        else:
+            self._unidentified_by_peer.pop(peer, None)
+
+    def _release(self, connection: ServerConnection) -> None:
+        slot = self._slots.pop(connection, None)
+        if slot is None:
+            return
+        self._n_conns -= 1
+        if slot.kind == "control":
+            self._n_control -= 1
+        elif slot.kind == "unidentified":
+            self._forget_unidentified(slot.peer)
+
+    async def _release_when_closed(self, connection: ServerConnection) -> None:
+        try:
+            await connection.wait_closed()
+        finally:
+            self._release(connection)
 
     async def _handle(self, ws: ServerConnection) -> None:
         path = ws.request.path.partition("?")[0] if ws.request else ""
-        self._n_conns += 1
         try:
             if path == "/control":
                 await self._control_client(ws)
             else:
                 await self._ingest(ws)
         finally:
-            self._n_conns -= 1
+            self._release(ws)
 
     # -- writer plumbing ----------------------------------------------------------------------
 
@@ -595,6 +731,7 @@ class Collector:
         try:
             raw = await asyncio.wait_for(ws.recv(), self.config.hello_timeout)
         except TimeoutError:
+            self._release(ws)  # its slot is free at once, not after the closing handshake
             await self._close(ws, CLOSE_BAD_INPUT, "no hello within the time limit")
             return
         except ConnectionClosed as exc:
@@ -603,6 +740,7 @@ class Collector:
         self.metrics.frames.inc()
         hello, why = ingest.check_hello_frame(raw)
         if hello is None:
+            self._release(ws)
             await self._close(ws, CLOSE_BAD_INPUT, why)
             return
         why = credentials.may_publish(
@@ -612,8 +750,10 @@ class Collector:
             engines=self.config.engine_credentials,
         )
         if why:
+            self._release(ws)
             await self._close(ws, CLOSE_AUTH, why)
             return
+        self._identified(ws)
         conn = IngestConn(ws=ws, engine_id=hello["engine_id"], run_id=hello["run_id"])
         self._take_hello(conn, hello)
         key = (conn.engine_id, conn.run_id)

@@ -329,8 +329,13 @@ class Publisher:
         open_timeout = self.open_timeout_s
         if self._stopping:
             open_timeout = max(0.1, min(open_timeout, self._flush_deadline - time.monotonic()))
+        # The publish token also goes in the handshake: the collector then counts this
+        # connection as an engine's from the start, never among the ones without a hello yet.
+        token = self._token
+        headers = {"Authorization": f"Bearer {token}"} if token and _header_safe(token) else None
         async with connect(
             self.url,
+            additional_headers=headers,
             open_timeout=open_timeout,
             close_timeout=2.0,
             compression=self.compression,
@@ -619,6 +624,11 @@ def _parse(raw: str | bytes) -> dict[str, Any]:
         logger.warning("telemetry: the collector sent something that is not JSON: %r", raw[:200])
         return {}
     return msg if isinstance(msg, dict) else {}
+
+
+def _header_safe(token: str) -> bool:
+    """A token an HTTP header can carry as it is (printable ASCII, no surrounding spaces)."""
+    return token.isascii() and token.isprintable() and token == token.strip()
 
 
 def _is_seq(value: Any) -> bool:
