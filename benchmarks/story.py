@@ -9,7 +9,7 @@ command it runs it several times in a row against a dashboard already running, t
 README starts it, and writes every run (passed or not) to a JSON file with its configuration::
 
     bash scripts/run.sh &        # the dashboard at http://127.0.0.1:8501, store in ./data
-    .venv/bin/python -m benchmarks.story --runs 5 --out benchmarks/results/story.json
+    .venv/bin/python -m benchmarks.story --runs 5       # writes benchmarks/results/story.json
 
 Playwright drives Debian's Chromium; the store is read on a read-only connection.
 """
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    from benchmarks._common import write_json
+    from benchmarks._common import add_common_args, config_of, setup, write_json
 
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.story",
@@ -310,9 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--db", default="sqlite:///data/chunkscope.db", help="its store")
     p.add_argument("--profiles", default="rag,vlm,mixed")
     p.add_argument("--runs", type=int, default=5, help="runs of each profile, in a row")
-    p.add_argument("--out", default="benchmarks/results/story.json")
     p.add_argument("--shots", default=None, help="folder for the screenshots (default: none)")
+    add_common_args(p)
     args = p.parse_args(argv)
+    if args.quick:  # one run of the first profile
+        args.runs, args.profiles = 1, args.profiles.split(",")[0]
+    out = setup(args) / "story.json"
     from playwright.sync_api import expect, sync_playwright
 
     from storage import db as storage_db
@@ -347,10 +350,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({k: res.get(k) for k in ("profile", "run", "ok",
                       "chat_gap_ratio", "compare_lead", "error")}), flush=True)  # fmt: skip
                 write_json(
-                    Path(args.out),
+                    out,
                     {"runs": results},
-                    script="story",
-                    config={**vars(args), "watch_before_s": WATCH_BEFORE_S,
+                    script="story.py",
+                    config={**config_of(args), "watch_before_s": WATCH_BEFORE_S,
                             "watch_after_s": WATCH_AFTER_S, "cut_budget": CUT_BUDGET,
                             "start_budget": START_BUDGET},
                 )  # fmt: skip
