@@ -306,7 +306,10 @@ class Publisher:
     def _note_problem(self, exc: BaseException) -> None:
         problem = f"{type(exc).__name__}: {exc}"
         rcvd = getattr(exc, "rcvd", None)
-        if rcvd is not None and rcvd.code == 4401:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status == 401:  # the token in the handshake's Authorization header
+            problem = "the collector refused the --publish-token (HTTP 401 at the handshake)"
+        elif rcvd is not None and rcvd.code == 4401:
             problem = f"the collector refused the --publish-token (close 4401: {rcvd.reason})"
         elif rcvd is not None and rcvd.code == 4403:
             problem = f"the collector holds this run for another secret (4403: {rcvd.reason})"
