@@ -73,6 +73,10 @@ DEFAULT_HELLO_TIMEOUT = 3.0
 # Of max_connections, this many (at most an eighth) only /control may take, and as many only
 # /ingest connections with a credential may take.
 RESERVED_CONNECTIONS = 16
+# How long a run that left without a goodbye keeps its engine id's control route: its engine
+# reconnects within seconds (the publisher's backoff is at most 3 s); an engine restarted after a
+# crash is a new run, and gets the route when this is over.
+DEFAULT_ROUTE_GRACE = 60.0
 MAX_QUEUED_FRAMES = 16  # frames read ahead per connection (websockets' max_queue)
 MAX_CONTROLS_IN_FLIGHT = 16  # per /control client
 
@@ -124,6 +128,10 @@ class CollectorConfig:
     control_timeout: float = 15.0
     hello_timeout: float = DEFAULT_HELLO_TIMEOUT  # a new /ingest connection's time to say hello
     max_pending_events: int = 200_000
+    # an engine id's control route stays with the run that held it this long after that run's
+    # connection dropped without a goodbye (and after the collector's start, for the run that
+    # was connected when it stopped): no other run of the id takes it meanwhile
+    route_grace: float = DEFAULT_ROUTE_GRACE
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # /ingest and /control together
     max_unidentified: int = DEFAULT_MAX_UNIDENTIFIED  # /ingest before a credential, in all
     max_unidentified_per_peer: int = DEFAULT_MAX_UNIDENTIFIED_PER_PEER  # ... from one address
@@ -157,6 +165,8 @@ class CollectorConfig:
             raise ValueError(f"max_frame_bytes must be at least 1024, got {self.max_frame_bytes}")
         if self.control_timeout <= 0:
             raise ValueError(f"control_timeout must be positive, got {self.control_timeout}")
+        if not self.route_grace >= 0:
+            raise ValueError(f"route_grace must be 0 or more, got {self.route_grace}")
         if not self.hello_timeout > 0:
             raise ValueError(f"hello_timeout must be positive, got {self.hello_timeout}")
         for name in ("max_connections", "max_unidentified", "max_unidentified_per_peer"):
@@ -284,6 +294,7 @@ class IngestConn:
     # and must not put them back in this row
     settings_from_step: int | None = None
     current: bool = True  # False once replaced by a newer connection of the same run
+    said_goodbye: bool = False  # its run's goodbye was accepted: the run will not be back
     # True from the first of its frames the store could not take: nothing more is accepted
     # from it and it is closed, so the engine reconnects and resends from the durable seq
     failed: bool = False
@@ -339,6 +350,9 @@ class Collector:
         self._futures: dict[int, asyncio.Future[Any]] = {}
         self._by_run: dict[int, IngestConn] = {}
         self._by_engine: dict[str, IngestConn] = {}
+        # engine id -> the run whose route it is while that run is away within its reconnection
+        # grace: (run key, run id, monotonic deadline); nobody else's controls route meanwhile
+        self._route_kept: dict[str, tuple[int, str, float]] = {}
         self._seen: dict[str, dict[str, Any]] = {}  # engine_id -> its latest list_engines row
         self._pending_events = 0
         self._drained = asyncio.Event()
@@ -378,6 +392,14 @@ class Collector:
         )
         # the runs the store's startup marks ended without goodbye keep a grace from now
         await asyncio.to_thread(self._keeper.note_restart)
+        # each engine id's route waits for the run that was connected (or reconnecting) when
+        # the collector stopped, as for a run whose connection dropped
+        now, wall, grace = time.monotonic(), time.time(), self.config.route_grace
+        self._route_kept = {}
+        for engine_id, (run_key, run_id, last) in self._keeper.runs_at_restart.items():
+            left = grace if last is None else min(grace, last + grace - wall)
+            if left > 0:
+                self._route_kept[engine_id] = (run_key, run_id, now + left)
         self._writer = Writer(db, self._on_commit_threadsafe)
         await asyncio.to_thread(self._writer.start)
         try:
@@ -800,8 +822,23 @@ class Collector:
             self._spawn(prev.ws.close(CLOSE_REPLACED, "replaced by a newer connection of this run"))
         self._by_run[info.run_key] = conn
         self._deferred_disconnect.pop(key, None)  # this hello marked the run connected again
+        self._expire_kept_routes()
         route = self._by_engine.get(conn.engine_id)
-        if route is None or route is prev or route.run_key == conn.run_key:
+        kept = self._route_kept.get(conn.engine_id)
+        if kept is not None and kept[0] == conn.run_key:
+            del self._route_kept[conn.engine_id]  # the run that held the route is back
+            kept = None
+        if route is None and kept is not None:
+            logger.warning(
+                "engine id %s: run %s connected while the control route is kept for run %s, "
+                "which left without a goodbye (up to %g s for it to come back); controls that "
+                "name no run_id go nowhere meanwhile",
+                conn.engine_id,
+                conn.run_id,
+                kept[1],
+                self.config.route_grace,
+            )
+        elif route is None or route is prev or route.run_key == conn.run_key:
             self._by_engine[conn.engine_id] = conn
         else:
             # Another run of this engine id is live (two engines started with one --engine-id,
@@ -840,16 +877,39 @@ class Collector:
             self.metrics.refuse("frame_too_big")
 
     def _drop(self, conn: IngestConn) -> None:
-        """Take ``conn`` off its engine id's control route; another live run of the same engine
-        id, if any, gets the route."""
+        """Take ``conn`` off its engine id's control route. A run that said goodbye leaves it to
+        another live run of the same engine id, if any; one that left without a goodbye keeps
+        it for its reconnection grace (it is reconnecting, and only it can prove its run)."""
         if self._by_engine.get(conn.engine_id) is not conn:
             return
         del self._by_engine[conn.engine_id]
+        if conn.said_goodbye or self.config.route_grace <= 0:
+            self._pass_route(conn.engine_id)
+        else:
+            self._route_kept[conn.engine_id] = (
+                conn.run_key,
+                conn.run_id,
+                time.monotonic() + self.config.route_grace,
+            )
+
+    def _pass_route(self, engine_id: str) -> None:
+        """The route of ``engine_id`` to one of its live runs, if any."""
         for other in self._by_run.values():
-            if other is not conn and other.engine_id == conn.engine_id and other.current:
-                self._by_engine[conn.engine_id] = other
+            if other.engine_id == engine_id and other.current:
+                self._by_engine[engine_id] = other
                 self._refresh_seen(other, connected=True)
-                break
+                return
+
+    def _expire_kept_routes(self) -> None:
+        """Routes kept for runs whose grace is over pass to a live run of their engine id."""
+        if not self._route_kept:
+            return
+        now = time.monotonic()
+        for engine_id, (_, _, until) in list(self._route_kept.items()):
+            if until <= now:
+                del self._route_kept[engine_id]
+                if engine_id not in self._by_engine:
+                    self._pass_route(engine_id)
 
     def _live(self, engine_id: str, run_id: str) -> IngestConn | None:
         for conn in self._by_run.values():
@@ -961,6 +1021,8 @@ class Collector:
             if not conn.current or conn.failed:
                 return False
             conn.expected = verdict.expected
+            if verdict.accepted[-1].get("type") == "goodbye":
+                conn.said_goodbye = True
             if conn.declared:
                 _stamp_declared(conn.declared, verdict.accepted)
             self._note_progress(conn, verdict.accepted)
@@ -1070,6 +1132,7 @@ class Collector:
         """The ``engines`` reply: connected engines first, then the others, at most
         ``ingest.MAX_ENGINES_LISTED`` from ``offset`` (``next_offset`` when more follow);
         ``only``: that engine id alone."""
+        self._expire_kept_routes()
         rows = self.list_engines()
         if only is not None:
             rows = [r for r in rows if r.get("engine_id") == only]
@@ -1095,6 +1158,7 @@ class Collector:
         run_id = msg.get("run_id")  # optional: which live run of the engine id
         new = msg.get("set")
         conn = None
+        self._expire_kept_routes()
         if isinstance(engine_id, str):
             if isinstance(run_id, str):
                 conn = self._live(engine_id, run_id)

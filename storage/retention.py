@@ -472,6 +472,10 @@ class Keeper:
         self.grace_s = grace_s
         self._restart_keys: frozenset[int] = frozenset()
         self._restart_at = time.monotonic()
+        # engine id -> (run key, run id, wall time last seen; None: connected) of the run most
+        # likely to hold its control route when the collector stopped: its oldest run still
+        # connected then, else the one last seen of those that left without a goodbye
+        self.runs_at_restart: dict[str, tuple[int, str, float | None]] = {}
         self.older_than_s = older_than_s
         self.max_bytes = max_bytes
         self.max_rows = max_rows
@@ -488,8 +492,23 @@ class Keeper:
         down)."""
         r = schema.runs
         with self.db.connect() as conn:
-            keys = conn.execute(select(r.c.id).where(r.c.connected.is_(True))).scalars()
-            self._restart_keys = frozenset(int(k) for k in keys)
+            rows = conn.execute(
+                select(r.c.id, r.c.engine_id, r.c.run_id, r.c.connected, r.c.last_seen, r.c.started)
+                .where(r.c.connected.is_(True) | r.c.ended.is_(None))
+                .order_by(r.c.id)
+            ).all()
+        self._restart_keys = frozenset(int(row.id) for row in rows if row.connected)
+        self.runs_at_restart = {}
+        for row in rows:
+            engine_id = str(row.engine_id)
+            had = self.runs_at_restart.get(engine_id)
+            if row.connected:
+                if had is None or had[2] is not None:
+                    self.runs_at_restart[engine_id] = (int(row.id), str(row.run_id), None)
+                continue
+            last = float(row.last_seen if row.last_seen is not None else row.started or 0.0)
+            if had is None or (had[2] is not None and last > had[2]):
+                self.runs_at_restart[engine_id] = (int(row.id), str(row.run_id), last)
         self._restart_at = time.monotonic()
 
     def run_once(self) -> PruneResult | None:

@@ -59,6 +59,10 @@ def collector_factory() -> Iterator[Callable[..., Any]]:
         stack.append(cm)
         return collector
 
+    def stop_last() -> None:
+        stack.pop().__exit__(None, None, None)
+
+    make.stop_last = stop_last  # type: ignore[attr-defined]
     yield make
     while stack:
         stack.pop().__exit__(None, None, None)

@@ -104,12 +104,75 @@ def test_a_second_run_of_an_engine_id_never_takes_the_control_route(
     assert row["run_id"] == "run-a" and row["connected"] is True
     b = FakeEngineClient(collector.url, eng_b)
     b.connect()
-    a.close()  # the first run goes: the route passes to the live one
+    a.send_events(eng_a.steps(1) + [eng_a.goodbye()])
+    assert a.wait_ack(eng_a.seq) == eng_a.seq
+    a.close()  # the first run ends with a goodbye: the route passes to the live one
     wait_until(lambda: not run_row(sqlite_url, "eng", "run-a")["connected"], what="disconnect")
     ack = send_control(collector.url, "eng", {"token_budget": 32}, control_id="c4")
     assert ack["ok"] is True and eng_b.token_budget == 32
     [row] = list_engines(collector.url)
     assert row["run_id"] == "run-b" and row["connected"] is True
+    b.close()
+
+
+def test_a_run_whose_connection_blips_keeps_its_control_route(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    collector = collector_factory(sqlite_url)
+    eng_a, a = _live(collector)
+    eng_b, b = _live(collector, run_id="run-b")  # same engine id, same shared publish token
+    a.close()  # no goodbye: a blip, the engine is reconnecting
+    wait_until(lambda: not run_row(sqlite_url, "eng", "run-a")["connected"], what="disconnect")
+    ack = send_control(collector.url, "eng", {"token_budget": 100}, control_id="c1")
+    assert ack["ok"] is False and "not connected" in ack["error"]
+    assert b.controls == [] and eng_b.token_budget != 100  # never acked by the other run
+    [row] = list_engines(collector.url)
+    assert row["run_id"] == "run-a" and row["connected"] is False
+    a = FakeEngineClient(collector.url, eng_a)
+    assert a.connect() == eng_a.seq  # the run comes back, its secret in hand
+    ack = send_control(collector.url, "eng", {"token_budget": 200}, control_id="c2")
+    assert ack["ok"] is True and eng_a.token_budget == 200 and b.controls == []
+    a.close()
+    b.close()
+
+
+def test_the_route_passes_on_once_the_reconnection_grace_is_over(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    collector = collector_factory(sqlite_url, route_grace=1.0)
+    eng_a, a = _live(collector)
+    eng_b, b = _live(collector, run_id="run-b")
+    a.close()
+    wait_until(lambda: not run_row(sqlite_url, "eng", "run-a")["connected"], what="disconnect")
+    assert send_control(collector.url, "eng", {"token_budget": 64}, control_id="c1")["ok"] is False
+    ack = wait_until(
+        lambda: (r := send_control(collector.url, "eng", {"token_budget": 96}))["ok"] and r,
+        timeout=5,
+        what="the route to pass on",
+    )
+    assert eng_b.token_budget == 96 and list_engines(collector.url)[0]["run_id"] == "run-b"
+    assert ack["ok"] is True
+    b.close()
+
+
+def test_after_a_restart_the_route_waits_for_the_run_that_held_it(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    collector = collector_factory(sqlite_url)
+    eng_a, a = _live(collector)
+    collector_factory.stop_last()  # a collector stops while its engine is connected
+    a.close()
+    collector = collector_factory(sqlite_url)
+    eng_b = SyntheticEngine(seed=4, max_token_budget=2048, engine_id="eng", run_id="run-b")
+    b = FakeEngineClient(collector.url, eng_b)
+    b.connect()  # a second run of the id says hello first
+    ack = send_control(collector.url, "eng", {"token_budget": 100}, control_id="c1")
+    assert ack["ok"] is False and b.controls == []
+    a = FakeEngineClient(collector.url, eng_a)
+    a.connect()
+    ack = send_control(collector.url, "eng", {"token_budget": 200}, control_id="c2")
+    assert ack["ok"] is True and eng_a.token_budget == 200 and b.controls == []
+    a.close()
     b.close()
 
 
