@@ -44,7 +44,7 @@ from storage.store import (
     RunInfo,
     SeqHole,
 )
-from storage.writer import Writer
+from storage.writer import DEFAULT_RETRY_DEADLINE, DEFAULT_STALL_AFTER, Writer
 from wire import credentials
 from wire.control import (
     CAP_KEY,
@@ -127,6 +127,12 @@ class CollectorConfig:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     control_timeout: float = 15.0
     hello_timeout: float = DEFAULT_HELLO_TIMEOUT  # a new /ingest connection's time to say hello
+    # how long a hello waits for the store to register its run (then: close 1011, retry)
+    hello_answer_timeout: float = 10.0
+    # the writer's op-by-op retries of a failed batch stop after this many seconds in all
+    store_retry_deadline: float = DEFAULT_RETRY_DEADLINE
+    # /healthz answers 503 once a batch has waited on the store this long
+    store_stall_after: float = DEFAULT_STALL_AFTER
     max_pending_events: int = 200_000
     # an engine id's control route stays with the run that held it this long after that run's
     # connection dropped without a goodbye (and after the collector's start, for the run that
@@ -167,6 +173,13 @@ class CollectorConfig:
             raise ValueError(f"control_timeout must be positive, got {self.control_timeout}")
         if not self.route_grace >= 0:
             raise ValueError(f"route_grace must be 0 or more, got {self.route_grace}")
+        for name in (
+            "hello_answer_timeout",
+            "store_retry_deadline",
+            "store_stall_after",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.hello_timeout > 0:
             raise ValueError(f"hello_timeout must be positive, got {self.hello_timeout}")
         for name in ("max_connections", "max_unidentified", "max_unidentified_per_peer"):
@@ -400,7 +413,12 @@ class Collector:
             left = grace if last is None else min(grace, last + grace - wall)
             if left > 0:
                 self._route_kept[engine_id] = (run_key, run_id, now + left)
-        self._writer = Writer(db, self._on_commit_threadsafe)
+        self._writer = Writer(
+            db,
+            self._on_commit_threadsafe,
+            retry_deadline=self.config.store_retry_deadline,
+            stall_after=self.config.store_stall_after,
+        )
         await asyncio.to_thread(self._writer.start)
         try:
             self._server = await serve(
@@ -478,12 +496,13 @@ class Collector:
     # -- HTTP ---------------------------------------------------------------------------------
 
     def store_problem(self) -> str:
-        """Why the store is not healthy ("" when it is): the writer stopped, or its latest
-        batch failed (until one commits again)."""
+        """Why the store is not healthy ("" when it is): the writer stopped, its latest batch
+        failed (until one commits again), or the batch it is writing has waited on the store
+        over ``store_stall_after`` seconds."""
         writer = self._writer
         if writer is None or not writer.alive:
             return "the writer is not running"
-        return writer.last_error or ""
+        return writer.problem()
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         path, _, query = request.path.partition("?")
@@ -781,13 +800,28 @@ class Collector:
         key = (conn.engine_id, conn.run_id)
         self._hellos_pending[key] = self._hellos_pending.get(key, 0) + 1
         failed: Exception | None = None
+        fut = self._submit(Hello(hello), want_result=True)
+        assert fut is not None
         try:
-            fut = self._submit(Hello(hello), want_result=True)
-            assert fut is not None
-            info: RunInfo = await fut
+            info: RunInfo = await asyncio.wait_for(
+                asyncio.shield(fut), self.config.hello_answer_timeout
+            )
+        except TimeoutError:
+            # The store has not answered: the engine retries. The hello stays queued in the
+            # writer; its late answer must not leave the run marked connected (_late_hello).
+            fut.add_done_callback(lambda f: self._late_hello(key, f))
+            logger.error(
+                "registering run %s/%s: no answer from the store within %g s",
+                conn.engine_id,
+                conn.run_id,
+                self.config.hello_answer_timeout,
+            )
+            await ws.close(CLOSE_STORE_ERROR, "store busy; retry")
+            return
         except Exception as exc:
             failed = exc
-        finally:
+            self._hello_answered(key)
+        else:
             self._hello_answered(key)
         if failed is not None:
             logger.error(
@@ -952,6 +986,15 @@ class Collector:
             self._hellos_pending[key] = n
         else:
             self._hellos_pending.pop(key, None)
+
+    def _late_hello(self, key: tuple[str, str], fut: asyncio.Future[Any]) -> None:
+        """The store answered a hello whose connection gave up waiting: a run it marked
+        connected has no connection, unless a newer one of the run is live or on its way."""
+        self._hello_answered(key)
+        info = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        if isinstance(info, RunInfo) and not info.refused and info.run_key not in self._by_run:
+            self._deferred_disconnect.setdefault(key, info.run_key)
+        self._settle_disconnect(key)
 
     def _settle_disconnect(self, key: tuple[str, str]) -> None:
         """A hello of ``key`` was answered without registering a connection: the Disconnect that

@@ -3,14 +3,17 @@
 Async handlers call ``Writer.submit(op)`` (constant time, never blocks); the thread takes
 everything queued (up to ``max_batch_events`` events), applies it in one transaction
 (``Store.apply``) and reports ``(ops, results, seconds)`` through ``on_commit`` after the commit.
-If a batch fails, each op is retried alone so one bad op cannot take the others down; an op that
+If a batch fails, each op is retried alone so one bad op cannot take the others down, for at most
+``retry_deadline`` seconds in all (an outage fails every op alike, and each try may wait for a
+timeout: the ops not tried by then fail with the batch's exception); an op that
 still fails gets its exception as its result, and so does every later ``Events`` op of the same
 run in that batch (not applied: a run's durable seq never moves past events it failed to store;
 the collector closes that connection and the engine resends from the durable seq). An ``Events``
 op of a later batch that was queued behind the failed one is refused by the store itself
 (``SeqHole`` as its result) for the same reason, even once the fault has cleared. The latest
-outcome is kept for ``/healthz``: ``last_error`` (None once a batch with events commits
-again) and ``alive``.
+outcome is kept for ``/healthz``: ``last_error`` (set as soon as a batch fails, before the
+retries; None once a batch with events commits again), ``alive``, and :meth:`Writer.problem`, which
+also reports a batch that has waited on the store longer than ``stall_after`` seconds.
 
 On SQLite the writer's connection does not checkpoint the WAL itself: a checkpoint copies the
 WAL into the database file and syncs it, which can take a few hundred milliseconds on a slow
@@ -38,6 +41,9 @@ _STOP = object()
 
 CommitCallback = Callable[[list[Any], list[Any], float], None]
 
+DEFAULT_RETRY_DEADLINE = 5.0  # seconds for the op-by-op retries of one failed batch, in all
+DEFAULT_STALL_AFTER = 3.0  # a batch waiting on the store this long is reported
+
 
 class Writer:
     def __init__(
@@ -47,7 +53,12 @@ class Writer:
         *,
         max_batch_events: int = 50_000,
         checkpoint_interval: float = 1.0,
+        retry_deadline: float = DEFAULT_RETRY_DEADLINE,
+        stall_after: float = DEFAULT_STALL_AFTER,
     ) -> None:
+        self.retry_deadline = retry_deadline
+        self.stall_after = stall_after
+        self._busy_since: float | None = None  # monotonic start of the batch being written
         self.db = db
         self._sqlite = db.dialect.name == "sqlite"
         self.store = Store(db, sqlite_autocheckpoint=not self._sqlite)
@@ -63,6 +74,18 @@ class Writer:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def problem(self) -> str:
+        """Why the store is not healthy as the writer sees it ("" when it is): the latest batch
+        failed, or the one being written has waited on the store over ``stall_after`` s."""
+        if self.last_error:
+            return self.last_error
+        since = self._busy_since
+        if since is not None:
+            waited = time.monotonic() - since
+            if waited > self.stall_after:
+                return f"no answer from the store for {waited:.0f} s (a batch waits on it)"
+        return ""
 
     def start(self) -> None:
         n = self.store.startup()
@@ -138,18 +161,37 @@ class Writer:
 
     def _write(self, ops: list[Any]) -> None:
         t0 = time.perf_counter()
+        self._busy_since = time.monotonic()
+        try:
+            self._write_batch(ops, t0)
+        finally:
+            self._busy_since = None
+
+    def _write_batch(self, ops: list[Any], t0: float) -> None:
         try:
             results = self.store.apply(ops)
             if any(isinstance(op, Events) for op in ops):
                 self.last_error = None  # events commit again
         except Exception as batch_exc:
+            self.last_error = f"{type(batch_exc).__name__}: {str(batch_exc)[:200]}"
             logger.exception(
                 "writing a batch of %d operations failed; retrying one by one", len(ops)
             )
             results = []
             failed_runs: dict[int, BaseException] = {}
             n_failed = 0
-            for op in ops:
+            deadline = time.monotonic() + self.retry_deadline
+            for i, op in enumerate(ops):
+                if time.monotonic() > deadline:
+                    left = len(ops) - i
+                    logger.error(
+                        "retrying one by one ran past %g s: %d operation(s) fail untried",
+                        self.retry_deadline,
+                        left,
+                    )
+                    results.extend([batch_exc] * left)
+                    n_failed += left
+                    break
                 run_key = op.run_key if isinstance(op, Events) else None
                 if run_key is not None and run_key in failed_runs:
                     results.append(failed_runs[run_key])  # never past a seq that failed

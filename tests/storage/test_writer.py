@@ -4,6 +4,8 @@ failed to store, and says so for ``/healthz`` (issue 18). Driven directly, no se
 from __future__ import annotations
 
 import sqlite3
+import threading
+import time
 from typing import Any
 
 from sqlalchemy import select
@@ -144,3 +146,38 @@ def _durable(db: Any, run_key: int) -> int:
         return int(
             c.execute(select(schema.runs.c.last_seq).where(schema.runs.c.id == run_key)).scalar()
         )
+
+
+def test_an_outage_fails_a_batch_within_the_retry_deadline_and_shows_at_once(
+    sqlite_url: str,
+) -> None:
+    """A store that answers every statement only after a long wait (a network partition: each
+    connect waits for its timeout) fails a batch of many operations within the retry deadline,
+    not one wait per operation, and the outage is reported while the retries still run."""
+    db = dbm.connect(sqlite_url)
+    dbm.migrate(db)
+    commits: list[tuple[list[Any], list[Any]]] = []
+    writer = Writer(db, lambda ops, results, _s: commits.append((ops, results)))
+    writer.retry_deadline = 1.0
+    seen_during_retry: list[str | None] = []
+
+    def apply(ops: list[Any]) -> list[Any]:
+        if len(ops) == 1:
+            seen_during_retry.append(writer.last_error)
+        time.sleep(0.4)
+        raise OSError("could not connect: timeout expired")
+
+    writer.store.apply = apply  # type: ignore[method-assign]
+    ops = [Hello(SyntheticEngine(engine_id=f"e{i}", run_id="r", seed=i).hello()) for i in range(40)]
+    t0 = time.monotonic()
+    done = threading.Thread(target=writer._write, args=(ops,), daemon=True)
+    done.start()
+    done.join(10)
+    assert not done.is_alive(), "the retries ran past 10 s (40 operations x 0.4 s)"
+    assert time.monotonic() - t0 < 3.0
+    [(_, results)] = commits
+    assert len(results) == len(ops) and all(isinstance(r, Exception) for r in results)
+    assert seen_during_retry and all(e and "timeout expired" in e for e in seen_during_retry)
+    assert writer.last_error is not None
+    writer.store.close()
+    db.dispose()
