@@ -104,6 +104,7 @@ class Publisher:
         max_batch_events: int = 512,
         linger_s: float = 0.1,
         max_frame_bytes: int = 1 << 20,
+        max_event_bytes: int | None = None,
         max_inflight_events: int = 8192,
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 3.0,
@@ -133,6 +134,10 @@ class Publisher:
         self.max_batch_events = max_batch_events
         self.linger_s = linger_s
         self.max_frame_bytes = max_frame_bytes
+        # one event larger than this is sent as an "unencodable" placeholder saying why (the
+        # store records it as a gap): resent whole, it would be refused on every reconnect
+        self.max_event_bytes = max_event_bytes or max_frame_bytes
+        self._oversized = 0
         self.max_inflight_events = max_inflight_events
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
@@ -488,10 +493,33 @@ class Publisher:
             return list(session.carry)
         session.carry.clear()
         taken = self.buffer.take(session.cursor, self.max_batch_events, arm=arm)
-        return [
-            (seq, item if isinstance(item, str) else encode_or_placeholder(seq, item))
-            for seq, item in taken
-        ]
+        limit = self.max_event_bytes
+        out = []
+        for seq, item in taken:
+            text = item if isinstance(item, str) else encode_or_placeholder(seq, item)
+            if len(text) > limit >> 2 and (len(text) > limit or len(text.encode()) > limit):
+                text = self._oversized_placeholder(seq, text)
+            out.append((seq, text))
+        return out
+
+    def _oversized_placeholder(self, seq: int, text: str) -> str:
+        """The ``unencodable`` event sent in place of one over ``max_event_bytes``."""
+        size = len(text.encode())
+        self._oversized += 1
+        if self._oversized & (self._oversized - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...
+            logger.error(
+                "telemetry: event seq %d is %d bytes, over the %d-byte limit of one event: sent "
+                "as a placeholder the collector stores as a gap (%d such event(s) so far)",
+                seq,
+                size,
+                self.max_event_bytes,
+                self._oversized,
+            )
+        reason = (
+            f"an event of {size} bytes, over the publisher's limit of {self.max_event_bytes} "
+            "bytes for one event (a client-chosen request id of that size?)"
+        )
+        return json.dumps({"type": "unencodable", "seq": seq, "reason": reason})
 
     def _declare_lost(self, first: int) -> tuple[str, int] | None:
         """A frame of one ``gap`` event declaring ``first`` up to the seq before the lowest held

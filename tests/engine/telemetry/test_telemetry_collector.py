@@ -244,3 +244,34 @@ def test_a_store_fault_that_clears_behind_queued_frames_loses_nothing(
         finally:
             pub.close(timeout=1)
     assert stored_seqs(db_url, "eng-fault", "run-fault-1") == list(range(1, syn.seq + 1))
+
+
+def test_an_event_over_the_frame_limit_becomes_a_gap_and_the_stream_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A client-chosen request id of several MB (the vLLM bridge passes it on) makes one event
+    larger than any frame the collector takes: it is stored as a gap that says why, and every
+    later event still arrives."""
+    db_url = f"sqlite:///{tmp_path / 'big.db'}"
+    syn = SyntheticEngine(engine_id="eng-big", run_id="run-big-1", seed=8)
+    before, after = syn.steps(3), syn.steps(3)
+    with collector_in_thread(db_url) as collector:
+        pub = _publisher(collector.url, syn).start()
+        try:
+            for ev in before:
+                pub.publish({k: v for k, v in ev.items() if k != "seq"})
+            big = {"type": "request", "kind": "arrived", "request_id": "x" * (5 << 20),
+                   "time_ns": 1}  # fmt: skip
+            pub.publish(big)
+            for ev in after:
+                pub.publish({k: v for k, v in ev.items() if k != "seq"})
+            assert pub.wait_acked(timeout=8), pub.stats()
+            assert pub.stats().acked_seq == len(before) + 1 + len(after)
+        finally:
+            pub.close(timeout=2)
+    db = connect(db_url, readonly=True)
+    [gap] = queries.gaps(db, engine_id="eng-big").itertuples()
+    assert gap.seq == len(before) + 1 and gap.num_events_lost == 1
+    assert "bytes" in gap.reason and "limit" in gap.reason
+    n_steps = sum(ev["type"] == "step" for ev in before + after)
+    assert len(queries.steps(db, engine_id="eng-big")) == n_steps
