@@ -548,34 +548,31 @@ class Collector:
 
     def _admit(self, connection: ServerConnection, kind: str) -> Response | None:
         """Count a new connection against the limits (None: admitted), or the 503 that refuses
-        it. /control may take every slot but the ones kept for /ingest with a credential, and
-        such an /ingest connection every slot but the ones kept for /control; one without a
-        credential yet takes a slot of its own small pool only while both reserves stay free."""
+        it. Two invariants keep the reserves: /control and connections without a credential yet
+        together leave ``reserved`` slots to /ingest connections with one, and those together
+        with the ones without a credential leave as many to /control; the ones without a
+        credential also have their own small pool, and a share of it per peer address."""
         cfg = self.config
-        total, reserved = self._n_conns, cfg.reserved
+        n, reserved = cfg.max_connections, cfg.reserved
+        total, control, unidentified = self._n_conns, self._n_control, self._n_unidentified
+        engines = total - control - unidentified  # /ingest with a credential
         peer = _peer(connection)
-        if kind == "control":
-            why = (
-                ""
-                if total < cfg.max_connections
-                and self._n_control < (cfg.max_connections - reserved)
-                else f"too many connections (at most {cfg.max_connections})"
-            )
+        full = f"too many connections (at most {n})"
+        if total >= n:
+            why = full
+        elif kind == "control":
+            why = "" if control + unidentified < n - reserved else full
         elif kind == "ingest":
-            why = (
-                ""
-                if total < cfg.max_connections - reserved
-                else (f"too many connections (at most {cfg.max_connections})")
-            )
-        elif self._n_unidentified >= cfg.max_unidentified:
+            why = "" if engines + unidentified < n - reserved else full
+        elif unidentified >= cfg.max_unidentified:
             why = f"too many connections without a hello yet (at most {cfg.max_unidentified})"
         elif self._unidentified_by_peer.get(peer, 0) >= cfg.max_unidentified_per_peer:
             why = (
                 "too many connections without a hello yet from this address (at most "
                 f"{cfg.max_unidentified_per_peer})"
             )
-        elif total >= cfg.max_connections - 2 * reserved:
-            why = f"too many connections (at most {cfg.max_connections})"
+        elif control + unidentified >= n - reserved or engines + unidentified >= n - reserved:
+            why = full
         else:
             why = ""
         if why:

@@ -280,3 +280,47 @@ def test_connections_are_capped_and_healthz_still_answers(
         first.close()
         wait_until(lambda: collector._n_conns < 2, what="a slot freed")
         assert list_engines(collector.url) == []  # a slot is free again
+
+
+def test_the_kept_slots_hold_for_control_and_for_engines(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    from contextlib import ExitStack
+
+    from websockets.exceptions import InvalidStatus
+
+    collector = collector_factory(
+        sqlite_url, max_connections=16, publish_token="pub", control_token="ctl"
+    )
+    auth = {"Authorization": "Bearer ctl"}
+    assert collector.config.reserved == 2
+
+    def refused(path: str, headers: dict[str, str] | None = None) -> bool:
+        try:
+            with connect(collector.url + path, open_timeout=5, proxy=None,
+                         additional_headers=headers):  # fmt: skip
+                return False
+        except InvalidStatus as exc:
+            assert exc.response.status_code == 503
+            return True
+
+    with ExitStack() as stack:
+        for _ in range(14):
+            stack.enter_context(
+                connect(
+                    collector.url + "/control", open_timeout=5, proxy=None, additional_headers=auth
+                )
+            )
+        assert refused("/control", auth)  # the last two slots are the engines'
+        assert refused("/ingest")  # not for a connection without a credential
+        eng = SyntheticEngine(seed=3, max_token_budget=2048, engine_id="eng", run_id="run-a")
+        ws = stack.enter_context(
+            connect(
+                collector.url + "/ingest",
+                open_timeout=5,
+                proxy=None,
+                additional_headers={"Authorization": "Bearer pub"},
+            )
+        )
+        ws.send(json.dumps(eng.hello("pub")))
+        assert json.loads(ws.recv(timeout=5))["type"] == "ack"
