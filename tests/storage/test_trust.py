@@ -324,3 +324,51 @@ def test_the_kept_slots_hold_for_control_and_for_engines(
         )
         ws.send(json.dumps(eng.hello("pub")))
         assert json.loads(ws.recv(timeout=5))["type"] == "ack"
+
+
+def _upgrade(port: int, source: str, headers: str = "") -> tuple[Any, bytes]:
+    """A WebSocket upgrade to /ingest from ``source`` that then says nothing: the socket and the
+    collector's answer's status line."""
+    import socket
+
+    s = socket.socket()
+    s.settimeout(5)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    s.sendall(
+        (
+            f"GET /ingest HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+            "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            f"Sec-WebSocket-Version: 13\r\n{headers}\r\n"
+        ).encode()
+    )
+    return s, s.recv(4096).split(b"\r\n", 1)[0]
+
+
+def test_connections_without_a_hello_are_few_per_address_and_brief(
+    collector_factory: Any, sqlite_url: str
+) -> None:
+    collector = collector_factory(sqlite_url, hello_timeout=1.0, publish_token="pub")
+    socks = []
+    try:
+        for _ in range(8):
+            s, status = _upgrade(collector.port, "127.0.0.2")
+            socks.append(s)
+            assert b" 101 " in status
+        s, status = _upgrade(collector.port, "127.0.0.2")
+        socks.append(s)
+        assert b" 503 " in status  # a ninth from the same address
+        s, status = _upgrade(collector.port, "127.0.0.3")
+        socks.append(s)
+        assert b" 101 " in status  # another address still gets in
+        s, status = _upgrade(collector.port, "127.0.0.3", "Authorization: Bearer wrong\r\n")
+        socks.append(s)
+        assert b" 401 " in status
+        # silent ones are closed after the hello timeout and their slots freed
+        wait_until(lambda: collector._n_unidentified == 0, timeout=5, what="idle ones closed")
+        s, status = _upgrade(collector.port, "127.0.0.2")
+        socks.append(s)
+        assert b" 101 " in status
+    finally:
+        for s in socks:
+            s.close()
