@@ -61,7 +61,7 @@ from wire.credentials import EngineCredentials
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8765
-# The publisher sends at most 1 MiB per frame (a single larger event alone): 4 MiB leaves room.
+# The publisher sends at most 1 MiB per frame (a larger event as a placeholder): 4 MiB is room.
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_CONNECTIONS = 256
 # Connections to /ingest that have not yet shown a credential (a valid publish token in the
