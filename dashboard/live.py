@@ -4,7 +4,7 @@ Steps are read per run with ``after_step`` (exact: steps of one run are stored i
 Inter-token latencies are read with ``after_time`` a little before the newest time already held
 (``overlap_s``) and de-duplicated on (engine, run, request, k): with several engines, one engine's
 batch can land after another's later tokens. No Streamlit here: the page keeps one
-:class:`LiveWindow` per browser session and calls :meth:`LiveWindow.refresh` once a second.
+:class:`LiveWindow` per browser session and calls :meth:`LiveWindow.refresh` at each redraw.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class RefreshPace:
         return True
 
 
-DRAW_STEPS = 1500  # the most steps a Live chart draws (about one per pixel column)
+DRAW_STEPS = 600  # the most steps a Live chart draws (about one per pixel column)
 
 
 def coarsen_steps(steps: pd.DataFrame | None, max_steps: int = DRAW_STEPS) -> pd.DataFrame | None:
@@ -189,7 +189,7 @@ def coarsen_steps(steps: pd.DataFrame | None, max_steps: int = DRAW_STEPS) -> pd
     ``max_steps`` merge into one row per slice (first start, last end, the largest token counts,
     duration, queue and KV use of the slice), so every tall step still shows, while a step as
     wide as a slice or wider stays as it is. A minute of fast steps is tens of thousands of rows:
-    drawn as they are, each redraw would ship megabytes to the browser every second."""
+    drawn as they are, each redraw would ship megabytes to the browser."""
     if steps is None or len(steps) <= max_steps or max_steps < 1:
         return steps
     start = steps["start"].to_numpy(dtype="float64")

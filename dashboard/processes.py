@@ -65,6 +65,24 @@ def _die_with_parent(parent: int, nice: int = 0) -> None:  # in the child, betwe
     os.setsid()
 
 
+PAGE_NICE = 5  # how much nicer than the engine the dashboard's page runs are
+
+
+def yield_cpu(nice: int = PAGE_NICE) -> None:
+    """Make the calling thread (a Streamlit page or fragment run) ``nice`` nicer, once: on
+    Linux nice is per thread, so the dashboard's redraws give way to the engine it measures on a
+    small machine while its web server thread keeps answering clicks. Elsewhere nothing."""
+    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    tid = threading.get_native_id()
+    try:
+        want = os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice  # the main thread's, + nice
+        if os.getpriority(os.PRIO_PROCESS, tid) < want:
+            os.setpriority(os.PRIO_PROCESS, tid, want)
+    except OSError:
+        pass
+
+
 class _Spawner:
     """One daemon thread that lives as long as the process and does every fork."""
 

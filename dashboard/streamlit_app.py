@@ -11,11 +11,13 @@ from pathlib import Path
 import streamlit as st
 
 from dashboard import ui
+from dashboard.processes import yield_cpu
 from dashboard.settings import bind_refusal
 
 HERE = Path(__file__).resolve().parent
 
 st.set_page_config(page_title="chunkscope", layout="wide")
+yield_cpu()
 
 try:
     settings = ui.settings()

@@ -17,6 +17,7 @@ import streamlit as st
 
 from dashboard import control, data
 from dashboard.autopilot import AutopilotSwitch
+from dashboard.processes import yield_cpu
 from dashboard.services import (
     DEFAULT_DURATION_S,
     PROFILES,
@@ -276,6 +277,7 @@ def _status_panel() -> None:
 
 @st.fragment(run_every=SIDEBAR_REFRESH_S)
 def _traffic_panel() -> None:
+    yield_cpu()
     s = settings()
     stk = stack(s, repr(s))
     lch = launcher(str(s.data_dir))

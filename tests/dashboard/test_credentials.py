@@ -26,7 +26,7 @@ class _Recorder:
 
     started: list[tuple[str, dict[str, Any]]] = []
 
-    def __init__(self, name: str, argv: list[str], log: Path) -> None:
+    def __init__(self, name: str, argv: list[str], log: Path, nice: int = 0) -> None:
         self.name, self.argv = name, argv
 
     def start(self, env: dict[str, Any] | None = None) -> _Recorder:

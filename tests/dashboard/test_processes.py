@@ -160,3 +160,23 @@ def test_an_instrument_runs_nicer_than_the_dashboard(tmp_path: Path) -> None:
         assert f"nice {os.nice(0) + 5}" in (tmp_path / "l.log").read_text()
     finally:
         p.stop()
+
+
+def test_a_page_run_yields_the_cpu_in_its_own_thread_only() -> None:
+    import threading
+
+    from dashboard.processes import PAGE_NICE, yield_cpu
+
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    seen: dict[str, int] = {}
+
+    def page_run() -> None:
+        yield_cpu()
+        yield_cpu()  # once: a second call does not add to it
+        seen["page"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    t = threading.Thread(target=page_run)
+    t.start()
+    t.join(10)
+    assert seen["page"] == base + PAGE_NICE
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # this one kept
