@@ -339,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = page.get_by_test_id("stSidebar").get_by_text(re.compile(r"Engine: http"))
         expect(engine).to_be_visible(timeout=300_000)
         story = Story(page, storage_db.connect(args.db, readonly=True), shots)
-        for i in range(args.runs):
-            for profile in profiles:
+        for profile in profiles:  # each profile's runs in a row
+            for i in range(args.runs):
                 try:
                     res = story.run(profile, tag=f"_{i + 1}").as_dict()
                 except Exception as exc:  # noqa: BLE001 - a failed run is a result too
