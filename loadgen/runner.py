@@ -177,6 +177,16 @@ async def execute(
     tick = asyncio.create_task(ticker())
     plan_sent = asyncio.Event()
 
+    def prepared(spec: RequestSpec, rec: RequestRecord) -> Prepared | None:
+        """The request's body, or None once its record says why it could not be built."""
+        try:
+            return prepare(spec, cfg, tokens)
+        except Exception as exc:  # noqa: BLE001 - record and go on
+            rec.fail(f"client error: could not build request: {type(exc).__name__}: {exc}")
+            counts["done"] += 1
+            counts["errors"] += 1
+            return None
+
     async def user_loop(user: int) -> None:
         assert users is not None
         for pause, spec in users.turns(user):
@@ -191,12 +201,8 @@ async def execute(
             spec.index = len(specs) + len(user_records)
             rec = new_record(spec)
             user_records.append(rec)
-            try:
-                prep = prepare(spec, cfg, tokens)
-            except Exception as exc:  # noqa: BLE001 - record and go on
-                rec.fail(f"client error: could not build request: {type(exc).__name__}: {exc}")
-                counts["done"] += 1
-                counts["errors"] += 1
+            prep = prepared(spec, rec)
+            if prep is None:
                 continue
             counts["sent"] += 1
             sent_at.append(now)
@@ -214,12 +220,8 @@ async def execute(
             for user in range(users.count if users is not None else 0):
                 user_tasks.append(asyncio.create_task(user_loop(user)))
             for spec, rec in zip(specs, records, strict=True):
-                try:
-                    prep = prepare(spec, cfg, tokens)
-                except Exception as exc:  # noqa: BLE001 - record and go on
-                    rec.fail(f"client error: could not build request: {type(exc).__name__}: {exc}")
-                    counts["done"] += 1
-                    counts["errors"] += 1
+                prep = prepared(spec, rec)
+                if prep is None:
                     continue
                 delay = t0 + spec.offset_s - time.perf_counter()
                 if delay > 0:

@@ -174,35 +174,26 @@ if stall_specs is not None and ctx.engine_id and ctx.run_id:
             )
             for line in story.detail_lines(sa, sb, what, ttft):
                 st.markdown(line)
-            m1, m2, m3, m4 = st.columns(4)
-            m1.metric(
-                "Worst stall (ms)",
-                story.ms_value(sb.stall_max_ms),
-                story.times(sa.stall_max_ms, sb.stall_max_ms) or None,
-                delta_color=story.delta_color(sa.stall_max_ms, sb.stall_max_ms),
-                delta_arrow=story.delta_arrow(sa.stall_max_ms, sb.stall_max_ms),
-                help=f"before: {story.ms_value(sa.stall_max_ms)} ms",
-            )
-            m2.metric(
-                "Stall p99.9 (ms)",
-                story.ms_value(sb.stall_p999_ms),
-                story.times(sa.stall_p999_ms, sb.stall_p999_ms) or None,
-                delta_color=story.delta_color(sa.stall_p999_ms, sb.stall_p999_ms),
-                delta_arrow=story.delta_arrow(sa.stall_p999_ms, sb.stall_p999_ms),
-                help=f"before: {story.ms_value(sa.stall_p999_ms)} ms",
-            )
-            m3.metric(
+            cols = st.columns(4)
+            figures = [
+                ("Worst stall (ms)", sa.stall_max_ms, sb.stall_max_ms, ""),
+                ("Stall p99.9 (ms)", sa.stall_p999_ms, sb.stall_p999_ms, ""),
+                ("Long-prompt TTFT p50 (ms)", sa.long_ttft_p50_ms, sb.long_ttft_p50_ms,
+                 " (the cost of chunking)"),
+            ]  # fmt: skip
+            for col, (label, before, after, note) in zip(cols[:2] + cols[3:], figures, strict=True):
+                col.metric(
+                    label,
+                    story.ms_value(after),
+                    story.times(before, after) or None,
+                    delta_color=story.delta_color(before, after),
+                    delta_arrow=story.delta_arrow(before, after),
+                    help=f"before: {story.ms_value(before)} ms{note}",
+                )
+            cols[2].metric(
                 "Long prompts that stalled streams",
                 f"{sa.long_met} → {sb.long_met}",
                 help="long prompts or images whose prefill lay inside a stream's gap",
-            )
-            m4.metric(
-                "Long-prompt TTFT p50 (ms)",
-                story.ms_value(sb.long_ttft_p50_ms),
-                story.times(sa.long_ttft_p50_ms, sb.long_ttft_p50_ms) or None,
-                delta_color=story.delta_color(sa.long_ttft_p50_ms, sb.long_ttft_p50_ms),
-                delta_arrow=story.delta_arrow(sa.long_ttft_p50_ms, sb.long_ttft_p50_ms),
-                help=f"before: {story.ms_value(sa.long_ttft_p50_ms)} ms (the cost of chunking)",
             )
 table = charts.compare_table(a, b, traffic_class=cls)
 st.caption(
