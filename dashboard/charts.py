@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TypeGuard
 
 import numpy as np
 import pandas as pd
@@ -107,7 +108,7 @@ def control_marker_times(
     return pd.DataFrame(out, columns=cols)
 
 
-def _is_number(v: object) -> bool:
+def _is_number(v: object) -> TypeGuard[float]:
     return isinstance(v, int | float) and not isinstance(v, bool) and not math.isnan(float(v))
 
 

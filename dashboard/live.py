@@ -91,7 +91,7 @@ class LiveWindow:
         itl = self._only_selected(itl)
         if not itl.empty:
             held = self.itl is not None and not self.itl.empty
-            before = len(self.itl) if held else 0
+            before = len(self.itl) if self.itl is not None and held else 0
             merged = pd.concat([self.itl, itl], ignore_index=True) if held else itl
             self.itl = merged.drop_duplicates(subset=ITL_KEY, keep="first").reset_index(drop=True)
             new_rows += len(self.itl) - before

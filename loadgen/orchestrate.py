@@ -39,7 +39,9 @@ def plan(
     streams beside the profile's own requests."""
     if traffic.trace:
         limit = traffic.num_requests
-        trace = load_trace(traffic.trace, traffic.trace_format, traffic.time_scale, limit=limit)
+        trace = load_trace(
+            traffic.trace, traffic.trace_format or "auto", traffic.time_scale, limit=limit
+        )
         specs = trace_specs(
             trace,
             ctx,

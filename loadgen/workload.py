@@ -7,7 +7,7 @@ Arrivals and lengths use separate random streams per class, so changing the rate
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,10 +96,13 @@ def rag_specs(
     p: RagProfile, times: np.ndarray, rng: np.random.Generator, ctx: int
 ) -> list[RequestSpec]:
     n = p.num_documents
+    doc_lens: np.ndarray
     if p.doc_tokens > 0:
         doc_lens = np.full(n, p.doc_tokens, dtype=np.int64)
     else:
-        doc_lens = LogNormal(p.doc_median, p.doc_p90, p.doc_min, p.doc_max).sample(rng, n)
+        doc_lens = np.asarray(
+            LogNormal(p.doc_median, p.doc_p90, p.doc_min, p.doc_max).sample(rng, n)
+        )
     weights = 1.0 / np.arange(1, n + 1) ** p.doc_zipf
     weights /= weights.sum()
     q_dist = LogNormal(p.question_median, p.question_p90, p.question_min, p.question_max)
@@ -248,7 +251,10 @@ def build_plan(profiles: Profiles, o: PlanOptions) -> list[RequestSpec]:
             specs += vlm_specs(prof, times, len_rng, o.max_model_len, sids)
             continue
         times = _times(prof, share, o, arr_rng)
-        builder = {"chat": chat_specs, "rag": rag_specs, "vlm": vlm_specs}[cls]
+        builders: dict[str, Callable[..., list[RequestSpec]]] = {
+            "chat": chat_specs, "rag": rag_specs, "vlm": vlm_specs
+        }  # fmt: skip
+        builder = builders[cls]
         specs += builder(prof, times, len_rng, o.max_model_len)
     if o.background_chat > 0:
         specs += background_chat_specs(profiles.chat, o)

@@ -15,6 +15,8 @@ if ctx.empty:
     ui.empty_store_help(ctx)
     st.stop()
 stall_specs: tuple[tuple[float, float], tuple[float, float]] | None = None
+# (engine id, run id, since, until) of A and B
+specs: list[tuple[str | None, str | None, float | None, float | None]]
 mode = st.radio(
     "Compare",
     ["Before / after a budget change", "Two windows", "Two runs", "Two engines"],

@@ -23,9 +23,9 @@ factor = c2.number_input("Stall: ITL above x median", min_value=1.1, value=3.0, 
 floor = c3.number_input("and above (ms)", min_value=0.0, value=100.0, step=10.0)
 
 
-pace = st.session_state.get("live_pace")
-if not isinstance(pace, RefreshPace):
-    pace = st.session_state["live_pace"] = RefreshPace(base_s=REFRESH_S)
+held = st.session_state.get("live_pace")
+pace: RefreshPace = held if isinstance(held, RefreshPace) else RefreshPace(base_s=REFRESH_S)
+st.session_state["live_pace"] = pace
 
 
 def live_view() -> None:
