@@ -158,12 +158,14 @@ def change_line(label: str, t: float, before: StallWindow, after: StallWindow) -
     prefill) in the windows either side: how many and how tall the worst."""
 
     def side(w: StallWindow) -> str:
+        span = f"{w.hi - w.lo:.0f} s"
         if not w.met:
-            return f"no stall in {w.hi - w.lo:.0f} s"
-        return f"{w.stalls} stall(s) in {w.hi - w.lo:.0f} s, worst {_fmt_ms(w.stall_max_ms)}"
+            return f"none in {span}"
+        return f"{w.stalls} in {span}, the worst {_fmt_ms(w.stall_max_ms)}"
 
     word = times(before.stall_max_ms, after.stall_max_ms) if before.met and after.met else ""
     when = time.strftime("%H:%M:%S", time.gmtime(t))
-    return f"**{label}** at {when} UTC · before: {side(before)} · after: {side(after)}" + (
-        f" · **worst stall {word}**" if word else ""
+    return (
+        f"**{label}** at {when} UTC · chat gaps across a long prefill, before: {side(before)}"
+        f" · after: {side(after)}" + (f" · **the worst {word}**" if word else "")
     )

@@ -85,8 +85,8 @@ def test_live_page_draws_every_chart_with_the_budget_change(
     assert set(summary["traffic_class"]) == {"chat", "rag", "all"}
     # one line says what the change did: the stalls either side, and the worst one's height
     line = next(m for m in _texts(at, "markdown") if "budget 2048 → 128 @ step 120" in m)
-    assert "before: 8 stall(s)" in line and "worst 255 ms" in line
-    assert "worst 20 ms" in line and "**worst stall 13.0x shorter**" in line
+    assert "chat gaps across a long prefill, before: 8 in 1 s, the worst 255 ms" in line
+    assert "the worst 20 ms" in line and "**the worst 13.0x shorter**" in line
 
 
 def test_all_engines_shows_every_run(
