@@ -1,8 +1,9 @@
 """The collector's ingest rules, without I/O: what to do with a hello and with each frame.
 
-The socket layer (``storage/collector.py``) feeds parsed frames in and carries the verdict out
-(store the accepted events, send an error, close with a code); the rules here read no socket,
-no store and no clock, so they are unit-tested without a server (``tests/storage/test_ingest.py``).
+The socket layer (``storage/collector_ingest.py``) feeds parsed frames in and carries the
+verdict out (store the accepted events, send an error, close with a code); the rules here read
+no socket, no store and no clock, so they are unit-tested without a server
+(``tests/storage/test_ingest.py``).
 Rules (docs/telemetry.md): the first frame is a hello of this schema; after it, ``events`` frames
 whose seqs increase; a seq below the expected one is a duplicate (dropped, counted); a seq above
 it is a gap, unless a ``gap`` event declares the seqs lost; ``control_ack`` frames answer relayed
