@@ -699,13 +699,40 @@ class Autopilot:
         """One tick. ``load`` is the look-back window's load (``advisor.overload``): from an
         overloaded window only a move toward more prefill per step is made (step 6 of the
         module docstring); the sweep and the advisor recommend nothing from one."""
+        held = self._held_for_data(now, traffic)
+        if held is not None:
+            return held
+        if isinstance(fit, str):
+            return self._keep(
+                "refuse", f"autopilot holds {self.current.label()}: too little data ({fit})"
+            )
+        overloaded = load.reason() if load is not None and load.overloaded else None
+        held = self._held_for_fit(fit)
+        if held is not None:
+            return held
+        self._ticks += 1
+        probe = self.probe_tokens(shape)
+        preds = self._predict(fit, traffic, shape, probe, overloaded=overloaded is not None)
+        by = {p.setting: p for p in preds}
+        here = by[self.current]
+        n = len(traffic.requests)
+        if overloaded is not None:
+            return self._overloaded(now, overloaded, preds, here, n)
+        parted = self._parting(now, observed, by, preds)
+        if parted is not None:
+            return parted
+        return self._move_or_hold(now, fit, preds, here, n, probe)
+
+    def _keep(self, kind: str, reason: str, **kw: Any) -> Decision:
+        """A decision of ``kind`` that keeps the current setting."""
+        return Decision(kind, self.current, self.current, reason, **kw)
+
+    def _held_for_data(self, now: float, traffic: Traffic) -> Decision | None:
+        """Step 1 (and step 3's hold): hold while a fallback lasts, or on too few requests in
+        the look-back; None to go on."""
         cfg, cur = self.config, self.current
-
-        def keep(kind: str, reason: str, **kw: Any) -> Decision:
-            return Decision(kind, cur, cur, reason, **kw)
-
         if self._fallback_until is not None and now < self._fallback_until:
-            return keep(
+            return self._keep(
                 "fallback",
                 f"autopilot holds {cur.label()} (the operator's setting) after predictions and "
                 f"observations parted; resumes in {self._fallback_until - now:.0f} s",
@@ -714,47 +741,71 @@ class Autopilot:
         n = len(traffic.requests)
         if n < cfg.min_requests:
             self._beaten_ticks = 0
-            return keep(
+            return self._keep(
                 "refuse",
                 f"autopilot holds {cur.label()}: too little data ({n} requests in the last "
                 f"{traffic.duration_s:.0f} s, needs {cfg.min_requests})",
             )
-        if isinstance(fit, str):
-            return keep("refuse", f"autopilot holds {cur.label()}: too little data ({fit})")
-        overloaded = load.reason() if load is not None and load.overloaded else None
+        return None
+
+    def _held_for_fit(self, fit: FitReport) -> Decision | None:
+        """Step 1: refuse on a fit over too few steps, or a poor one; None to go on."""
+        cfg, cur = self.config, self.current
         if fit.num_steps < cfg.min_steps:
-            return keep(
+            return self._keep(
                 "refuse",
                 f"autopilot holds {cur.label()}: too little data (fit on {fit.num_steps} steps, "
                 f"needs {cfg.min_steps})",
             )
         err, r2 = fit.model.rel_err_p50, fit.model.r2
         if err > cfg.max_fit_err or r2 < cfg.min_fit_r2:
-            return keep(
+            return self._keep(
                 "refuse",
                 f"autopilot holds {cur.label()}: poor fit of the step-cost model (relative "
                 f"error p50 {err:.0%}, R^2 {r2:.2f}; needs <= {cfg.max_fit_err:.0%} and >= "
                 f"{cfg.min_fit_r2:.2f})",
             )
-        self._ticks += 1
+        return None
+
+    def _predict(
+        self,
+        fit: FitReport,
+        traffic: Traffic,
+        shape: EngineShape,
+        probe: int,
+        *,
+        overloaded: bool,
+    ) -> list[Prediction]:
+        """Step 2 (and step 5's probe): the predictions for the candidates worth simulating,
+        the current setting always among them."""
+        cfg, cur = self.config, self.current
         # from an overloaded window only a move to more prefill per step can be made (step 6):
         # the settings that prefill less are not simulated. They are the costly ones (more
         # steps for the same queue), and a tick in a burst takes its CPU from the engine
         pool = (
             [c for c in cfg.candidates if c.side_of(cur) >= 0]
-            if overloaded is not None
+            if overloaded
             else list(cfg.candidates)
         )
         if cur not in pool:
             pool.append(cur)
         preds = predict_settings(fit, traffic, shape, pool, self.slo, seed=cfg.seed + self._ticks)
-        probe = self.probe_tokens(shape)
         if probe:
             preds = _with_probe(preds, fit, probe, _stream_context(traffic), self.slo)
-        by = {p.setting: p for p in preds}
+        return preds
+
+    def _parting(
+        self,
+        now: float,
+        observed: Observed | None,
+        by: dict[Setting, Prediction],
+        preds: list[Prediction],
+    ) -> Decision | None:
+        """Step 3: fall back to the operator's setting (or, already there, refuse) once the
+        prediction for the running setting and the observation have parted long enough; None
+        to go on."""
+        cfg, cur = self.config, self.current
         here = by[cur]
-        if overloaded is not None:
-            return self._overloaded(now, overloaded, preds, here, n)
         steady = observed is not None and observed.steady
         parted = _parted(here, observed, cfg, self.slo) if steady and observed else None
         self._parted_ticks = self._parted_ticks + 1 if parted else 0
@@ -763,32 +814,83 @@ class Autopilot:
         elif self._parted_since is None:
             self._parted_since = now
         span = now - self._parted_since if self._parted_since is not None else 0.0
-        if parted and self._parted_ticks >= cfg.part_ticks and span >= cfg.part_span_s:
-            self._parted_ticks = 0
-            self._parted_since = None
-            self._beaten_ticks = 0
-            if cur != cfg.start:
-                self._fallback_until = now + cfg.fallback_hold_s
-                back = by[cfg.start]
-                return Decision(
-                    "fallback",
-                    cfg.start,
-                    cur,
-                    f"autopilot falls back to the operator's {cfg.start.label()}: predictions "
-                    f"and observations parted ({parted}) for {cfg.part_ticks} ticks over "
-                    f"{span:.0f} s; "
-                    f"predicted {back.brief()}; left {cur.label()}: predicted {here.brief()}",
-                    chosen=back,
-                    left=here,
-                    predictions=tuple(preds),
-                )
-            return keep(
-                "refuse",
-                f"autopilot holds {cur.label()} (the operator's setting): predictions and "
-                f"observations part ({parted})",
+        if not (parted and self._parted_ticks >= cfg.part_ticks and span >= cfg.part_span_s):
+            return None
+        self._parted_ticks = 0
+        self._parted_since = None
+        self._beaten_ticks = 0
+        if cur != cfg.start:
+            self._fallback_until = now + cfg.fallback_hold_s
+            back = by[cfg.start]
+            return Decision(
+                "fallback",
+                cfg.start,
+                cur,
+                f"autopilot falls back to the operator's {cfg.start.label()}: predictions "
+                f"and observations parted ({parted}) for {cfg.part_ticks} ticks over "
+                f"{span:.0f} s; "
+                f"predicted {back.brief()}; left {cur.label()}: predicted {here.brief()}",
+                chosen=back,
                 left=here,
                 predictions=tuple(preds),
             )
+        return self._keep(
+            "refuse",
+            f"autopilot holds {cur.label()} (the operator's setting): predictions and "
+            f"observations part ({parted})",
+            left=here,
+            predictions=tuple(preds),
+        )
+
+    def _move_or_hold(
+        self,
+        now: float,
+        fit: FitReport,
+        preds: list[Prediction],
+        here: Prediction,
+        n: int,
+        probe: int,
+    ) -> Decision:
+        """Step 4's hysteresis: move to the pick once it has beaten the current setting long
+        enough and the dwell is over, else hold."""
+        cfg, cur = self.config, self.current
+        best, readying, gains = self._pick(preds, here, n)
+        margin, gain, _, enough = gains
+        confirm = 1 if gain >= cfg.fast_margins * margin else cfg.confirm
+        beaten = best.setting != cur and enough
+        side = best.setting.side_of(cur) if beaten else 0
+        if beaten and side == self._beaten_side:
+            self._beaten_ticks += 1
+        else:
+            self._beaten_ticks, self._beaten_side = int(beaten), side
+        dwell = self._dwelt(now)
+        if beaten and self._beaten_ticks >= confirm and dwell:
+            self._beaten_ticks = 0
+            why = self._change_why(fit, best, here, n, probe, readying=readying, gains=gains)
+            return Decision(
+                "change",
+                best.setting,
+                cur,
+                change_reason(best, here, why),
+                chosen=best,
+                left=here,
+                predictions=tuple(preds),
+            )
+        return self._keep(
+            "hold",
+            f"autopilot holds {cur.label()}: predicted {here.brief()}; "
+            f"{self._hold_why(best, gains, dwell=dwell, confirm=confirm)}",
+            chosen=here,
+            left=here,
+            predictions=tuple(preds),
+        )
+
+    def _pick(
+        self, preds: list[Prediction], here: Prediction, n: int
+    ) -> tuple[Prediction, bool, tuple[int, int, int, bool]]:
+        """Step 4's pick (step 5's readiness among its ties), whether it was picked for
+        readiness alone, and its gains over the current setting (see ``_gains``)."""
+        cur = self.current
 
         def rank(p: Prediction) -> tuple[Any, ...]:
             return (
@@ -801,9 +903,9 @@ class Autopilot:
         best = max(preds, key=rank)
         # a tie in requests meeting the SLOs goes to the setting that keeps more of them clear
         # of a stall past the ITL SLO, by the same margin
-        margin, gain, gain_tail, enough = self._gains(best, here, n)
+        gains = self._gains(best, here, n)
         readying = False
-        if not enough and here.ready_key() != (0, 0):
+        if not gains[3] and here.ready_key() != (0, 0):
             # the current setting is not ready for a long prompt, or for several at once: the
             # readiest setting that loses nothing on either count against it (the gains above
             # were too small to move)
@@ -817,65 +919,67 @@ class Autopilot:
             if ready:
                 best = max(ready, key=rank)
                 margin, gain, gain_tail, _ = self._gains(best, here, n)
-                enough = readying = True
-        confirm = 1 if gain >= cfg.fast_margins * margin else cfg.confirm
-        beaten = best.setting != cur and enough
-        side = best.setting.side_of(cur) if beaten else 0
-        if beaten and side == self._beaten_side:
-            self._beaten_ticks += 1
-        else:
-            self._beaten_ticks, self._beaten_side = int(beaten), side
-        dwell = self._dwelt(now)
-        if beaten and self._beaten_ticks >= confirm and dwell:
-            self._beaten_ticks = 0
-            if readying and (best.readiness or 0) > (here.readiness or 0):
-                why = (
-                    f" (at least as many of {n} requests meet {self.slo.text()}; a prompt of "
-                    f"{probe} tokens arriving now would stall streams "
-                    f"{best.probe_stall_ms:.0f} ms here, {here.probe_stall_ms:.0f} ms at "
-                    f"{cur.label()}{_extrapolation_note(fit, best, here)})"
-                )
-            elif readying:
-                why = (
-                    f" (at least as many of {n} requests meet {self.slo.text()}; prompts of "
-                    f"{probe} tokens arriving together would stall streams "
-                    f"{best.burst_stall_ms:.0f} ms here, {here.burst_stall_ms:.0f} ms at "
-                    f"{cur.label()}, whose cap bounds each prompt's chunk but not their sum"
-                    f"{_extrapolation_note(fit, best, here)})"
-                )
-            elif gain >= margin:
-                why = f" ({gain} more of {n} requests meet {self.slo.text()})"
-            else:
-                why = (
-                    f" (as many of {n} requests meet {self.slo.text()}; {gain_tail} more keep "
-                    f"every token gap within {self.slo.itl_ms:g} ms)"
-                )
-            return Decision(
-                "change",
-                best.setting,
-                cur,
-                change_reason(best, here, why),
-                chosen=best,
-                left=here,
-                predictions=tuple(preds),
+                gains = (margin, gain, gain_tail, True)
+                readying = True
+        return best, readying, gains
+
+    def _change_why(
+        self,
+        fit: FitReport,
+        best: Prediction,
+        here: Prediction,
+        n: int,
+        probe: int,
+        *,
+        readying: bool,
+        gains: tuple[int, int, int, bool],
+    ) -> str:
+        """What a move to ``best`` gains, for its reason: readiness for one long prompt or for
+        several, more requests meeting the SLOs, or more keeping every token gap within it."""
+        cur = self.current
+        margin, gain, gain_tail, _ = gains
+        if readying and (best.readiness or 0) > (here.readiness or 0):
+            return (
+                f" (at least as many of {n} requests meet {self.slo.text()}; a prompt of "
+                f"{probe} tokens arriving now would stall streams "
+                f"{best.probe_stall_ms:.0f} ms here, {here.probe_stall_ms:.0f} ms at "
+                f"{cur.label()}{_extrapolation_note(fit, best, here)})"
             )
+        if readying:
+            return (
+                f" (at least as many of {n} requests meet {self.slo.text()}; prompts of "
+                f"{probe} tokens arriving together would stall streams "
+                f"{best.burst_stall_ms:.0f} ms here, {here.burst_stall_ms:.0f} ms at "
+                f"{cur.label()}, whose cap bounds each prompt's chunk but not their sum"
+                f"{_extrapolation_note(fit, best, here)})"
+            )
+        if gain >= margin:
+            return f" ({gain} more of {n} requests meet {self.slo.text()})"
+        return (
+            f" (as many of {n} requests meet {self.slo.text()}; {gain_tail} more keep "
+            f"every token gap within {self.slo.itl_ms:g} ms)"
+        )
+
+    def _hold_why(
+        self,
+        best: Prediction,
+        gains: tuple[int, int, int, bool],
+        *,
+        dwell: bool,
+        confirm: int,
+    ) -> str:
+        """Why a hold does not move to ``best``: it is the current setting, gains too little,
+        waits out the dwell, or has not yet won enough ticks in a row."""
+        cfg, cur = self.config, self.current
+        margin, gain, _, enough = gains
         if best.setting == cur or not enough:
-            why = (
+            return (
                 "it is the best predicted"
                 if best.setting == cur
                 else (f"{best.setting.label()} gains {gain} (< {margin}) requests")
             )
-        elif not dwell:
-            why = f"{best.setting.label()} waits out the {cfg.min_dwell_s:g} s dwell"
-        else:
-            why = (
-                f"{best.setting.label()} needs {confirm} ticks in a row of the current setting "
-                "beaten"
-            )
-        return keep(
-            "hold",
-            f"autopilot holds {cur.label()}: predicted {here.brief()}; {why}",
-            chosen=here,
-            left=here,
-            predictions=tuple(preds),
+        if not dwell:
+            return f"{best.setting.label()} waits out the {cfg.min_dwell_s:g} s dwell"
+        return (
+            f"{best.setting.label()} needs {confirm} ticks in a row of the current setting beaten"
         )
