@@ -83,6 +83,17 @@ COLLECTOR_WRAPPER = (
 )
 
 
+# An engine server whose telemetry buffer is small (memory events, spill bytes: the first two
+# arguments), so that an outage overflows it and the publisher declares the events it drops in a
+# gap. BufferLimits is the publisher's own setting; the command line does not expose it.
+ENGINE_WRAPPER = (
+    "import functools, sys; import engine.server.publishing as p; "
+    "p.BufferLimits = functools.partial(p.BufferLimits, max_memory_events=int(sys.argv[1]), "
+    "max_spill_bytes=int(sys.argv[2]), spill_segment_bytes=max(1, int(sys.argv[2]) // 4)); "
+    "from engine.server.cli import main; raise SystemExit(main(sys.argv[3:]))"
+)
+
+
 def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
@@ -136,7 +147,8 @@ class Collector:
 
     def start(self, timeout: float = 60.0) -> None:
         for attempt in range(10):
-            since = self.log.stat().st_size if self.log.exists() else 0
+            self.log.touch()
+            since = self.log.stat().st_size
             # a pipe, copied to the log by a thread: once the disk is "full" the collector
             # cannot write to a regular file, its log included
             self.proc = subprocess.Popen(
@@ -257,6 +269,7 @@ class EngineSlot:
         self.up = threading.Event()
         self.restarter: threading.Thread | None = None
         self.restart_errors: list[str] = []
+        self.small_buffer = index < args.small_buffer_engines
 
     @property
     def current(self) -> Incarnation:
@@ -265,10 +278,18 @@ class EngineSlot:
     def start(self, timeout: float = 240.0) -> None:
         n = len(self.incarnations)
         log = self.workdir / f"engine-{self.index}-{n}.log"
+        if self.small_buffer:
+            head = [
+                sys.executable,
+                "-c",
+                ENGINE_WRAPPER,
+                str(self.args.small_buffer_events),
+                str(self.args.small_buffer_spill_bytes),
+            ]
+        else:
+            head = [sys.executable, "-m", "engine"]
         cmd = [
-            sys.executable,
-            "-m",
-            "engine",
+            *head,
             "--model",
             self.args.model,
             "--port",
@@ -648,11 +669,14 @@ def audit(store: dict[str, Any], slots: list[EngineSlot], injected: set[str]) ->
             seen.add((run["engine_id"], run["pid"]))
             last_seq = int(inc.metrics.get("last_seq", 0))
             acked = int(inc.metrics.get("acked_seq", 0))
+            dropped = int(inc.metrics.get("events_dropped", 0))
             info.update(
                 incarnation=inc.number,
                 killed=inc.killed is not None,
                 engine_last_seq=last_seq,
                 engine_acked_seq=acked,
+                engine_events_dropped=dropped,
+                engine_events_spilled=int(inc.metrics.get("events_spilled", 0)),
             )
             if inc.killed is not None:
                 # published: at least what the scrape before the kill saw; the store must hold
@@ -708,6 +732,15 @@ def audit(store: dict[str, Any], slots: list[EngineSlot], injected: set[str]) ->
             problems.append(
                 f"run {run['run_id']}: {c['duplicated']} duplicated, "
                 f"{c['stored_and_declared']} stored and declared lost"
+            )
+        if (
+            inc is not None
+            and inc.killed is None
+            and c["declared_missing"] != info.get("engine_events_dropped", 0)
+        ):
+            problems.append(
+                f"run {run['run_id']}: the engine dropped {info.get('engine_events_dropped')} "
+                f"event(s), the store's gaps declare {c['declared_missing']}"
             )
         tot.update(c)
         tot["published"] += published
@@ -923,12 +956,22 @@ def main(argv: list[str] | None = None) -> int:
         "--duration",
         type=float,
         default=None,
-        help="seconds of faults per store (default 600; --quick: 25)",
+        help="seconds of faults per store (default 600; --quick: 15, and at least --rounds rounds)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--clients-per-engine", type=int, default=2)
     ap.add_argument("--model", default="tiny", help="engine preset (tiny: fastest)")
+    ap.add_argument(
+        "--small-buffer-engines",
+        type=int,
+        default=1,
+        help="this many engines keep few unacknowledged events (the next two options), so "
+        "that outages overflow their buffer and they declare gaps; the others keep the "
+        "publisher's defaults (20,000 events in memory, 1 GiB of spill)",
+    )
+    ap.add_argument("--small-buffer-events", type=int, default=200)
+    ap.add_argument("--small-buffer-spill-bytes", type=int, default=32 * 1024)
     ap.add_argument(
         "--rounds",
         type=int,
@@ -959,7 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     q = args.quick
     for name, full, quick in (
-        ("duration", 600.0, 25.0),
+        ("duration", 600.0, 15.0),
         ("rounds", 3, 2),
         ("pause_min_s", 2.0, 0.3),
         ("pause_max_s", 10.0, 1.5),

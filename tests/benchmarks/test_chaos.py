@@ -77,10 +77,12 @@ def test_proxy_forwards_cuts_and_blocks() -> None:
         srv.close()
 
 
-def _slot(chaos: ModuleType, pid: int, killed: bool, last: int, acked: int) -> Any:
+def _slot(
+    chaos: ModuleType, pid: int, killed: bool, last: int, acked: int, dropped: int = 0
+) -> Any:
     inc = chaos.Incarnation(0, 0, pid, "http://x", Path("/dev/null"), 0.0)
     inc.killed = 1.0 if killed else None
-    inc.metrics = {"last_seq": last, "acked_seq": acked}
+    inc.metrics = {"last_seq": last, "acked_seq": acked, "events_dropped": dropped}
 
     class Slot:
         engine_id = "chaos-0"
@@ -101,18 +103,25 @@ def test_audit_counts_stored_declared_and_silently_lost(chaos: ModuleType) -> No
     gap = {"seq": 6, "first_seq_lost": 4, "last_seq_lost": 5, "reason": full}
     # stopped normally: seqs 1..7 published and acknowledged, 8 the goodbye
     ok = chaos.audit(
-        _store(8, [1, 2, 3, 7], [gap], True), [_slot(chaos, 7, False, 7, 7)], {"collector_kill"}
+        _store(8, [1, 2, 3, 7], [gap], True), [_slot(chaos, 7, False, 7, 7, 2)], {"collector_kill"}
     )
     assert ok["events"]["stored"] == 6 and ok["events"]["declared_missing"] == 2
     assert ok["events"]["silently_lost"] == 0 and not ok["problems"]
     # seq 3 missing with nothing declaring it: silently lost
     bad = chaos.audit(
-        _store(8, [1, 2, 7], [gap], True), [_slot(chaos, 7, False, 7, 7)], {"collector_kill"}
+        _store(8, [1, 2, 7], [gap], True), [_slot(chaos, 7, False, 7, 7, 2)], {"collector_kill"}
     )
     assert bad["events"]["silently_lost"] == 1 and bad["problems"]
     # the same gap with no fault that stops acknowledgements: unexplained
-    odd = chaos.audit(_store(8, [1, 2, 3, 7], [gap], True), [_slot(chaos, 7, False, 7, 7)], set())
+    odd = chaos.audit(
+        _store(8, [1, 2, 3, 7], [gap], True), [_slot(chaos, 7, False, 7, 7, 2)], set()
+    )
     assert any("unexplained" in p for p in odd["problems"])
+    # the engine dropped 3 events but the gaps declare 2
+    short = chaos.audit(
+        _store(8, [1, 2, 3, 7], [gap], True), [_slot(chaos, 7, False, 7, 7, 3)], {"disk_full"}
+    )
+    assert any("dropped 3" in p for p in short["problems"])
     # killed: 10 published, 5 acknowledged before the kill, 6 stored: 4 died with the engine
     killed = chaos.audit(
         _store(6, [1, 2, 3, 4, 5, 6], [], False), [_slot(chaos, 7, True, 10, 5)], {"engine_kill"}
