@@ -4,7 +4,8 @@ On loopback only, per store (SQLite, PostgreSQL or both, one after the other): o
 (``python -m storage`` through ``testkit.disk_full``, so its disk can be made full), N engine
 servers (``python -m engine --model tiny --engine-in-thread``) publishing through a local TCP proxy
 (``testkit.tcp_proxy``) to the collector, and chat clients (streamed and whole answers) on every
-engine. A seeded random schedule injects one fault at a time, each kind several times:
+engine. A seeded random schedule injects one fault at a time, each kind several times (with
+probability ``--overlap`` an engine kill or a connection cut lands in the middle of an outage):
 
 - ``store_lock`` (SQLite): another connection holds the write lock past the collector's busy
   timeout (``BEGIN EXCLUSIVE``); ``postgres_restart`` (PostgreSQL): ``pg_ctl stop -m fast``, a
@@ -25,8 +26,15 @@ that was SIGKILLed takes the events the collector had not yet acknowledged with 
 published is known from a ``/metrics`` scrape just before the kill (a lower bound), every seq up
 to the ``acked_seq`` of that scrape must be stored, and the rest is counted apart
 (``lost_with_killed_engine_at_least``), not as a silent loss: no process remains to declare it.
-Every client request must end with a complete answer (a finish reason, ``[DONE]`` when streamed)
-or a clear error, and a request may fail only when its engine was killed under it.
+Every client request must end with a complete answer (a finish reason, ``usage`` with
+``max_tokens`` tokens when it says ``length``, ``[DONE]`` when streamed) or a clear error (an
+HTTP status, an error event, a failed connection), and may fail only when its engine was killed
+under it.
+
+The first ``--small-buffer-engines`` engines keep few unacknowledged events (200 in memory, 32 KiB
+of spill), so outages overflow their buffer and the publisher's declared gaps are exercised too;
+for an engine stopped normally, the seqs the store's gaps declare must equal its
+``events_dropped``.
 
     python benchmarks/chaos.py --store both --duration 600 --seed 1   # the long run
     python benchmarks/chaos.py --quick                                 # ~2 minutes, CI's
@@ -71,6 +79,8 @@ SKIPPED_KINDS = {
     },
     "sqlite": {},
 }
+# Faults that may land in the middle of an outage (--overlap)
+OVERLAPPING = ("engine_kill", "connection_cut")
 # Faults that stop acknowledgements for a while: the engines' buffers hold events meanwhile, and a
 # full buffer is declared in a gap ("telemetry buffer full ...").
 ACK_STOPPING = {"store_lock", "postgres_restart", "collector_kill", "connection_cut", "disk_full"}
@@ -410,38 +420,55 @@ class RequestRecord:
     explained: bool = True  # a failure: its engine was killed under it
 
 
+def _complete(finish: Any, usage: Any, max_tokens: int) -> str | None:
+    """Why an answer is not complete (None: it is): a finish reason, and as many tokens as
+    ``max_tokens`` when it says ``length`` (at most that many when ``stop``)."""
+    if finish not in ("stop", "length"):
+        return f"no finish_reason ({finish!r})"
+    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if not isinstance(n, int):
+        return "no usage.completion_tokens"
+    if (finish == "length" and n != max_tokens) or n > max_tokens:
+        return f"finish_reason {finish} with {n} of {max_tokens} tokens"
+    return None
+
+
 def one_request(
     client: Any, url: str, model: str, rng: random.Random
 ) -> tuple[bool, str, bool, bool]:
-    """(ok, reason, clear, stream)."""
+    """One chat request: (ok, reason, clear, stream). ``clear``: a complete answer, or an error
+    the client was told (an HTTP status, an error event, a failed connection)."""
     import httpx
 
     stream = rng.random() < 0.5
-    body = {
+    max_tokens = rng.randint(4, 32)
+    body: dict[str, Any] = {
         "model": model,
         "messages": [
             {"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(3, 60)))}
         ],
-        "max_tokens": rng.randint(4, 32),
+        "max_tokens": max_tokens,
         "temperature": 0.8,
         "stream": stream,
     }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     try:
         if not stream:
             r = client.post(url + "/v1/chat/completions", json=body)
             if r.status_code != 200:
                 return False, f"HTTP {r.status_code}: {r.text[:80]}", True, stream
-            choice = r.json()["choices"][0]
-            if choice.get("finish_reason") in ("stop", "length") and isinstance(
-                choice.get("message", {}).get("content"), str
-            ):
+            doc = r.json()
+            choice = doc["choices"][0]
+            why = _complete(choice.get("finish_reason"), doc.get("usage"), max_tokens)
+            if why is None and isinstance(choice.get("message", {}).get("content"), str):
                 return True, "ok", True, stream
-            return False, f"incomplete answer: {str(choice)[:120]}", False, stream
+            return False, f"incomplete answer: {why or 'no content'}", False, stream
         with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
                 return False, f"HTTP {r.status_code}: {r.text[:80]}", True, stream
-            finish = None
+            finish = usage = None
             done = False
             for line in r.iter_lines():
                 if not line.startswith("data:"):
@@ -453,15 +480,17 @@ def one_request(
                 obj = json.loads(data)
                 if "error" in obj:
                     return False, f"error event: {str(obj['error'])[:120]}", True, stream
-                for ch in obj.get("choices", []):
+                for ch in obj.get("choices") or []:
                     finish = ch.get("finish_reason") or finish
-            if done and finish in ("stop", "length"):
+                usage = obj.get("usage") or usage
+            why = _complete(finish, usage, max_tokens)
+            if done and why is None:
                 return True, "ok", True, stream
-            return False, f"stream ended without [DONE] / finish_reason ({finish})", False, stream
+            return False, f"incomplete stream: {why or 'no [DONE]'}", False, stream
     except (httpx.HTTPError, OSError) as exc:
         return False, type(exc).__name__, True, stream
-    except ValueError as exc:  # not JSON
-        return False, f"unreadable answer: {exc}", False, stream
+    except (ValueError, KeyError, IndexError, TypeError) as exc:  # not the JSON expected
+        return False, f"unreadable answer: {type(exc).__name__}: {exc}", False, stream
 
 
 def client_loop(
@@ -498,9 +527,22 @@ class Chaos:
     t0: float = field(default_factory=time.time)
     log: list[dict[str, Any]] = field(default_factory=list)
 
-    def inject(self, kind: str) -> dict[str, Any]:
+    def _hold(self, seconds: float, rec: dict[str, Any]) -> None:
+        """Keep an outage for ``seconds``; with probability ``--overlap``, an engine kill or a
+        connection cut lands in the middle of it."""
+        if self.rng.random() >= self.args.overlap:
+            time.sleep(seconds)
+            return
+        t = time.monotonic()
+        time.sleep(self.rng.uniform(0.0, seconds))
+        rec["during"] = self.inject(self.rng.choice(OVERLAPPING), nested=True)["kind"]
+        time.sleep(max(0.0, seconds - (time.monotonic() - t)))
+
+    def inject(self, kind: str, nested: bool = False) -> dict[str, Any]:
         a, rng = self.args, self.rng
         rec: dict[str, Any] = {"t_s": round(time.time() - self.t0, 2), "kind": kind}
+        if nested:
+            rec["overlapping"] = True
         t = time.monotonic()
         if kind == "store_lock":
             hold = a.busy_timeout_ms / 1000 + rng.uniform(0.5, a.hold_max_s)
@@ -508,7 +550,7 @@ class Chaos:
             locker = sqlite3.connect(self.sqlite_path, timeout=60, isolation_level=None)
             try:
                 locker.execute("BEGIN EXCLUSIVE")
-                time.sleep(hold)
+                self._hold(hold, rec)
                 locker.execute("ROLLBACK")
             finally:
                 locker.close()
@@ -516,13 +558,13 @@ class Chaos:
         elif kind == "postgres_restart":
             hold = rng.uniform(0.5, a.hold_max_s)
             self.pg.pause()
-            time.sleep(hold)
+            self._hold(hold, rec)
             self.pg.resume()
             rec["down_s"] = round(hold, 2)
         elif kind == "collector_kill":
             down = rng.uniform(0.2, a.hold_max_s)
             self.collector.kill()
-            time.sleep(down)
+            self._hold(down, rec)
             self.collector.start()
             rec["down_s"] = round(down, 2)
         elif kind == "engine_kill":
@@ -544,11 +586,12 @@ class Chaos:
             block = rng.uniform(0.0, a.hold_max_s)
             rec["connections_cut"] = self.proxy.cut(block_s=block)
             rec["blocked_s"] = round(block, 2)
-            time.sleep(block)
+            if not nested:
+                time.sleep(block)
         elif kind == "disk_full":
             hold = rng.uniform(0.5, a.hold_max_s)
             rec["applied"] = self.collector.disk_full()
-            time.sleep(hold)
+            self._hold(hold, rec)
             rec["freed"] = self.collector.disk_free()
             rec["held_s"] = round(hold, 2)
         else:
@@ -900,6 +943,11 @@ def run_store(store: str, args: argparse.Namespace, pg: Any) -> dict[str, Any]:
         ]
         problems += [f"the collector exited on its own: {x}" for x in collector.unexpected_exits]
         problems += [f"{s.engine_id} did not restart: {e}" for s in slots for e in s.restart_errors]
+        problems += [
+            f"a fault was not applied or not undone: {r}"
+            for r in chaos.log
+            if r.get("applied") is False or r.get("freed") is False
+        ]
         if reqs["unclear"]:
             problems.append(f"requests without a complete answer or clear error: {reqs['unclear']}")
         if reqs["failed_not_under_an_engine_kill"]:
@@ -992,6 +1040,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the SQLite collector's busy timeout (default storage.db's 10000; "
         "--quick 1000); a store_lock holds the lock longer than it",
+    )
+    ap.add_argument(
+        "--overlap",
+        type=float,
+        default=0.3,
+        help="probability that an engine kill or a connection cut lands in the middle of a "
+        "store, collector or disk outage",
     )
     ap.add_argument("--drain-timeout-s", type=float, default=90.0)
     ap.add_argument(
