@@ -132,7 +132,12 @@ async def execute(
     """Send every request at `t0 + offset` (FIFO behind `max_concurrency` if set); beside them,
     ``users``' closed-loop chat turns, each sent when its user's previous answer has ended and
     its think time passed (their records follow the plan's, numbered on)."""
+    lead = users.lead_s if users is not None and users.count else 0.0
+    if lead:  # the users' first turns go out before the plan's first request
+        for spec in specs:
+            spec.offset_s += lead
     records = [new_record(s) for s in specs]
+    users_until = None if users is None or users.until_s is None else users.until_s + lead
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(
         limit=max_concurrency or 0, limit_per_host=0, ttl_dns_cache=300
@@ -193,8 +198,8 @@ async def execute(
             if pause > 0:
                 await asyncio.sleep(pause)
             now = time.perf_counter() - t0
-            if (users.until_s is not None and now >= users.until_s) or (
-                users.until_s is None and plan_sent.is_set()
+            if (users_until is not None and now >= users_until) or (
+                users_until is None and plan_sent.is_set()
             ):
                 return
             spec.offset_s = now
@@ -233,9 +238,9 @@ async def execute(
                 task = asyncio.create_task(one(spec, prep, rec))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-            if users is not None and users.until_s is not None:
+            if users_until is not None:
                 # the users go on until their end even when the plan's last send came earlier
-                await asyncio.sleep(max(0.0, t0 + users.until_s - time.perf_counter()))
+                await asyncio.sleep(max(0.0, t0 + users_until - time.perf_counter()))
             plan_sent.set()
             waiting = set(tasks) | {t for t in user_tasks if not t.done()}
             if waiting:

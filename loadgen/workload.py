@@ -188,24 +188,31 @@ class ChatUsers:
     the answer to its end, thinks (exponential, mean ``think_s``) and sends the next, so about
     ``count`` streams are in flight at any moment, whatever the server's speed. Turns are drawn
     lazily from each user's own seeded stream (same seed, same turns); no user sends after
-    ``until_s`` seconds (None: once the plan's own requests are all sent)."""
+    ``until_s`` seconds of the plan's time (None: once the plan's own requests are all sent).
+    The users start ``lead_s`` before the plan's first request."""
 
     profile: ChatProfile
     count: int
     seed: int = 0
     max_model_len: int = 8192
     until_s: float | None = None
+    # the users start this long before the plan's own requests (which move later by as much):
+    # streams are in flight when the first long prompt arrives, however early the plan sends it
+    lead_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.count < 0:
             raise ValueError(f"chat users must be >= 0, got {self.count}")
+        if not 0 <= self.lead_s <= 60:
+            raise ValueError(f"chat users' lead must be in [0, 60] s, got {self.lead_s}")
 
     def turns(self, user: int) -> Iterator[tuple[float, RequestSpec]]:
-        """User ``user``'s (pause before it, turn) pairs: the first pause staggers the users'
-        starts over one think time, the others are think times."""
+        """User ``user``'s (pause before it, turn) pairs: every user sends its first turn at
+        once (so streams are in flight before the profile's first long prompt, which may come
+        within milliseconds), then a think time before each next one."""
         rng = np.random.default_rng([self.seed, USERS_STREAM, user])
         think = self.profile.think_s
-        pause = float(rng.uniform(0.0, max(think, 0.5)))
+        pause = 0.0
         for turn in range(MAX_TURNS):
             name = f"chat-u{user}-t{turn}"
             (spec,) = chat_specs(self.profile, np.zeros(1), rng, self.max_model_len, name=name)

@@ -247,10 +247,13 @@ def test_chat_users_are_a_closed_loop(mock_server: MockServer) -> None:
         system_prompt_tokens=8, input_median=8, input_p90=16, input_max=32,
         output_median=20, output_p90=30, output_max=40, think_s=0.02,
     )  # fmt: skip
-    users = ChatUsers(prof, 3, seed=1, max_model_len=4096, until_s=1.5)
+    users = ChatUsers(prof, 3, seed=1, max_model_len=4096, until_s=1.5, lead_s=0.3)
     recs = _run(mock_server.url, [_spec(0, n=5, cls="rag", at=0.2)], users=users)
     rag, turns = recs[0], recs[1:]
     assert rag.status == "ok" and rag.index == 0
+    # the plan's request moved by the users' lead, after every user's first turn
+    assert rag.scheduled_s == pytest.approx(0.5) and rag.sent_s is not None
+    assert all(min(r.sent_s for r in turns if r.meta["user"] == u) < 0.05 for u in range(3))
     assert [r.status for r in turns] == ["ok"] * len(turns), [r.error for r in turns]
     assert sorted(r.index for r in turns) == list(range(1, len(turns) + 1))
     assert {r.meta["user"] for r in turns} == {0, 1, 2}
@@ -260,8 +263,8 @@ def test_chat_users_are_a_closed_loop(mock_server: MockServer) -> None:
         assert len(mine) >= 5  # ~40 ms a turn over 1.5 s
         for prev, nxt in zip(mine, mine[1:], strict=False):
             assert nxt.sent_s >= prev.sent_s + prev.e2e_s  # the answer ended first
-        assert mine[-1].sent_s < 1.5  # none sent after the end
+        assert mine[-1].sent_s < 1.5 + 0.3  # none sent after the end (plan time + lead)
     # the users' turns cover the run: a stream in flight at every instant after the stagger
     spans = sorted((r.sent_s, r.sent_s + r.e2e_s) for r in turns)
-    for t in (0.6, 0.9, 1.2):
+    for t in (0.6, 0.9, 1.2, 1.6):
         assert any(a <= t <= b + 0.1 for a, b in spans), t

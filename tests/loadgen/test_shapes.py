@@ -49,6 +49,7 @@ def test_chat_users_turns_are_seeded_and_never_share_a_user_prompt() -> None:
     assert a != first(1, 20)
     names = [x[3] for u in range(3) for x in first(u, 20)]
     assert len(names) == len(set(names))  # only the system prompt is shared
+    assert a[0][0] == 0.0  # every user starts at once
     pauses = [x[0] for x in a[1:]]
     assert 0.3 * p.think_s < sum(pauses) / len(pauses) < 3 * p.think_s
     with pytest.raises(ValueError, match="chat users must be >= 0"):
