@@ -638,9 +638,17 @@ def read_store(db_url: str) -> dict[str, Any]:
                 )
             ]
             rows: dict[int, Counter[int]] = {r["id"]: Counter() for r in runs}
-            for table in ("steps", "request_events"):
-                for key, seq in conn.execute(text(f"SELECT run_key, seq FROM {table}")):
-                    rows.setdefault(key, Counter())[seq] += 1
+            steps: dict[int, list[tuple[int, int]]] = {}
+            for key, seq, step in conn.execute(text("SELECT run_key, seq, step FROM steps")):
+                rows.setdefault(key, Counter())[seq] += 1
+                steps.setdefault(key, []).append((seq, step))
+            for key, seq in conn.execute(text("SELECT run_key, seq FROM request_events")):
+                rows.setdefault(key, Counter())[seq] += 1
+            requests: dict[int, Counter[str]] = {}
+            for key, finished in conn.execute(text("SELECT run_key, finished_ns FROM requests")):
+                c = requests.setdefault(key, Counter())
+                c["rows"] += 1
+                c["unfinished"] += finished is None
             by_name = {(r["engine_id"], r["run_id"]): r["id"] for r in runs}
             for e, r, seq in conn.execute(
                 text("SELECT engine_id, run_id, seq FROM controls WHERE seq IS NOT NULL")
@@ -653,7 +661,7 @@ def read_store(db_url: str) -> dict[str, Any]:
                 text("SELECT run_key, seq, first_seq_lost, last_seq_lost, reason FROM gaps")
             ):
                 gaps.setdefault(g[0], []).append(dict(g._mapping))
-        return {"runs": runs, "rows": rows, "gaps": gaps}
+        return {"runs": runs, "rows": rows, "gaps": gaps, "steps": steps, "requests": requests}
     finally:
         db.dispose()
 
@@ -664,7 +672,21 @@ def gap_explained(reason: str | None, injected: set[str]) -> bool:
     return bool(reason and reason.startswith("telemetry buffer full") and injected & ACK_STOPPING)
 
 
-def audit(store: dict[str, Any], slots: list[EngineSlot], injected: set[str]) -> dict[str, Any]:
+def step_order_violations(steps: list[tuple[int, int]]) -> int:
+    """Step events whose step number is not above the one stored at the seq before (a resend
+    that stored an event under another seq, or twice, would show here)."""
+    ordered = [step for _, step in sorted(steps)]
+    return sum(1 for a, b in zip(ordered, ordered[1:], strict=False) if b <= a)
+
+
+def audit(
+    store: dict[str, Any],
+    slots: list[EngineSlot],
+    injected: set[str],
+    client_requests: Counter[tuple[int, int]] | None = None,
+) -> dict[str, Any]:
+    """Every run in ``store`` (``read_store``) against what its engine published (the
+    incarnations of ``slots``); ``client_requests``: requests sent per (slot, incarnation)."""
     incs = {(s.engine_id, i.pid): i for s in slots for i in s.incarnations}
     seen: set[tuple[str, int]] = set()
     tot: Counter[str] = Counter()
@@ -785,6 +807,22 @@ def audit(store: dict[str, Any], slots: list[EngineSlot], injected: set[str]) ->
                 f"run {run['run_id']}: the engine dropped {info.get('engine_events_dropped')} "
                 f"event(s), the store's gaps declare {c['declared_missing']}"
             )
+        disorder = step_order_violations(store.get("steps", {}).get(key, []))
+        if disorder:
+            c["step_order_violations"] = disorder
+            problems.append(f"run {run['run_id']}: {disorder} step event(s) out of seq order")
+        reqs = store.get("requests", {}).get(key, Counter())
+        info.update(store_requests=reqs["rows"], store_requests_unfinished=reqs["unfinished"])
+        if inc is not None and inc.killed is None and not c["declared_missing"]:
+            # stopped normally, nothing declared lost: every request the clients sent it is
+            # in the store, finished
+            sent = None if client_requests is None else client_requests[(inc.slot, inc.number)]
+            info["client_requests"] = sent
+            if (sent is not None and reqs["rows"] != sent) or reqs["unfinished"]:
+                problems.append(
+                    f"run {run['run_id']}: clients sent {sent} request(s), the store holds "
+                    f"{reqs['rows']} ({reqs['unfinished']} unfinished)"
+                )
         tot.update(c)
         tot["published"] += published
         tot["lost_with_killed_engine_at_least"] += lost_with_engine
@@ -826,6 +864,7 @@ def audit(store: dict[str, Any], slots: list[EngineSlot], injected: set[str]) ->
             "silently_lost",
             "duplicated",
             "stored_and_declared",
+            "step_order_violations",
             "lost_with_killed_engine_at_least",
             "stored_beyond_published",
         )
@@ -932,7 +971,8 @@ def run_store(store: str, args: argparse.Namespace, pg: Any) -> dict[str, Any]:
         for s in slots:
             s.stop()
         collector_rc = collector.stop()
-        result = audit(read_store(db_url), slots, {r["kind"] for r in chaos.log})
+        sent = Counter((r.slot, r.incarnation) for r in records)
+        result = audit(read_store(db_url), slots, {r["kind"] for r in chaos.log}, sent)
         reqs = requests_summary(records, slots)
         faults = Counter(r["kind"] for r in chaos.log)
         problems = result.pop("problems")

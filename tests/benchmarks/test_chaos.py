@@ -135,6 +135,11 @@ def test_audit_counts_stored_declared_and_silently_lost(chaos: ModuleType) -> No
     assert lost["events"]["silently_lost"] == 2 and lost["problems"]
 
 
+def test_step_order_violations(chaos: ModuleType) -> None:
+    assert chaos.step_order_violations([(3, 12), (1, 10), (2, 11)]) == 0
+    assert chaos.step_order_violations([(1, 10), (2, 11), (3, 11), (4, 9)]) == 2
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_quick_chaos_run_loses_nothing_silently(chaos: ModuleType, tmp_path: Path) -> None:
