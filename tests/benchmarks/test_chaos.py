@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import signal
 import socket
 import time
 from collections import Counter
@@ -144,10 +146,15 @@ def test_step_order_violations(chaos: ModuleType) -> None:
 @pytest.mark.timeout(400)
 def test_quick_chaos_run_loses_nothing_silently(chaos: ModuleType, tmp_path: Path) -> None:
     """Both stores, every fault kind twice, ~2 minutes."""
-    code = chaos.main(["--quick", "--out-dir", str(tmp_path), "--store", "both"])
+    before = signal.getsignal(signal.SIGTERM)  # the script's setup() makes SIGTERM unwind it
+    try:
+        code = chaos.main(["--quick", "--out-dir", str(tmp_path), "--store", "both"])
+    finally:
+        signal.signal(signal.SIGTERM, before)
     doc = json.loads((tmp_path / "chaos.json").read_text())
     for store, r in doc["stores"].items():
-        if "skipped" in r:
+        if "skipped" in r:  # no PostgreSQL here; CI that has it says so
+            assert os.environ.get("CHUNKSCOPE_REQUIRE_POSTGRES") != "1", r["skipped"]
             continue
         assert r["events"]["silently_lost"] == 0, (store, r["problems"])
         assert r["events"]["duplicated"] == 0, (store, r["problems"])
