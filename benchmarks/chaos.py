@@ -584,6 +584,10 @@ class Chaos:
             )
         elif kind == "connection_cut":
             block = rng.uniform(0.0, a.hold_max_s)
+            if not nested:  # engines still reconnecting after the last fault: wait for one
+                deadline = time.monotonic() + 5.0
+                while self.proxy.open_connections == 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
             rec["connections_cut"] = self.proxy.cut(block_s=block)
             rec["blocked_s"] = round(block, 2)
             if not nested:
