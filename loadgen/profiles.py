@@ -1,6 +1,6 @@
 """Traffic profiles: one visible dataclass of defaults per class, overridable with `--set`.
 
-Defaults and their sources (copies in shared/traces, see shared/traces/SOURCES.md):
+Defaults and their sources (public traces):
 
 - chat: Azure LLM inference trace 2023, conversation (Azure/AzurePublicDataset, CC-BY-4.0):
   input p50 1,020 / p90 2,734 tokens, output p50 129, arrivals close to Poisson. We model the
