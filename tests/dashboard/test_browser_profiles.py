@@ -7,7 +7,8 @@ again, then the Compare page as it opens (``benchmarks.story`` drives it).
 The verdict is read over the windows the Compare page chooses by itself, not picked by the test:
 every long prompt or image before the cut began its prefill while chat streams were in flight,
 the worst chat gap after the cut is at least 2x shorter than before (the benchmark holds five runs
-in a row to 3x), and the Compare page's first line says the stalls got shorter, and by how much. The Live page's charts are all drawn.
+in a row to 3x), and the Compare page's first line says the stalls got shorter, and by how
+much. The Live page's charts are all drawn.
 
 ``CHUNKSCOPE_SCREENSHOT_DIR=DIR`` copies the screenshots there; ``CHUNKSCOPE_STORY_JSON=PATH``
 appends each profile's result (JSON lines).
