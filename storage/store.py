@@ -264,6 +264,7 @@ class _Batch:
         self.dirty_runs: dict[int, RunState] = {}
         # run_key -> request ids looked up in this transaction and not in the database
         self.not_stored: dict[int, set[str]] = {}
+        self.fenced: set[int] = set()  # runs whose row this transaction locked (shared store)
 
     def touch(self, run: RunState, req: RequestState) -> None:
         self.dirty_requests.setdefault(run.run_key, {})[req.req_no] = req
@@ -286,11 +287,17 @@ class RunGone(RuntimeError):
 class Store:
     """The writer's state and its one write connection."""
 
-    def __init__(self, db: Engine, *, sqlite_autocheckpoint: bool = True) -> None:
+    def __init__(
+        self, db: Engine, *, sqlite_autocheckpoint: bool = True, shared: bool | None = None
+    ) -> None:
         """``sqlite_autocheckpoint=False`` leaves WAL checkpoints to someone else (the writer
-        runs them on a thread of their own, so a checkpoint's fsync never delays a commit)."""
+        runs them on a thread of their own, so a checkpoint's fsync never delays a commit).
+        ``shared``: other collectors may write the same runs (a fleet on one PostgreSQL, the
+        default there): each batch locks its runs' rows and reloads a run whose durable seq
+        another collector moved (an engine that failed over and back)."""
         self.db = db
         self._autocheckpoint = sqlite_autocheckpoint
+        self.shared = db.dialect.name == "postgresql" if shared is None else shared
         self._conn: Connection | None = None
         self._runs: dict[int, RunState] = {}
         self._upd_requests = (
@@ -515,6 +522,9 @@ class Store:
             )
             self._runs[run_key] = run
         else:
+            # read afresh: another collector of a shared store may have stored this run's
+            # events since this one last held it (the engine failed over and came back)
+            self._runs.pop(int(row[0]), None)
             run = self._run(int(row[0]))
             run.connected = True
             run.ended_without_goodbye = False
@@ -539,6 +549,8 @@ class Store:
 
     def _events(self, op: Events, batch: _Batch) -> EventsResult | SeqHole:
         run = self._run(op.run_key)
+        if self.shared and run.run_key not in batch.fenced:
+            run = self._fence(run, batch)
         hole = _hole(op.events, run.last_seq + 1)
         if hole is not None:
             return SeqHole(
@@ -592,6 +604,32 @@ class Store:
         batch.dirty_runs[run.run_key] = run
         res.last_seq = run.last_seq
         return res
+
+    def _fence(self, run: RunState, batch: _Batch) -> RunState:
+        """Lock the run's row for this transaction (another collector writing the same run
+        waits for the commit) and reload the run when its durable seq is not the one in memory:
+        the seqs of this batch are then judged against what is stored, never stored twice."""
+        batch.fenced.add(run.run_key)
+        r = schema.runs
+        stored = self.conn.execute(
+            select(r.c.last_seq).where(r.c.id == run.run_key).with_for_update()
+        ).scalar()
+        if stored is None:
+            raise RunGone(f"run {run.engine_id}/{run.run_id} was deleted meanwhile (pruned)")
+        if stored == run.last_seq:
+            return run
+        logger.info(
+            "run %s/%s: durable seq %d in the store, %d here (another collector stored it): "
+            "reloading",
+            run.engine_id,
+            run.run_id,
+            stored,
+            run.last_seq,
+        )
+        del self._runs[run.run_key]
+        fresh = self._run(run.run_key)
+        batch.dirty_requests.pop(run.run_key, None)
+        return fresh
 
     def _look_up_requests(self, run: RunState, events: list[dict[str, Any]], batch: _Batch) -> None:
         """Load, in one query per ``_LOOKUP_IDS`` ids, the requests that ``events``' request

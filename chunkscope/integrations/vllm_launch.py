@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--collector-url",
         default=os.environ.get("CHUNKSCOPE_COLLECTOR_URL") or DEFAULT_COLLECTOR_URL,
-        help="the collector (default $CHUNKSCOPE_COLLECTOR_URL, else %(default)s)",
+        help="the collector, or a comma-separated failover list of collectors (default "
+        "$CHUNKSCOPE_COLLECTOR_URL, else %(default)s)",
     )
     p.add_argument("--engine-id", default=None, help="the engine id in the store")
     p.add_argument(
@@ -87,9 +88,9 @@ def build_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
         raise ValueError("chunkscope vllm sets --scheduler-cls itself; leave it out")
     if not any(a == "--model" or a.startswith("--model=") for a in rest):
         raise ValueError("give vLLM a model: chunkscope vllm -- --model PATH_OR_NAME ...")
-    from engine.telemetry.publisher import normalize_collector_url
+    from engine.telemetry.publisher import collector_urls
 
-    env = {"CHUNKSCOPE_COLLECTOR_URL": normalize_collector_url(args.collector_url)}
+    env = {"CHUNKSCOPE_COLLECTOR_URL": ",".join(collector_urls(args.collector_url))}
     for key, value in (
         ("CHUNKSCOPE_ENGINE_ID", args.engine_id),
         ("CHUNKSCOPE_PUBLISH_TOKEN", args.publish_token),

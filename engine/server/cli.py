@@ -75,7 +75,9 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
                      "help": "name of this engine in metrics and events (default: HOST-PID)"}),
     ("--collector-url", {"default": None,
                          "help": "telemetry collector to stream every engine event to, e.g. "
-                         "ws://127.0.0.1:8765 (/ingest is appended); none: no telemetry"}),
+                         "ws://127.0.0.1:8765 (/ingest is appended), or a comma-separated "
+                         "failover list (the first that answers, the next when it goes away); "
+                         "none: no telemetry"}),
     ("--publish-token", {"default": None,
                          "help": "the collector's --publish-token, sent in the hello; falls back "
                          "to $CHUNKSCOPE_PUBLISH_TOKEN, then $CHUNKSCOPE_AUTH_TOKEN"}),
@@ -183,9 +185,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
     try:
         config = config_from_args(args)
         if args.collector_url:
-            from engine.telemetry import normalize_collector_url
+            from engine.telemetry import collector_urls
 
-            normalize_collector_url(args.collector_url)
+            collector_urls(args.collector_url)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     try:

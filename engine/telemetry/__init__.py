@@ -11,6 +11,7 @@ from engine.telemetry.buffer import BufferLimits, EventBuffer, encode_event
 from engine.telemetry.publisher import (
     Publisher,
     PublisherStats,
+    collector_urls,
     new_run_id,
     normalize_collector_url,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "EventBuffer",
     "Publisher",
     "PublisherStats",
+    "collector_urls",
     "encode_event",
     "new_run_id",
     "normalize_collector_url",

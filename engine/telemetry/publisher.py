@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -52,18 +52,42 @@ ApplyControl = Callable[[dict[str, Any], str | None], Awaitable[dict[str, Any]]]
 
 
 def normalize_collector_url(url: str) -> str:
-    """``ws://host:port`` or ``ws://host:port/ingest`` (also wss) as the ingest endpoint URL."""
-    if not isinstance(url, str) or not url:
+    """``ws://host:port`` or ``ws://host:port/ingest`` (also wss) as the ingest endpoint URL;
+    ValueError naming the URL when it is not one (a port that is not a number included)."""
+    if not isinstance(url, str) or not url.strip():
         raise ValueError("collector URL must be a ws:// or wss:// URL such as ws://127.0.0.1:8765")
+    url = url.strip()
     parts = urlsplit(url)
     if parts.scheme not in ("ws", "wss") or not parts.hostname:
         raise ValueError(
             f"collector URL must look like ws://HOST:PORT or ws://HOST:PORT/ingest, got {url!r}"
         )
+    try:
+        parts.port  # noqa: B018 - raises for a port that is not a number from 0 to 65535
+    except ValueError as exc:
+        raise ValueError(f"collector URL {url!r}: {exc}") from None
     path = parts.path.rstrip("/")
     if not path:
         path = "/ingest"
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+def collector_urls(urls: str | Sequence[str]) -> list[str]:
+    """A failover list of collectors: a comma-separated string (or a sequence) of collector
+    URLs, each normalized (``normalize_collector_url``); ValueError naming the first bad one.
+    The publisher uses the first it reaches and moves to the next when one goes away."""
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    if not items or all(not isinstance(u, str) or not u.strip() for u in items):
+        raise ValueError("collector URL must be a ws:// or wss:// URL such as ws://127.0.0.1:8765")
+    out: list[str] = []
+    for i, item in enumerate(items, 1):
+        try:
+            url = normalize_collector_url(item)
+        except ValueError as exc:
+            raise ValueError(f"collector URL {i} of {len(items)} is not valid: {exc}") from None
+        if url not in out:
+            out.append(url)
+    return out
 
 
 def new_run_id() -> str:
@@ -92,7 +116,7 @@ class Publisher:
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         *,
         engine_id: str,
         hello: Callable[[], dict[str, Any]],
@@ -112,7 +136,9 @@ class Publisher:
         ack_timeout_s: float = 10.0,
         compression: str | None = None,
     ) -> None:
-        self.url = normalize_collector_url(url)
+        # the failover list: the first collector that answers, the next when it goes away
+        self.urls = collector_urls(url)
+        self._url_index = 0
         if not isinstance(engine_id, str) or not engine_id:
             raise ValueError(f"engine_id must be a non-empty string, got {engine_id!r}")
         for name, value in (("max_batch_events", max_batch_events),
@@ -185,7 +211,10 @@ class Publisher:
         self._thread.start()
         ready.wait(5.0)
         logger.info(
-            "telemetry: publishing engine %s run %s to %s", self.engine_id, self.run_id, self.url
+            "telemetry: publishing engine %s run %s to %s",
+            self.engine_id,
+            self.run_id,
+            ", ".join(self.urls),
         )
         return self
 
@@ -219,6 +248,11 @@ class Publisher:
     @property
     def connected(self) -> bool:
         return self._connected
+
+    @property
+    def url(self) -> str:
+        """The collector this publisher is connected to, or tries next."""
+        return self.urls[self._url_index]
 
     def stats(self) -> PublisherStats:
         b = self.buffer.stats()
@@ -278,9 +312,11 @@ class Publisher:
             self._stop.set()
         ready.set()
         backoff = self.backoff_initial_s
+        failed_in_a_row = 0  # connection attempts without a session, over the failover list
         while not self._done():
             acked_before = self._num_connects
-            last_try = self._stopping  # at shutdown, one attempt to reach a collector that is away
+            # at shutdown, one attempt (per collector of the list) to reach one that is away
+            last_try = self._stopping and failed_in_a_row + 1 >= len(self.urls)
             try:
                 await self._connect_once()
             except (OSError, TimeoutError, WebSocketException, _SessionError) as exc:
@@ -293,10 +329,18 @@ class Publisher:
                 break
             if self._num_connects > acked_before:
                 backoff = self.backoff_initial_s  # a session got going: start over
+                failed_in_a_row = 0
             else:
                 self._connect_failures += 1
+                failed_in_a_row += 1
                 if last_try:
                     break
+            if len(self.urls) > 1:
+                # failover: the next collector of the list (it resends from the durable seq
+                # that collector reports, from the store they share)
+                self._url_index = (self._url_index + 1) % len(self.urls)
+                if failed_in_a_row % len(self.urls):
+                    continue  # the rest of the list first; the backoff once all failed
             delay = min(backoff, self.backoff_max_s) * random.uniform(0.5, 1.0)
             backoff = min(backoff * 2, self.backoff_max_s)
             if self._stopping:
