@@ -572,9 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", required=True, help="engine id to steer")
     p.add_argument(
         "--db",
-        default="sqlite:///data/chunkscope.db",
-        help="the collector's store, read as the dashboard reads it "
-        "(default sqlite:///data/chunkscope.db, the collector's default)",
+        default=credentials.from_env(credentials.DB_URL_ENV) or "sqlite:///data/chunkscope.db",
+        help="the collector's store, read as the dashboard reads it (default "
+        f"${credentials.DB_URL_ENV}, else sqlite:///data/chunkscope.db, the collector's default)",
     )
     p.add_argument("--slo-itl-ms", type=float, required=True, help="chat ITL p99 SLO (ms)")
     p.add_argument("--slo-ttft-ms", type=float, required=True, help="TTFT p99 SLO (ms)")

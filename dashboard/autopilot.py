@@ -57,16 +57,11 @@ class AutopilotSwitch:
         self._slos: dict[str, SwitchSlo] = {}
         self._lock = threading.Lock()
 
-    def argv(
-        self,
-        collector_url: str,
-        engine_id: str,
-        db_url: str,
-        slo: SwitchSlo,
-    ) -> list[str]:
-        """The child's command line; its control token travels in its environment, never here
-        (a command line is readable by every local user)."""
-        args = ["--collector", collector_url, "--engine", engine_id, "--db", db_url,
+    def argv(self, collector_url: str, engine_id: str, slo: SwitchSlo) -> list[str]:
+        """The child's command line; its control token and the store's URL (which may hold a
+        password) travel in its environment, never here (a command line is readable by every
+        local user)."""
+        args = ["--collector", collector_url, "--engine", engine_id,
                 "--slo-itl-ms", f"{slo.itl_ms:g}", "--slo-ttft-ms", f"{slo.ttft_ms:g}"]  # fmt: skip
         if slo.tail_itl_ms is not None:
             args += ["--slo-itl-max-ms", f"{slo.tail_itl_ms:g}"]
@@ -87,9 +82,9 @@ class AutopilotSwitch:
                 return old
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id)[:64]
             log = self.data_dir / "logs" / f"autopilot-{safe}.log"
-            proc = ManagedProcess(
-                "autopilot", self.argv(collector_url, engine_id, db_url, slo), log
-            ).start(env=child_env(control=token))
+            proc = ManagedProcess("autopilot", self.argv(collector_url, engine_id, slo), log).start(
+                env=child_env(control=token, db_url=db_url)
+            )
             self._procs[engine_id] = proc
             self._slos[engine_id] = slo
             return proc

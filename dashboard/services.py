@@ -131,12 +131,15 @@ class Stack:
                         "0",
                         "--data-dir",
                         str(s.data_dir),
-                        "--db",
-                        str(self._db_url),
                     ),
                     logs / "collector.log",
                     nice=INSTRUMENT_NICE,
-                ).start(env=child_env(publish=s.publish_token, control=s.control_token))
+                ).start(
+                    # the store's URL in the environment, not as --db: ps shows a command line
+                    env=child_env(
+                        publish=s.publish_token, control=s.control_token, db_url=self._db_url
+                    )
+                )
                 self._collector_url = self.collector.wait_ready(
                     COLLECTOR_READY, COLLECTOR_START_TIMEOUT_S
                 )
@@ -211,13 +214,14 @@ SECRET_ENVS = {
     "control": credentials.CONTROL_ENV,
     "api_key": credentials.API_KEY_ENV,
     "openai_api_key": "OPENAI_API_KEY",
+    "db_url": credentials.DB_URL_ENV,  # a PostgreSQL URL may hold a password
 }
 
 
 def child_env(**given: str | None) -> dict[str, str | None]:
     """The credential variables of a child: those ``given`` (publish, control, api_key,
-    openai_api_key) set, every other one (and the older single token) removed, so no child
-    inherits a secret it does not need."""
+    openai_api_key, db_url) set, every other one (and the older single token) removed, so no
+    child inherits a secret it does not need."""
     unknown = set(given) - set(SECRET_ENVS)
     if unknown:
         raise TypeError(f"unknown credentials {sorted(unknown)}")

@@ -50,9 +50,11 @@ def _collector_parser(prog: str = "python -m storage") -> argparse.ArgumentParse
     )
     p.add_argument(
         "--db",
-        default=None,
+        default=credentials.from_env(credentials.DB_URL_ENV),
         help="SQLAlchemy database URL, e.g. sqlite:///data/chunkscope.db or "
-        "postgresql+psycopg://user:pw@host/db (default: sqlite:///<data-dir>/chunkscope.db)",
+        "postgresql+psycopg://user:pw@host/db; a URL with a password is better given as "
+        f"${credentials.DB_URL_ENV}, which ps does not show (default: "
+        f"${credentials.DB_URL_ENV}, else sqlite:///<data-dir>/chunkscope.db)",
     )
     p.add_argument(
         "--data-dir", default="./data", help="folder of the default SQLite store (default ./data)"
@@ -358,7 +360,11 @@ def run_prune(argv: list[str], prog: str = "python -m storage prune") -> int:
         "a connected run keeps its row and its seq; bounded transactions. The freed space is "
         "reused by later writes; --vacuum gives it back to the file system (collector stopped).",
     )
-    p.add_argument("--db", default=None, help="database URL (default: the --data-dir store)")
+    p.add_argument(
+        "--db",
+        default=credentials.from_env(credentials.DB_URL_ENV),
+        help=f"database URL (default: ${credentials.DB_URL_ENV}, else the --data-dir store)",
+    )
     p.add_argument("--data-dir", default="./data", help="folder of the default SQLite store")
     p.add_argument("--older-than", type=_age, default=None, metavar="AGE", help="e.g. 7d, 12h")
     p.add_argument(

@@ -47,6 +47,7 @@ from storage.chrome_trace import chrome_trace, write_chrome_trace
 from storage.columns import TOKENS_COLUMNS
 from storage.db import default_url
 from storage.export_read import ExportError, Selection, load_tables, open_store
+from wire import credentials
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +186,10 @@ def build_parser(prog: str = "chunkscope export") -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--db",
-        default=None,
+        default=credentials.from_env(credentials.DB_URL_ENV),
         help="the store's database URL, e.g. sqlite:///data/chunkscope.db or "
-        "postgresql+psycopg://user@host/db (default: sqlite:///<data-dir>/chunkscope.db)",
+        f"postgresql+psycopg://user@host/db (default: ${credentials.DB_URL_ENV}, else "
+        "sqlite:///<data-dir>/chunkscope.db)",
     )
     p.add_argument(
         "--data-dir", default="./data", help="folder of the default SQLite store (default ./data)"

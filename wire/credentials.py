@@ -33,6 +33,10 @@ CONTROL_ENV = "CHUNKSCOPE_CONTROL_TOKEN"
 API_KEY_ENV = "CHUNKSCOPE_API_KEY"
 LEGACY_ENV = "CHUNKSCOPE_AUTH_TOKEN"
 OPT_OUT_FLAG = "--allow-unauthenticated"
+# The store's URL may hold a password (postgresql+psycopg://user:pw@host/db): a program that
+# starts another hands it over in this variable, never as --db (a command line is readable by
+# every local user through ps); each CLI's --db falls back to it.
+DB_URL_ENV = "CHUNKSCOPE_DB_URL"
 
 
 def from_env(name: str, *, legacy: bool = False) -> str | None:

@@ -69,7 +69,7 @@ def test_a_status_is_no_budget_marker() -> None:
 
 def test_switch_runs_the_cli_with_the_slos(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sw = AutopilotSwitch(tmp_path)
-    argv = sw.argv("ws://127.0.0.1:1", "e1", "sqlite:///x.db", SwitchSlo(80, 1500, 400))
+    argv = sw.argv("ws://127.0.0.1:1", "e1", SwitchSlo(80, 1500, 400))
     assert "tok" not in " ".join(argv)  # the token travels in the child's environment
     monkeypatch.setenv(credentials.CONTROL_ENV, "tok")
     args = build_parser().parse_args(argv[3:])

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 
-from dashboard import control, services
+from advisor import autopilot_run
+from dashboard import autopilot, control, services
 from dashboard.settings import bind_refusal, parse_settings
+from storage import cli as storage_cli
 from storage.control import CollectorUnavailable
 from testkit.collector import collector_in_thread
 from wire import credentials
@@ -62,6 +64,11 @@ def test_each_child_gets_the_credentials_it_needs_and_no_other(
     # removed (None), not inherited: the collector never serves OpenAI routes
     assert collector[credentials.API_KEY_ENV] is None and collector["OPENAI_API_KEY"] is None
     assert collector[credentials.LEGACY_ENV] is None and engine[credentials.LEGACY_ENV] is None
+    # the store's URL in the collector's environment; the engine never reads the store
+    assert (
+        collector[credentials.DB_URL_ENV] == stack.db_url and engine[credentials.DB_URL_ENV] is None
+    )
+    assert "--db" not in stack.collector.argv  # type: ignore[union-attr]
     shown = " ".join(stack.collector.argv + stack.engine.argv)  # type: ignore[union-attr]
     assert not any(v in shown for v in SECRETS.values())  # never on a command line
     # the traffic launcher's loadgen gets the API key, and nothing that steers or publishes
@@ -109,3 +116,26 @@ def test_settings_never_show_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = parse_settings([])
     assert settings.api_key == "api-x" and settings.publish_token == "pub-x"
     assert not any(v in repr(settings) for v in SECRETS.values())
+
+
+def test_no_child_carries_the_store_password_on_its_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PostgreSQL URL holds its password; ps shows every local user a command line, so the
+    autopilot child (the one child attach mode starts with the store) gets it in its
+    environment, and its CLI reads it from there."""
+    url = "postgresql+psycopg://chunk:s3cr%40t-pw@127.0.0.1:5432/chunkscope"
+    monkeypatch.setattr(autopilot, "ManagedProcess", _Recorder)
+    _Recorder.started = []
+    switch = autopilot.AutopilotSwitch(tmp_path)
+    proc = switch.start("ws://127.0.0.1:1", "e1", url, autopilot.SwitchSlo(250, 2000), token="t")
+    argv = proc.argv  # type: ignore[attr-defined]
+    assert not any("s3cr" in a for a in argv) and "--db" not in argv
+    name, env = _Recorder.started[-1]
+    assert name == "autopilot" and env[credentials.DB_URL_ENV] == url
+    monkeypatch.setenv(credentials.DB_URL_ENV, url)  # as the child's environment holds it
+    assert autopilot_run.build_parser().parse_args(argv[3:]).db == url
+    # the collector's and the store commands' --db fall back to it as well
+    assert storage_cli._collector_parser().parse_args([]).db == url
+    monkeypatch.delenv(credentials.DB_URL_ENV)
+    assert storage_cli._collector_parser().parse_args([]).db is None
