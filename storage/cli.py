@@ -26,7 +26,7 @@ DEFAULT_URL = "ws://127.0.0.1:8765"
 
 
 def _collector_parser(prog: str = "python -m storage") -> argparse.ArgumentParser:
-    from storage.collector import DEFAULT_MAX_FRAME_BYTES, DEFAULT_PORT
+    from storage.collector import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_PENDING_BYTES, DEFAULT_PORT
 
     others = (
         "Steer engines with `chunkscope control`, export with `chunkscope export`, prune with "
@@ -100,6 +100,15 @@ def _collector_parser(prog: str = "python -m storage") -> argparse.ArgumentParse
         default=DEFAULT_MAX_FRAME_BYTES,
         help="largest frame accepted in bytes; bigger ones close the connection with 1009 "
         f"(default {DEFAULT_MAX_FRAME_BYTES})",
+    )
+    p.add_argument(
+        "--max-pending-bytes",
+        type=_size,
+        default=DEFAULT_MAX_PENDING_BYTES,
+        metavar="SIZE",
+        help="most bytes of received frames that may wait for the store (e.g. 128M); past it a "
+        "frame is refused with close 1013, not acknowledged, and its engine resends it later "
+        f"(default {DEFAULT_MAX_PENDING_BYTES // (1024 * 1024)}M)",
     )
     p.add_argument(
         "--control-timeout",
@@ -210,6 +219,7 @@ def run_collector(argv: list[str], prog: str = "python -m storage") -> int:
             control_token=args.control_token,
             engine_credentials=engine_credentials,
             max_frame_bytes=args.max_frame_bytes,
+            max_pending_bytes=args.max_pending_bytes,
             control_timeout=args.control_timeout,
             db_connect_timeout=args.db_connect_timeout,
             db_statement_timeout=args.db_statement_timeout,

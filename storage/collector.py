@@ -28,6 +28,7 @@ from storage import retention
 from storage.collector_admission import Admission
 from storage.collector_config import (
     CLOSE_AUTH,
+    CLOSE_BUSY,
     CLOSE_NOT_YOURS,
     CLOSE_REPLACED,
     CLOSE_STORE_ERROR,
@@ -35,6 +36,8 @@ from storage.collector_config import (
     DEFAULT_HELLO_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_PENDING_BYTES,
+    DEFAULT_MAX_PENDING_EVENTS,
     DEFAULT_MAX_UNIDENTIFIED,
     DEFAULT_MAX_UNIDENTIFIED_PER_PEER,
     DEFAULT_PORT,
@@ -54,6 +57,7 @@ from storage.writer import Writer
 
 __all__ = [
     "CLOSE_AUTH",
+    "CLOSE_BUSY",
     "CLOSE_NOT_YOURS",
     "CLOSE_REPLACED",
     "CLOSE_STORE_ERROR",
@@ -61,6 +65,8 @@ __all__ = [
     "DEFAULT_HELLO_TIMEOUT",
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_FRAME_BYTES",
+    "DEFAULT_MAX_PENDING_BYTES",
+    "DEFAULT_MAX_PENDING_EVENTS",
     "DEFAULT_MAX_UNIDENTIFIED",
     "DEFAULT_MAX_UNIDENTIFIED_PER_PEER",
     "DEFAULT_PORT",

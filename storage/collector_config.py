@@ -30,6 +30,10 @@ RESERVED_CONNECTIONS = 16
 # crash is a new run, and gets the route when this is over.
 DEFAULT_ROUTE_GRACE = 60.0
 MAX_QUEUED_FRAMES = 16  # frames read ahead per connection (websockets' max_queue)
+# What waits for the writer, in bytes of frames as received: past it a frame is refused (close
+# 1013, not acknowledged) and its engine resends it from the durable seq once it is back
+DEFAULT_MAX_PENDING_BYTES = 128 * 1024 * 1024
+DEFAULT_MAX_PENDING_EVENTS = 200_000  # ... and in events: past it handlers wait for the writer
 MAX_CONTROLS_IN_FLIGHT = 16  # per /control client
 
 CLOSE_TOO_BIG = 1009
@@ -37,6 +41,7 @@ CLOSE_AUTH = 4401
 CLOSE_NOT_YOURS = 4403  # the hello cannot speak for the run it names (wrong run_secret)
 CLOSE_REPLACED = 4409
 CLOSE_STORE_ERROR = 1011
+CLOSE_BUSY = 1013  # "try again later": too much waits for the writer
 
 
 def bearer(request: Request) -> str | None:
@@ -77,7 +82,8 @@ class CollectorConfig:
     store_retry_deadline: float = DEFAULT_RETRY_DEADLINE
     # /healthz answers 503 once a batch has waited on the store this long
     store_stall_after: float = DEFAULT_STALL_AFTER
-    max_pending_events: int = 200_000
+    max_pending_events: int = DEFAULT_MAX_PENDING_EVENTS
+    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
     # an engine id's control route stays with the run that held it this long after that run's
     # connection dropped without a goodbye (and after the collector's start, for the run that
     # was connected when it stopped): no other run of the id takes it meanwhile
@@ -124,6 +130,15 @@ class CollectorConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_pending_bytes < self.max_frame_bytes:
+            raise ValueError(
+                f"max_pending_bytes ({self.max_pending_bytes}) must be at least max_frame_bytes "
+                f"({self.max_frame_bytes}): one frame of the largest size must fit"
+            )
+        if self.max_pending_events < 1:
+            raise ValueError(
+                f"max_pending_events must be at least 1, got {self.max_pending_events}"
+            )
         if not self.hello_timeout > 0:
             raise ValueError(f"hello_timeout must be positive, got {self.hello_timeout}")
         for name in ("max_connections", "max_unidentified", "max_unidentified_per_peer"):

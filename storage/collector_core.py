@@ -91,6 +91,9 @@ class CollectorCore:
         self._route_kept: dict[str, tuple[int, str, float]] = {}
         self._seen: dict[str, dict[str, Any]] = {}  # engine_id -> its latest list_engines row
         self._pending_events = 0
+        # bytes of the frames whose events wait for the writer (id(op) -> that frame's size)
+        self._pending_bytes = 0
+        self._op_bytes: dict[int, int] = {}
         self._drained = asyncio.Event()
         self._ids = itertools.count(1)
         # (engine_id, run_id) -> hellos submitted to the writer and not answered yet, and the
@@ -109,7 +112,11 @@ class CollectorCore:
 
     # -- writer plumbing ----------------------------------------------------------------------
 
-    def _submit(self, op: Any, *, want_result: bool = False) -> asyncio.Future[Any] | None:
+    def _submit(
+        self, op: Any, *, want_result: bool = False, nbytes: int = 0
+    ) -> asyncio.Future[Any] | None:
+        """Queue ``op`` for the writer; ``nbytes``: the size of the frame an ``Events`` op came
+        in (counted against ``max_pending_bytes`` until its commit)."""
         assert self._writer is not None and self._loop is not None
         fut = None
         if want_result:
@@ -118,6 +125,10 @@ class CollectorCore:
         if isinstance(op, Events):
             self._pending_events += len(op.events)
             self.metrics.pending.set(self._pending_events)
+            if nbytes:
+                self._op_bytes[id(op)] = nbytes
+                self._pending_bytes += nbytes
+                self.metrics.pending_bytes.set(self._pending_bytes)
         self._writer.submit(op)
         return fut
 
@@ -144,6 +155,7 @@ class CollectorCore:
                 continue
             n_events += len(op.events)
             self._pending_events -= len(op.events)
+            self._pending_bytes -= self._op_bytes.pop(id(op), 0)
             oldest = op.received if oldest is None else min(oldest, op.received)
             conn: IngestConn | None = op.tag
             if isinstance(result, BaseException):
@@ -161,6 +173,7 @@ class CollectorCore:
             m.ingest_lag.set(lag)
             m.ingest_lag_hist.observe(lag)
         m.pending.set(self._pending_events)
+        m.pending_bytes.set(self._pending_bytes)
         if self._pending_events <= self.config.max_pending_events:
             self._drained.set()
         for conn, seq in acks.values():
@@ -221,6 +234,12 @@ class CollectorCore:
             await ws.send(json.dumps(msg, allow_nan=False))
         except ConnectionClosed:
             pass
+
+    def _no_room(self, nbytes: int) -> bool:
+        """Whether a frame of ``nbytes`` would take what waits for the writer past
+        ``max_pending_bytes`` (a frame always fits when nothing waits)."""
+        pending = self._pending_bytes
+        return pending > 0 and pending + nbytes > self.config.max_pending_bytes
 
     async def _backpressure(self) -> None:
         while self._pending_events > self.config.max_pending_events:

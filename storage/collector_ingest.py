@@ -17,6 +17,7 @@ from storage import ingest
 from storage.collector_admission import Admission
 from storage.collector_config import (
     CLOSE_AUTH,
+    CLOSE_BUSY,
     CLOSE_NOT_YOURS,
     CLOSE_REPLACED,
     CLOSE_STORE_ERROR,
@@ -309,17 +310,36 @@ class IngestHandling(ControlRelay, Admission):
             await self._backpressure()
             if not conn.current or conn.failed:
                 return False
+            if self._no_room(len(raw)):
+                await self._refuse_busy(conn, len(raw))
+                return False
             conn.expected = verdict.expected
             if verdict.accepted[-1].get("type") == "goodbye":
                 conn.said_goodbye = True
             if conn.declared:
                 _stamp_declared(conn.declared, verdict.accepted)
             self._note_progress(conn, verdict.accepted)
-            self._submit(Events(conn.run_key, verdict.accepted, tag=conn))
+            self._submit(Events(conn.run_key, verdict.accepted, tag=conn), nbytes=len(raw))
         if verdict.error is not None:
             self.metrics.refuse(verdict.error["code"])
             await self._send(conn.ws, verdict.error)
         return True
+
+    async def _refuse_busy(self, conn: IngestConn, nbytes: int) -> None:
+        """Too much waits for the writer to take this frame: close the connection with 1013
+        without accepting it (nothing of it is acknowledged), so the engine keeps it in its
+        buffer and resends it from the durable seq when it is back."""
+        self.metrics.refuse("busy")
+        logger.warning(
+            "engine %s run %s: a frame of %d bytes refused, %d bytes wait for the store "
+            "(--max-pending-bytes %d); closing 1013, the engine resends it later",
+            conn.engine_id,
+            conn.run_id,
+            nbytes,
+            self._pending_bytes,
+            self.config.max_pending_bytes,
+        )
+        await conn.ws.close(CLOSE_BUSY, "collector busy: too much waits for the store; resend")
 
     def _note_progress(self, conn: IngestConn, events: list[dict[str, Any]]) -> None:
         for ev in reversed(events):

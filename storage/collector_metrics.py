@@ -60,6 +60,11 @@ class Metrics:
         self.pending = Gauge(
             "collector_pending_events", "Events received but not yet committed", registry=r
         )
+        self.pending_bytes = Gauge(
+            "collector_pending_bytes",
+            "Bytes of frames received but not yet committed (bounded by --max-pending-bytes)",
+            registry=r,
+        )
         self.connected = Gauge(
             "collector_connected_engines", "Engines connected on /ingest", registry=r
         )
