@@ -89,6 +89,12 @@ def _export(argv: list[str]) -> int:
     return main(argv, prog=f"{PROG} export")
 
 
+def _blame(argv: list[str]) -> int:
+    from advisor.blame_cli import main
+
+    return main(argv, prog=f"{PROG} blame")
+
+
 def _prune(argv: list[str]) -> int:
     from storage.cli import run_prune
 
@@ -160,6 +166,13 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "write stored telemetry as a Chrome trace (Perfetto) or CSV / Parquet tables",
         "python -m storage export",
         _export,
+    ),
+    Subcommand(
+        "blame",
+        "who slowed a request, and which requests cost the others most: stalls attributed by "
+        "the fitted step-cost model",
+        "",
+        _blame,
     ),
     Subcommand(
         "prune",

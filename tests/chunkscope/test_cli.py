@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # every job has one, named in docs/cli.md and README.md
 EXPECTED = (
     "engine", "collector", "dashboard", "loadgen", "sweep", "advise", "autopilot", "control",
-    "export", "prune", "vllm",
+    "export", "blame", "prune", "vllm",
 )  # fmt: skip
 # progs set by the packages themselves (python -m loadgen and chunkscope loadgen share them)
 OWN_PROG = {"loadgen": "loadgen", "sweep": "loadgen sweep"}

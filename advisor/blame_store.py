@@ -1,0 +1,181 @@
+"""The blame ledger's reads: a window of one run from the store, the step-cost model fitted to
+it, and a request found by the id its client saw. Through ``storage.queries`` only; no torch."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+from sqlalchemy import Engine
+
+from advisor.blame import BlameError, Ledger, Window
+from advisor.fit import FitError, FitReport, fit_steps, image_shares, load_steps, step_works
+from storage import queries
+
+logger = logging.getLogger(__name__)
+
+# a step in flight when a request arrived began at most this long before it (the steps read
+# before a request's arrival); a longer one counts from where the read begins
+LOOKBACK_S = 10.0
+# fewer steps than this in the window: the model is fitted on the FIT_S seconds ending with it
+MIN_FIT_STEPS = 200
+FIT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Blamed:
+    """A ledger and the fit it used."""
+
+    ledger: Ledger
+    fit: FitReport
+
+
+def resolve_run(
+    db: Engine, engine_id: str, run_id: str | None, since: float | None, until: float | None
+) -> str:
+    """``run_id``, or the engine's newest run with steps in [since, until]."""
+    runs = queries.engines(db)
+    runs = runs[runs["engine_id"] == engine_id]
+    if runs.empty:
+        known = ", ".join(sorted(set(queries.engines(db)["engine_id"]))[:10]) or "none"
+        raise BlameError(f"no engine {engine_id!r} in the store (engines: {known})")
+    if run_id is not None:
+        if run_id not in set(runs["run_id"]):
+            raise BlameError(f"engine {engine_id!r} has no run {run_id!r}")
+        return run_id
+    for rid in runs["run_id"]:  # newest first
+        if not queries.steps(
+            db, engine_id=engine_id, run_id=rid, since=since, until=until, limit=1
+        ).empty:
+            return str(rid)
+    raise BlameError(f"engine {engine_id!r} ran no step in the window")
+
+
+def read_window(
+    db: Engine, engine_id: str, run_id: str, since: float | None, until: float | None
+) -> Window:
+    """The steps (those starting in [since, until]), their chunks and the requests of one run."""
+    steps = queries.steps(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
+    if steps.empty:
+        raise BlameError(f"no steps of {engine_id}/{run_id} in the window")
+    chunks = queries.step_chunks(
+        db,
+        engine_id=engine_id,
+        run_id=run_id,
+        step_from=int(steps["step"].min()),
+        step_to=int(steps["step"].max()),
+    )
+    reqs = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
+    return Window(engine_id, run_id, steps, chunks, reqs)
+
+
+def fit_window(db: Engine, window: Window) -> FitReport:
+    """The step-cost model fitted to the window's steps, or to the ``FIT_S`` seconds ending
+    with them when the window holds fewer than ``MIN_FIT_STEPS``."""
+    steps = window.steps
+    if len(steps) >= MIN_FIT_STEPS:
+        reqs = window.requests
+        images = frozenset(
+            reqs.loc[reqs["num_image_tokens"].fillna(0) > 0, "request_id"].astype(str)
+        )
+        work = step_works(window.chunks, images, image_shares(reqs))
+        merged = steps.merge(work, on=["engine_id", "run_id", "step"], how="left").fillna(
+            {c: 0 for c in work.columns if c not in ("engine_id", "run_id", "step")}
+        )
+    else:
+        until = float(steps["end"].max())
+        since = min(float(steps["start"].min()), until - FIT_S)
+        merged = load_steps(
+            db, engine_id=window.engine_id, run_id=window.run_id, since=since, until=until
+        )
+    try:
+        return fit_steps(
+            merged, {"engine_id": window.engine_id, "run_id": window.run_id}, resamples=0
+        )
+    except FitError as exc:
+        raise BlameError(f"cannot fit the step-cost model: {exc}") from exc
+
+
+def blame_window(
+    db: Engine,
+    *,
+    engine_id: str,
+    run_id: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    fit: FitReport | None = None,
+) -> Blamed:
+    """The ledger of one run's window (the engine's newest run with steps there by default)."""
+    if since is not None and until is not None and not until > since:
+        raise BlameError(f"need --until after --since, got {since} and {until}")
+    run = resolve_run(db, engine_id, run_id, since, until)
+    window = read_window(db, engine_id, run, since, until)
+    report = fit if fit is not None else fit_window(db, window)
+    return Blamed(Ledger(window, report.model), report)
+
+
+def request_ids(request_id: str) -> list[str]:
+    """The ids a request may be stored under: as given, and for a chat completion's id
+    (``chatcmpl-X``) the engine's ``cmpl-X`` (chunkscope's engine answers a chat completion
+    with ``chat`` before its request id)."""
+    out = [request_id]
+    if request_id.startswith("chatcmpl-"):
+        out.append(request_id[len("chat") :])
+    return out
+
+
+def find_request(
+    db: Engine, engine_id: str, request_id: str, run_id: str | None = None
+) -> tuple[str, dict[str, Any]]:
+    """The stored id and the request's row (the newest run holding it)."""
+    for rid in request_ids(request_id):
+        times = queries.token_times(db, engine_id=engine_id, run_id=run_id, request_id=rid)
+        if times.empty:
+            continue
+        lo, hi = float(times["time"].min()), float(times["time"].max())
+        reqs = queries.requests(db, engine_id=engine_id, run_id=run_id, since=lo, until=hi)
+        rows = reqs[reqs["request_id"] == rid]
+        if not rows.empty:
+            return rid, rows.iloc[-1].to_dict()
+    # a request that never produced a token: look through the engine's requests
+    reqs = queries.requests(db, engine_id=engine_id, run_id=run_id)
+    for rid in request_ids(request_id):
+        rows = reqs[reqs["request_id"] == rid]
+        if not rows.empty:
+            return rid, rows.iloc[-1].to_dict()
+    raise BlameError(f"no request {request_id!r} of engine {engine_id!r} in the store")
+
+
+def blame_request(
+    db: Engine,
+    *,
+    engine_id: str,
+    request_id: str,
+    run_id: str | None = None,
+    fit: FitReport | None = None,
+) -> tuple[dict[str, Any], Blamed]:
+    """What slowed one request (``Ledger.request``), read over its life, and the ledger."""
+    rid, row = find_request(db, engine_id, request_id, run_id)
+    run = str(row["run_id"])
+    begin = _first(row, "arrival", "first_scheduled", "first_token")
+    end = _first(row, "finished", "first_token", "first_scheduled")
+    if begin is None or end is None:
+        raise BlameError(f"request {request_id!r} has no times in the store")
+    window = read_window(db, engine_id, run, begin - LOOKBACK_S, max(end, begin))
+    report = fit if fit is not None else fit_window(db, window)
+    ledger = Ledger(window, report.model)
+    out = ledger.request(rid)
+    if rid != request_id:
+        out["stored_request_id"] = rid
+        out["request_id"] = request_id
+    return out, Blamed(ledger, report)
+
+
+def _first(row: dict[str, Any], *names: str) -> float | None:
+    for name in names:
+        v = row.get(name)
+        if v is not None and not pd.isna(v):
+            return float(v)
+    return None
