@@ -144,6 +144,7 @@ class Collector(IngestHandling, ControlRelay, Admission):
             raise
         store = db.url.render_as_string(hide_password=True)
         logger.info("serving on %s, store %s", self.url, store)
+        await self._fleet_start()
         self._retention_stop.clear()
         self._retention = threading.Thread(
             target=self._retention_loop, name="storage-retention", daemon=True
@@ -172,6 +173,7 @@ class Collector(IngestHandling, ControlRelay, Admission):
             self._server.close(close_connections=True)
             await self._server.wait_closed()
             self._server = None
+        await self._fleet_stop()
         for task in list(self._tasks):
             task.cancel()
         self._retention_stop.set()
@@ -217,9 +219,12 @@ class Collector(IngestHandling, ControlRelay, Admission):
             return health_response(connection, self.store_problem())
         if path == "/metrics":
             return metrics_response(connection, self.metrics.registry)
+        if path in ("/sd", "/http_sd"):
+            return self.sd_response(connection)
         if path not in ("/ingest", "/control"):
             return connection.respond(
-                HTTPStatus.NOT_FOUND, "not found: use /ingest, /control, /healthz or /metrics\n"
+                HTTPStatus.NOT_FOUND,
+                "not found: use /ingest, /control, /healthz, /metrics or /sd\n",
             )
         return self._gate(connection, request, path)
 

@@ -98,6 +98,10 @@ class CollectorConfig:
     prune_max_bytes: int | None = None
     retention_interval: float = 60.0
     prune_max_rows: int = 50_000  # rows deleted per pass at most
+    # the fleet (storage.fleet): None joins it on PostgreSQL; advertise_url is the ws:// URL
+    # engines and other collectors reach this one at (default: its own listening URL)
+    fleet: bool | None = None
+    advertise_url: str | None = None
 
     @property
     def ingest_token(self) -> str | None:

@@ -43,6 +43,7 @@ class IngestConn:
     policies: tuple[str, ...] = POLICIES
     model: str | None = None
     engine_kind: str | None = None  # the hello's engine_kind ("vllm" for the vLLM bridge)
+    metrics_url: str | None = None  # the hello's metrics_url: the engine's Prometheus /metrics
     last_step: int | None = None
     last_seen_ns: int | None = None
     # the first step of the latest accepted control (its ack or its event): a step event of an
@@ -261,6 +262,7 @@ class CollectorCore:
             CAP_KEY: conn.long_prefill_token_threshold,
             "policies": list(conn.policies),
             "engine_kind": conn.engine_kind,
+            "metrics_url": conn.metrics_url,
             "last_step": conn.last_step,
             "last_seen_ns": conn.last_seen_ns,
         }

@@ -24,6 +24,7 @@ from storage.collector_config import (
     CLOSE_TOO_BIG,
 )
 from storage.collector_core import IngestConn, note_applied
+from storage.collector_fleet import metrics_url
 from storage.collector_relay import ControlRelay
 from storage.ingest import CLOSE_BAD_INPUT
 from storage.store import Disconnect, Events, Hello, RunInfo
@@ -284,6 +285,7 @@ class IngestHandling(ControlRelay, Admission):
             conn.policies = tuple(policies)
         kind = h.get("engine_kind")
         conn.engine_kind = kind if isinstance(kind, str) else None
+        conn.metrics_url = metrics_url(h.get("metrics_url"))
 
     async def _ingest_frame(self, conn: IngestConn, raw: str | bytes) -> bool:
         """Handle one frame after the hello (the rules are ``storage.ingest``'s; this carries

@@ -15,7 +15,8 @@ from websockets.exceptions import ConnectionClosed
 
 from storage import ingest
 from storage.collector_config import MAX_CONTROLS_IN_FLIGHT, presented_token
-from storage.collector_core import CollectorCore, IngestConn, note_applied
+from storage.collector_core import IngestConn, note_applied
+from storage.collector_fleet import FleetLink
 from storage.store import CollectorControl
 from wire import credentials
 from wire.control import (
@@ -42,7 +43,7 @@ class _Refusal(Exception):
         self.param = param
 
 
-class ControlRelay(CollectorCore):
+class ControlRelay(FleetLink):
     """Control routes, /control clients and the relay of controls to engines."""
 
     # -- control routes -----------------------------------------------------------------------
@@ -193,6 +194,8 @@ class ControlRelay(CollectorCore):
         ``only``: that engine id alone."""
         self._expire_kept_routes()
         rows = self.list_engines()
+        if self._fleet is not None:  # the whole fleet, with the collector each is connected to
+            rows = self.fleet_rows(rows)
         if only is not None:
             rows = [r for r in rows if r.get("engine_id") == only]
         return ingest.engines_page(rows, msg.get("offset"))
@@ -203,10 +206,14 @@ class ControlRelay(CollectorCore):
         answer = await self.relay(msg, presented)
         await self._send(ws, answer)
 
-    async def relay(self, msg: dict[str, Any], presented: str | None = None) -> dict[str, Any]:
+    async def relay(
+        self, msg: dict[str, Any], presented: str | None = None, *, handed_over: bool = False
+    ) -> dict[str, Any]:
         """Check a control, forward it to its engine, and return the control_ack to send back.
         ``presented``: the token the /control client connected with; a ``token`` in the
-        message itself (older clients) takes its place."""
+        message itself (older clients) takes its place. An engine connected to another
+        collector of the fleet gets it through that collector (``handed_over``: it came from
+        one, and goes no further)."""
         cid = msg.get("id")
         cid = (
             ingest.clean_text(str(cid), ingest.MAX_ID_CHARS)
@@ -221,6 +228,13 @@ class ControlRelay(CollectorCore):
         token = msg.get("token")
         if token is None:
             token = presented
+        if conn is None and not handed_over and isinstance(engine_id, str):
+            # connected to another collector of the fleet: the run whose route is kept here
+            # (it failed over), or any run when none is kept
+            owner = self._owner_elsewhere(engine_id, run_id)
+            kept = self._route_kept.get(engine_id)
+            if owner is not None and (kept is None or kept[1] == owner.get("run_id")):
+                return await self._hand_over(owner, msg, cid, token)
         try:
             self._check_target(engine_id, run_id, conn, token)
             assert conn is not None and isinstance(engine_id, str)

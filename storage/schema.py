@@ -187,3 +187,44 @@ gaps = Table(
     Column("wall", Float, nullable=False),
     PrimaryKeyConstraint("run_key", "seq", name="pk_gaps"),
 )
+
+# ---- the fleet: several collectors on one PostgreSQL store (storage.fleet) --------------------
+
+fleet_collectors = Table(
+    "fleet_collectors",
+    metadata,
+    Column("collector_id", Text, primary_key=True),
+    Column("url", Text, nullable=False),  # ws://host:port, as engines and clients reach it
+    Column("host", Text),
+    Column("pid", Integer),
+    Column("started", Float, nullable=False),  # wall seconds
+    Column("heartbeat", Float, nullable=False),
+)
+
+# one row per engine id: the collector that holds (or last held) its connection
+fleet_engines = Table(
+    "fleet_engines",
+    metadata,
+    Column("engine_id", Text, primary_key=True),
+    Column("run_id", Text, nullable=False),
+    Column("collector_id", Text, nullable=False),
+    Column("connected", Boolean, nullable=False),
+    Column("info", Text, nullable=False),  # JSON: the collector's engine row (list_engines)
+    Column("metrics_url", Text),  # the engine's Prometheus /metrics, from its hello
+    Column("updated", Float, nullable=False),
+)
+
+# a control handed to the collector that holds the engine's connection, and its answer
+fleet_controls = Table(
+    "fleet_controls",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("collector_id", Text, nullable=False),
+    Column("engine_id", Text, nullable=False),
+    Column("message", Text, nullable=False),  # JSON
+    Column("created", Float, nullable=False),
+    Column("claimed", Float),
+    Column("answer", Text),  # JSON: the control_ack
+    Column("answered", Float),
+    Index("ix_fleet_controls_collector", "collector_id", "claimed"),
+)

@@ -28,9 +28,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, Engine, bindparam, insert, select, update
+from sqlalchemy import Connection, Engine, bindparam, exists, insert, select, true, update
 
 from storage import ingest, schema
+from storage.fleet import STALE_AFTER_S
 from storage.packing import FLAG_CAPPED, FLAG_DECODE, FLAG_PRODUCED, pack_chunks, pack_tokens
 
 logger = logging.getLogger(__name__)
@@ -329,13 +330,26 @@ class Store:
         """Runs left marked connected by a collector that died are ended without goodbye until
         they reconnect. Returns how many."""
         r = self.runs_table
+        live = true()
+        if self.shared:
+            # in a fleet, a run connected through another collector that is alive stays so
+            fe, fc = schema.fleet_engines, schema.fleet_collectors
+            live = ~exists().where(
+                fe.c.engine_id == r.c.engine_id,
+                fe.c.run_id == r.c.run_id,
+                fe.c.connected.is_(True),
+                fc.c.collector_id == fe.c.collector_id,
+                fc.c.heartbeat >= time.time() - STALE_AFTER_S,
+            )
         with self.conn.begin():
             result = self.conn.execute(
                 update(r)
-                .where(r.c.connected.is_(True), r.c.ended.is_(None))
+                .where(r.c.connected.is_(True), r.c.ended.is_(None), live)
                 .values(connected=False, ended_without_goodbye=True)
             )
-            self.conn.execute(update(r).where(r.c.connected.is_(True)).values(connected=False))
+            self.conn.execute(
+                update(r).where(r.c.connected.is_(True), live).values(connected=False)
+            )
         return int(result.rowcount or 0)
 
     runs_table = schema.runs

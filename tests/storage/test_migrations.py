@@ -68,11 +68,13 @@ def test_collectors_migrating_one_empty_store_at_once_are_safe(db_url: str) -> N
         errors = _migrate_at_once(db_url)
         assert errors == [], errors
         db = dbm.connect(db_url)
-        assert dbm.current_revision(db) == "0003"
+        assert dbm.current_revision(db) == "0004"
         with db.begin() as conn:
             for table in ("alembic_version", "controls", "gaps", "request_events", "requests"):
                 conn.execute(text(f"DROP TABLE {table}"))
             for table in ("steps", "runs", "engines"):
+                conn.execute(text(f"DROP TABLE {table}"))
+            for table in ("fleet_collectors", "fleet_engines", "fleet_controls"):
                 conn.execute(text(f"DROP TABLE {table}"))
         db.dispose()
 

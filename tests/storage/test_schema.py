@@ -127,6 +127,26 @@ EXPECTED = {
         "time_ns",
         "wall",
     ],
+    "fleet_collectors": ["collector_id", "url", "host", "pid", "started", "heartbeat"],
+    "fleet_engines": [
+        "engine_id",
+        "run_id",
+        "collector_id",
+        "connected",
+        "info",
+        "metrics_url",
+        "updated",
+    ],
+    "fleet_controls": [
+        "id",
+        "collector_id",
+        "engine_id",
+        "message",
+        "created",
+        "claimed",
+        "answer",
+        "answered",
+    ],
 }
 PRIMARY_KEYS = {
     "engines": ["engine_id"],
@@ -136,6 +156,9 @@ PRIMARY_KEYS = {
     "request_events": ["run_key", "seq"],
     "controls": ["id"],
     "gaps": ["run_key", "seq"],
+    "fleet_collectors": ["collector_id"],
+    "fleet_engines": ["engine_id"],
+    "fleet_controls": ["id"],
 }
 INDEXES = {
     "steps": {
@@ -143,6 +166,7 @@ INDEXES = {
         "ix_steps_run_start": ["run_key", "start_ns"],
     },
     "requests": {"ix_requests_run_arrival": ["run_key", "arrival_ns"]},
+    "fleet_controls": {"ix_fleet_controls_collector": ["collector_id", "claimed"]},
 }
 
 
@@ -159,7 +183,7 @@ def test_migrate_empty_store_gives_expected_tables(db_url: str) -> None:
     db = dbm.connect(db_url)
     try:
         dbm.migrate(db)
-        assert dbm.current_revision(db) == "0003"
+        assert dbm.current_revision(db) == "0004"
         insp = inspect(db)
         layout = {t: [c["name"] for c in insp.get_columns(t)] for t in insp.get_table_names()}
         assert layout.pop("alembic_version") == ["version_num"]
@@ -183,7 +207,7 @@ def test_migrate_twice_is_a_no_op(db_url: str) -> None:
         before = _layout(db_url)
         dbm.migrate(db)
         assert _layout(db_url) == before
-        assert dbm.current_revision(db) == "0003"
+        assert dbm.current_revision(db) == "0004"
     finally:
         db.dispose()
 
@@ -284,7 +308,7 @@ def test_store_written_before_the_cap_reads_and_migrates(db_url: str) -> None:
         assert before["token_budget"].tolist() == [512]
         assert before["long_prefill_token_threshold"].isna().all()
         dbm.migrate(db)
-        assert dbm.current_revision(db) == "0003"
+        assert dbm.current_revision(db) == "0004"
         after = queries.steps(db)
         assert after["step"].tolist() == [0]
         assert after["long_prefill_token_threshold"].isna().all()
