@@ -388,13 +388,14 @@ def start_engine_server(
     env: dict[str, str] | None = None,
     timeout: float = 180.0,
     stdout: int | None = None,
+    cwd: Path | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
     """Start ``python -m engine ... --port 0`` and return it with its URL, read from the line it
     prints when it listens. Its stderr is drained for as long as it runs (so it never blocks on
     a full pipe); when it does not start, the error carries its last 50 lines."""
     env = env if env is not None else {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, stdout=stdout, text=True
+        cmd, cwd=cwd or REPO_ROOT, env=env, stderr=subprocess.PIPE, stdout=stdout, text=True
     )
     assert proc.stderr is not None
     watch = ReadyWatch(proc.stderr, ENGINE_READY, keep=50)

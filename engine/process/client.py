@@ -270,21 +270,27 @@ class EngineClient:
             self._stats = batch.stats
         self._token_budget, self._policy = batch.token_budget, batch.policy
         self._cap = batch.long_prefill_token_threshold
+        for adm in batch.admissions:
+            refusal = (
+                None if adm.refusal is None else RequestRefused(adm.refusal, adm.message or "")
+            )
+            self.streams.admit(adm.request_id, refusal)
+        # Tokens go to their streams before the listeners (telemetry, metrics) see the step's
+        # events, so a client gets each token as soon as its step's batch is read; a request's
+        # last output waits for them, so once a response has ended its events have been seen.
+        going = [out for out in batch.outputs if not out.finished]
+        if going:
+            self.streams.dispatch(going)
         for event in batch.events:
             for fn in self._listeners:
                 try:
                     fn(event)
                 except Exception:  # noqa: BLE001 - an observer never stops the engine
                     logger.exception("event listener %r failed", fn)
-        for adm in batch.admissions:
-            refusal = (
-                None if adm.refusal is None else RequestRefused(adm.refusal, adm.message or "")
-            )
-            self.streams.admit(adm.request_id, refusal)
         for reply in batch.replies:
             self._resolve_call(reply.call_id, reply)
-        if batch.outputs:
-            self.streams.dispatch(batch.outputs)
+        if len(going) < len(batch.outputs):
+            self.streams.dispatch([out for out in batch.outputs if out.finished])
         if batch.error is not None:
             self._on_step_error(batch.error, batch.error_request_id)
 
