@@ -154,6 +154,13 @@ def _collector_parser(prog: str = "python -m storage") -> argparse.ArgumentParse
         help="seconds between retention passes (each measures the store for /metrics and "
         "deletes at most 50,000 rows; default 60)",
     )
+    p.add_argument(
+        "--advertise-url",
+        default=None,
+        help="the ws://HOST:PORT engines, control clients and Prometheus reach this collector "
+        "at, as other collectors of a fleet on the same PostgreSQL list it (default: the "
+        "address it listens on)",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
@@ -226,6 +233,7 @@ def run_collector(argv: list[str], prog: str = "python -m storage") -> int:
             prune_older_than=args.prune_older_than,
             prune_max_bytes=args.prune_max_bytes,
             retention_interval=args.retention_interval,
+            advertise_url=args.advertise_url,
         )
     except ValueError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)

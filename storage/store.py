@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, Engine, bindparam, exists, insert, select, true, update
+from sqlalchemy.sql.elements import ColumnElement
 
 from storage import ingest, schema
 from storage.fleet import STALE_AFTER_S
@@ -330,7 +331,7 @@ class Store:
         """Runs left marked connected by a collector that died are ended without goodbye until
         they reconnect. Returns how many."""
         r = self.runs_table
-        live = true()
+        live: ColumnElement[bool] = true()
         if self.shared:
             # in a fleet, a run connected through another collector that is alive stays so
             fe, fc = schema.fleet_engines, schema.fleet_collectors

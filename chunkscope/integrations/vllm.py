@@ -49,6 +49,7 @@ from chunkscope.integrations.vllm_events import (
 logger = logging.getLogger("vllm.chunkscope")
 
 ENV_URL = "CHUNKSCOPE_COLLECTOR_URL"
+ENV_METRICS_URL = "CHUNKSCOPE_METRICS_URL"
 # A test hook: while the file this names exists, the bridge's per-step code raises (the fault
 # path that must never reach vLLM).
 ENV_FAULT_FILE = "CHUNKSCOPE_BRIDGE_FAULT_FILE"
@@ -171,6 +172,9 @@ class _Bridge:
             "unsupported": list(self.unsupported),
             "config": vllm_config_summary(vc),
             "clock": self.anchor.to_dict(),
+            # vLLM's /metrics (`chunkscope vllm` sets it from --host/--port): listed by the
+            # collector for Prometheus service discovery
+            "metrics_url": os.environ.get(ENV_METRICS_URL) or None,
         }
 
     async def apply_control(self, changes: dict[str, Any], request_id: str | None) -> dict:

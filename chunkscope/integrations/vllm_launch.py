@@ -78,6 +78,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _flag(args: list[str], name: str) -> str | None:
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def vllm_metrics_url(vllm_args: list[str]) -> str:
+    """vLLM's ``/metrics`` URL from its ``--host`` and ``--port`` (8000 by default; the host
+    name when it binds every address)."""
+    import socket
+
+    host = _flag(vllm_args, "--host") or ""
+    port = _flag(vllm_args, "--port") or "8000"
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/metrics"
+
+
 def build_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """The command line and environment additions; ValueError for bad arguments."""
     args = build_parser().parse_args(argv)
@@ -99,6 +123,7 @@ def build_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     ):
         if value:
             env[key] = value
+    env["CHUNKSCOPE_METRICS_URL"] = vllm_metrics_url(rest)
     if not any(a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in rest):
         rest += ["--shutdown-timeout", str(DEFAULT_SHUTDOWN_TIMEOUT_S)]
     python = find_python(args.python)

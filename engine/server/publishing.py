@@ -18,11 +18,16 @@ from wire.control import ControlRefused, check_changes
 from wire.events import ClockAnchor
 
 
-def engine_hello(client: ServedEngine, model_name: str, anchor: ClockAnchor) -> dict[str, Any]:
-    """The engine's fields of the ``hello``, read afresh at each connect (budget, policy)."""
+def engine_hello(
+    client: ServedEngine, model_name: str, anchor: ClockAnchor, metrics_url: str | None = None
+) -> dict[str, Any]:
+    """The engine's fields of the ``hello``, read afresh at each connect (budget, policy);
+    ``metrics_url``: the server's Prometheus ``/metrics``, when it serves one."""
     stats = client.stats()
     config = client.config
+    extra = {"metrics_url": metrics_url} if metrics_url else {}
     return {
+        **extra,
         "model": model_name,
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -69,6 +74,7 @@ def start_server_publisher(
     control_token: str | None = None,
     spill_dir: str | Path | None = None,
     registry: Any = None,
+    metrics_url: str | None = None,
     **publisher_kw: Any,
 ) -> Publisher:
     """Start publishing ``client``'s events to the collector at ``url`` (``ws://host:port``,
@@ -82,7 +88,7 @@ def start_server_publisher(
     publisher = Publisher(
         url,
         engine_id=engine_id,
-        hello=lambda: engine_hello(client, model_name, anchor),
+        hello=lambda: engine_hello(client, model_name, anchor, metrics_url),
         token=token,
         apply_control=control_applier(client),
         control_token=control_token,
@@ -112,4 +118,5 @@ def start_for_state(
         control_token=state.control_token,
         spill_dir=spill_dir,
         registry=state.metrics.registry,
+        metrics_url=state.metrics_url,
     )

@@ -23,6 +23,7 @@ class ServerState:
     control_token: str | None = None
     api_keys: tuple[bytes, ...] = ()  # SHA-256 of each --api-key (engine/server/auth.py)
     collector_url: str | None = None
+    metrics_url: str | None = None  # this server's /metrics, told to the collector in the hello
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS

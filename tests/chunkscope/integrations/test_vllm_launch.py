@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,13 @@ def test_the_command_sets_the_bridge_and_the_collector(tmp_path: Path) -> None:
     assert env == {
         "CHUNKSCOPE_COLLECTOR_URL": "ws://127.0.0.1:9999/ingest",
         "CHUNKSCOPE_ENGINE_ID": "vllm-a",
+        "CHUNKSCOPE_METRICS_URL": f"http://{socket.gethostname()}:8000/metrics",
     }
+
+
+def test_the_metrics_url_follows_vllms_host_and_port() -> None:
+    _, env = build_command(["--", "--model", "m", "--host", "127.0.0.1", "--port=8123"])
+    assert env["CHUNKSCOPE_METRICS_URL"] == "http://127.0.0.1:8123/metrics"
 
 
 @pytest.mark.parametrize("given", [["--shutdown-timeout", "0"], ["--shutdown-timeout=30"]])

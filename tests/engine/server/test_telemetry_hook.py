@@ -49,13 +49,14 @@ def test_hello_control_relay_and_metrics(client: EngineClient) -> None:
     registry = CollectorRegistry()
     pub = start_server_publisher(
         client, collector.url, engine_id="eng-h", model_name="tiny", registry=registry,
-        linger_s=0.01,
+        linger_s=0.01, metrics_url="http://127.0.0.1:8000/metrics",
     )  # fmt: skip
     try:
         wait_until(lambda: pub.connected, "connected")
         hello = collector.hellos[0]
         assert (hello["engine_id"], hello["model"], hello["token_budget"]) == ("eng-h", "tiny", 64)
         assert hello["max_token_budget"] == 512 and hello["block_size"] == 16
+        assert hello["metrics_url"] == "http://127.0.0.1:8000/metrics"
         assert hello["kv_blocks_total"] == client.stats().kv_blocks_total > 0
         assert hello["config"]["model"] == "tiny"
         assert hello["clock"] == client.clock_anchor.to_dict()  # the core's own anchor
@@ -112,3 +113,13 @@ def test_bad_collector_url_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
         main(["--collector-url", "http://127.0.0.1:8765"])
     assert info.value.code == 2
     assert "ws://HOST:PORT" in capsys.readouterr().err
+
+
+def test_metrics_address_names_a_reachable_host() -> None:
+    import socket
+
+    from engine.server.cli import metrics_address
+
+    assert metrics_address("127.0.0.1", 8000) == "http://127.0.0.1:8000/metrics"
+    assert metrics_address("::1", 9) == "http://[::1]:9/metrics"
+    assert metrics_address("0.0.0.0", 9) == f"http://{socket.gethostname()}:9/metrics"
