@@ -27,6 +27,7 @@ DEFAULT_URL = "ws://127.0.0.1:8765"
 
 def _collector_parser(prog: str = "python -m storage") -> argparse.ArgumentParser:
     from storage.collector import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_PENDING_BYTES, DEFAULT_PORT
+    from storage.store import DEFAULT_MAX_RUNS_PER_ENGINE, DEFAULT_RUNS_WINDOW
 
     others = (
         "Steer engines with `chunkscope control`, export with `chunkscope export`, prune with "
@@ -109,6 +110,22 @@ def _collector_parser(prog: str = "python -m storage") -> argparse.ArgumentParse
         help="most bytes of received frames that may wait for the store (e.g. 128M); past it a "
         "frame is refused with close 1013, not acknowledged, and its engine resends it later "
         f"(default {DEFAULT_MAX_PENDING_BYTES // (1024 * 1024)}M)",
+    )
+    p.add_argument(
+        "--max-runs-per-engine",
+        type=int,
+        default=DEFAULT_MAX_RUNS_PER_ENGINE,
+        metavar="N",
+        help="most new runs one engine id may start within --runs-window; a hello for one more "
+        "is refused (close 4429) and stores nothing, a known run always reconnects; 0: no "
+        f"limit (default {DEFAULT_MAX_RUNS_PER_ENGINE})",
+    )
+    p.add_argument(
+        "--runs-window",
+        type=float,
+        default=DEFAULT_RUNS_WINDOW,
+        metavar="SECONDS",
+        help=f"the window of --max-runs-per-engine (default {DEFAULT_RUNS_WINDOW:g})",
     )
     p.add_argument(
         "--control-timeout",
@@ -227,6 +244,8 @@ def run_collector(argv: list[str], prog: str = "python -m storage") -> int:
             engine_credentials=engine_credentials,
             max_frame_bytes=args.max_frame_bytes,
             max_pending_bytes=args.max_pending_bytes,
+            max_runs_per_engine=args.max_runs_per_engine or None,
+            runs_window=args.runs_window,
             control_timeout=args.control_timeout,
             db_connect_timeout=args.db_connect_timeout,
             db_statement_timeout=args.db_statement_timeout,

@@ -33,6 +33,7 @@ from storage.collector_config import (
     CLOSE_REPLACED,
     CLOSE_STORE_ERROR,
     CLOSE_TOO_BIG,
+    CLOSE_TOO_MANY_RUNS,
     DEFAULT_HELLO_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_FRAME_BYTES,
@@ -62,6 +63,7 @@ __all__ = [
     "CLOSE_REPLACED",
     "CLOSE_STORE_ERROR",
     "CLOSE_TOO_BIG",
+    "CLOSE_TOO_MANY_RUNS",
     "DEFAULT_HELLO_TIMEOUT",
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_FRAME_BYTES",
@@ -124,6 +126,8 @@ class Collector(IngestHandling, ControlRelay, Admission):
             self._on_commit_threadsafe,
             retry_deadline=self.config.store_retry_deadline,
             stall_after=self.config.store_stall_after,
+            max_runs_per_engine=self.config.max_runs_per_engine,
+            runs_window=self.config.runs_window,
         )
         await asyncio.to_thread(self._writer.start)
         try:

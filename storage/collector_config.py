@@ -8,6 +8,7 @@ from urllib.parse import parse_qs
 
 from websockets.http11 import Request
 
+from storage.store import DEFAULT_MAX_RUNS_PER_ENGINE, DEFAULT_RUNS_WINDOW
 from storage.writer import DEFAULT_RETRY_DEADLINE, DEFAULT_STALL_AFTER
 from wire import credentials
 from wire.credentials import EngineCredentials
@@ -42,6 +43,7 @@ CLOSE_NOT_YOURS = 4403  # the hello cannot speak for the run it names (wrong run
 CLOSE_REPLACED = 4409
 CLOSE_STORE_ERROR = 1011
 CLOSE_BUSY = 1013  # "try again later": too much waits for the writer
+CLOSE_TOO_MANY_RUNS = 4429  # the hello's engine id started too many new runs of late
 
 
 def bearer(request: Request) -> str | None:
@@ -84,6 +86,9 @@ class CollectorConfig:
     store_stall_after: float = DEFAULT_STALL_AFTER
     max_pending_events: int = DEFAULT_MAX_PENDING_EVENTS
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    # new runs one engine id may start within runs_window seconds (None: no limit)
+    max_runs_per_engine: int | None = DEFAULT_MAX_RUNS_PER_ENGINE
+    runs_window: float = DEFAULT_RUNS_WINDOW
     # an engine id's control route stays with the run that held it this long after that run's
     # connection dropped without a goodbye (and after the collector's start, for the run that
     # was connected when it stopped): no other run of the id takes it meanwhile
@@ -143,6 +148,12 @@ class CollectorConfig:
             raise ValueError(
                 f"max_pending_events must be at least 1, got {self.max_pending_events}"
             )
+        if self.max_runs_per_engine is not None and self.max_runs_per_engine < 1:
+            raise ValueError(
+                f"max_runs_per_engine must be at least 1, got {self.max_runs_per_engine}"
+            )
+        if not self.runs_window > 0:
+            raise ValueError(f"runs_window must be positive, got {self.runs_window}")
         if not self.hello_timeout > 0:
             raise ValueError(f"hello_timeout must be positive, got {self.hello_timeout}")
         for name in ("max_connections", "max_unidentified", "max_unidentified_per_peer"):

@@ -22,6 +22,7 @@ from storage.collector_config import (
     CLOSE_REPLACED,
     CLOSE_STORE_ERROR,
     CLOSE_TOO_BIG,
+    CLOSE_TOO_MANY_RUNS,
 )
 from storage.collector_core import IngestConn, note_applied
 from storage.collector_fleet import metrics_url
@@ -59,7 +60,8 @@ class IngestHandling(ControlRelay, Admission):
     """Engine connections on /ingest, from their hello to their disconnection."""
 
     async def _close(self, ws: ServerConnection, code: int, reason: str) -> None:
-        self.metrics.refuse({CLOSE_BAD_INPUT: "bad_input", CLOSE_AUTH: "auth"}.get(code, str(code)))
+        reasons = {CLOSE_BAD_INPUT: "bad_input", CLOSE_AUTH: "auth", CLOSE_TOO_MANY_RUNS: "runs"}
+        self.metrics.refuse(reasons.get(code, str(code)))
         logger.warning("closing %s with %d: %s", ws.remote_address, code, reason)
         await ws.close(code, reason[:120])
 
@@ -169,7 +171,8 @@ class IngestHandling(ControlRelay, Admission):
         connection was closed for that."""
         if info.refused:
             self._settle_disconnect(key)
-            await self._close(ws, CLOSE_NOT_YOURS, info.refused)
+            code = CLOSE_TOO_MANY_RUNS if info.too_many_runs else CLOSE_NOT_YOURS
+            await self._close(ws, code, info.refused)
             return True
         if not ingest.may_take_over(proven=info.proven, live=prev is not None and prev.current):
             self._settle_disconnect(key)

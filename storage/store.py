@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, Engine, bindparam, exists, insert, select, true, update
+from sqlalchemy import Connection, Engine, bindparam, exists, func, insert, select, true, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from storage import ingest, schema
@@ -58,6 +58,15 @@ _REQ_MUTABLE = (
     "max_itl_ns",
 )
 _LOOKUP_IDS = 500  # request ids per lookup query (SQLite allows 32,766 parameters)
+# Unfinished requests one run keeps in memory: past it the least recently active quarter is
+# dropped after a commit (they are in the database and read back when an event names them), so
+# requests an engine never finishes cannot grow the writer's memory without end
+MAX_REQUESTS_IN_MEMORY = 8192
+# New runs one engine id may start within RUNS_WINDOW seconds (counted in the store, so a
+# restarted collector counts the same): a hello for a further new run is refused and creates
+# nothing; a run already registered always reconnects
+DEFAULT_MAX_RUNS_PER_ENGINE = 300
+DEFAULT_RUNS_WINDOW = 3600.0
 _req_mutable = operator.attrgetter(*_REQ_MUTABLE)  # all of them in one C call
 _STEP_INTS = (
     "forward_ns",
@@ -187,6 +196,23 @@ class RunState:
         return {name: getattr(self, name) for name in _RUN_MUTABLE}
 
 
+def _drop_idle_requests(run: RunState) -> None:
+    """Forget the least recently active quarter of ``run``'s requests held in memory (all
+    committed: the caller runs after the commit); they are read back when an event names them."""
+    held = [req for req in run.requests.values() if req.persisted]
+    keep = MAX_REQUESTS_IN_MEMORY * 3 // 4
+    if len(run.requests) - len(held) > keep:
+        return  # nothing committed to drop
+    held.sort(key=_last_active)
+    for req in held[: len(run.requests) - keep]:
+        del run.requests[req.request_id]
+    run.partial = True
+
+
+def _last_active(req: RequestState) -> int:
+    return max(req.last_token_ns or 0, req.first_scheduled_ns or 0, req.arrival_ns or 0)
+
+
 # ---- operations -------------------------------------------------------------------------------
 
 
@@ -241,6 +267,7 @@ class RunInfo:
     policy: str | None
     proven: bool = False  # the hello presented the run's secret
     refused: str = ""  # why the hello may not speak for this run (nothing was changed)
+    too_many_runs: bool = False  # refused: its engine id has started too many runs of late
 
 
 @dataclass
@@ -290,14 +317,24 @@ class Store:
     """The writer's state and its one write connection."""
 
     def __init__(
-        self, db: Engine, *, sqlite_autocheckpoint: bool = True, shared: bool | None = None
+        self,
+        db: Engine,
+        *,
+        sqlite_autocheckpoint: bool = True,
+        shared: bool | None = None,
+        max_runs_per_engine: int | None = DEFAULT_MAX_RUNS_PER_ENGINE,
+        runs_window: float = DEFAULT_RUNS_WINDOW,
     ) -> None:
         """``sqlite_autocheckpoint=False`` leaves WAL checkpoints to someone else (the writer
         runs them on a thread of their own, so a checkpoint's fsync never delays a commit).
         ``shared``: other collectors may write the same runs (a fleet on one PostgreSQL, the
         default there): each batch locks its runs' rows and reloads a run whose durable seq
-        another collector moved (an engine that failed over and back)."""
+        another collector moved (an engine that failed over and back).
+        ``max_runs_per_engine``: new runs one engine id may start within ``runs_window``
+        seconds (None: no limit)."""
         self.db = db
+        self.max_runs_per_engine = max_runs_per_engine
+        self.runs_window = runs_window
         self._autocheckpoint = sqlite_autocheckpoint
         self.shared = db.dialect.name == "postgresql" if shared is None else shared
         self._conn: Connection | None = None
@@ -383,6 +420,13 @@ class Store:
                 if req.finished_ns is not None:
                     run.requests.pop(req.request_id, None)
                     run.partial = True
+            if len(run.requests) > MAX_REQUESTS_IN_MEMORY:
+                _drop_idle_requests(run)
+        for run in batch.dirty_runs.values():
+            if not run.connected and self._runs.get(run.run_key) is run:
+                # its connection is gone and everything of it is committed: it is read back
+                # from the database if it comes back, so memory holds the connected runs only
+                del self._runs[run.run_key]
         return results
 
     def _apply_one(self, op: Any, batch: _Batch) -> Any:
@@ -427,7 +471,7 @@ class Store:
             return run
         row = self.conn.execute(select(schema.runs).where(schema.runs.c.id == run_key)).first()
         if row is None:
-            raise KeyError(f"no run with key {run_key}")
+            raise RunGone(f"no run with key {run_key}: deleted meanwhile (pruned)")
         m = row._mapping
         run = RunState(
             run_key=run_key,
@@ -439,8 +483,11 @@ class Store:
             **{name: m[name] for name in _RUN_MUTABLE},
         )
         req = schema.requests
-        for r in self.conn.execute(
-            select(req).where(req.c.run_key == run_key, req.c.finished_ns.is_(None))
+        for r in self.conn.execute(  # the newest ones; ``partial`` finds the others
+            select(req)
+            .where(req.c.run_key == run_key, req.c.finished_ns.is_(None))
+            .order_by(req.c.req_no.desc())
+            .limit(MAX_REQUESTS_IN_MEMORY)
         ):
             state = self._request_from_row(r._mapping)
             run.requests[state.request_id] = state
@@ -473,6 +520,10 @@ class Store:
         )
         if verdict.refused:
             return RunInfo(0, 0, None, None, None, refused=verdict.refused)
+        if row is None:
+            too_many = self._too_many_runs(engine_id, now)
+            if too_many:
+                return RunInfo(0, 0, None, None, None, refused=too_many, too_many_runs=True)
         e = schema.engines
         found = self.conn.execute(select(e.c.engine_id).where(e.c.engine_id == engine_id)).first()
         if found is None:
@@ -558,6 +609,25 @@ class Store:
             run.max_token_budget,
             run.policy,
             proven=verdict.proven,
+        )
+
+    def _too_many_runs(self, engine_id: str, now: float) -> str:
+        """Why ``engine_id`` may not start another run now ("" when it may)."""
+        cap = self.max_runs_per_engine
+        if cap is None:
+            return ""
+        r = schema.runs
+        since = now - self.runs_window
+        started = self.conn.execute(
+            select(func.count())
+            .select_from(r)
+            .where(r.c.engine_id == engine_id, r.c.started >= since)
+        ).scalar_one()
+        if started < cap:
+            return ""
+        return (
+            f"engine id started {started} runs in {self.runs_window:g} s "
+            f"(--max-runs-per-engine {cap}); reuse the run id or retry later"
         )
 
     # -- events -------------------------------------------------------------------------------

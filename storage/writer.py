@@ -33,7 +33,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from storage.store import Events, Store
+from storage.store import DEFAULT_MAX_RUNS_PER_ENGINE, DEFAULT_RUNS_WINDOW, Events, Store
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +55,20 @@ class Writer:
         checkpoint_interval: float = 1.0,
         retry_deadline: float = DEFAULT_RETRY_DEADLINE,
         stall_after: float = DEFAULT_STALL_AFTER,
+        max_runs_per_engine: int | None = DEFAULT_MAX_RUNS_PER_ENGINE,
+        runs_window: float = DEFAULT_RUNS_WINDOW,
     ) -> None:
         self.retry_deadline = retry_deadline
         self.stall_after = stall_after
         self._busy_since: float | None = None  # monotonic start of the batch being written
         self.db = db
         self._sqlite = db.dialect.name == "sqlite"
-        self.store = Store(db, sqlite_autocheckpoint=not self._sqlite)
+        self.store = Store(
+            db,
+            sqlite_autocheckpoint=not self._sqlite,
+            max_runs_per_engine=max_runs_per_engine,
+            runs_window=runs_window,
+        )
         self._checkpoint_interval = checkpoint_interval
         self._stopping = threading.Event()
         self._checkpointer: threading.Thread | None = None

@@ -364,6 +364,8 @@ class Publisher:
             problem = f"the collector holds this run for another secret (4403: {rcvd.reason})"
         elif rcvd is not None and rcvd.code == 4400:
             problem = f"the collector refused the hello (close 4400: {rcvd.reason})"
+        elif rcvd is not None and rcvd.code == 4429:
+            problem = f"the collector refused a new run of this engine id (4429: {rcvd.reason})"
         elif rcvd is not None and rcvd.code == 1013:  # its --max-pending-bytes: resent later
             problem = f"the collector is busy (close 1013: {rcvd.reason})"
         if problem != self._last_problem:  # say it once, not at every retry

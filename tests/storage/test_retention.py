@@ -249,7 +249,7 @@ def test_a_run_pruned_under_the_writer_is_never_written_in_half(db_url: str) -> 
     dbm.migrate(db)
     store = Store(db)
     eng = _engine("old", 10, HOUR_NS // 1000)
-    key, _ = _run(store, eng, 20, end=True)  # disconnected, its state still in the writer
+    key, _ = _run(store, eng, 20, end=True)  # disconnected: read back at its next batch
     assert retention.prune(db, older_than_s=DAY_S).runs_deleted == 1
     with pytest.raises(RunGone):
         store.apply([Events(key, eng.steps(2))])
