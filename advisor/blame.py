@@ -117,29 +117,34 @@ class Ledger:
     # ---- building ---------------------------------------------------------------------------
 
     def _requests(self, reqs: pd.DataFrame, chunks: pd.DataFrame) -> None:
-        ids = list(
-            dict.fromkeys([*reqs["request_id"].astype(str), *chunks["request_id"].astype(str)])
+        reqs = reqs.drop_duplicates("request_id", keep="last")
+        both = np.concatenate(
+            [reqs["request_id"].to_numpy(dtype=object), chunks["request_id"].to_numpy(dtype=object)]
         )
-        self.ids = np.array(ids, dtype=object)
-        self.index = {rid: i for i, rid in enumerate(ids)}
-        info = reqs.drop_duplicates("request_id", keep="last").set_index(
-            reqs.drop_duplicates("request_id", keep="last")["request_id"].astype(str)
-        )
-        info = info.reindex(ids)
-        self.cls = info["traffic_class"].to_numpy(dtype=object)
-        self.prompt = pd.to_numeric(info["num_prompt_tokens"], errors="coerce").to_numpy(
-            dtype=np.float64
-        )
-        image = pd.to_numeric(info["num_image_tokens"], errors="coerce").fillna(0).to_numpy()
+        codes, uniques = pd.factorize(both)
+        self.ids = np.asarray(uniques, dtype=object)
+        self.index = {str(rid): i for i, rid in enumerate(self.ids)}
+        nr, k = len(self.ids), len(reqs)
+        self._chunk_codes = codes[k:]
+
+        def column(name: str, fill: Any) -> np.ndarray:
+            out = np.full(nr, fill, dtype=object if fill is None else np.float64)
+            if k:
+                values = reqs[name].to_numpy(dtype=object if fill is None else np.float64)
+                out[codes[:k]] = values
+            return out
+
+        self.cls = column("traffic_class", None)
+        self.prompt = column("num_prompt_tokens", np.nan)
+        image = np.nan_to_num(column("num_image_tokens", np.nan))
         self.image_share = np.where(
             (image > 0) & (self.prompt > 0), np.minimum(1.0, image / np.maximum(self.prompt, 1)), 0
         )
-        self.arrival_ns = self._to_ns(info["arrival"])
-        self.finished_ns = self._to_ns(info["finished"])
+        self.arrival_ns = self._to_ns(column("arrival", np.nan))
+        self.finished_ns = self._to_ns(column("finished", np.nan))
 
-    def _to_ns(self, wall: pd.Series) -> np.ndarray:
-        w = pd.to_numeric(wall, errors="coerce").to_numpy(dtype=np.float64)
-        return np.round((w - self._offset) * 1e9)  # float: NaN where unknown
+    def _to_ns(self, wall: np.ndarray) -> np.ndarray:
+        return np.round((wall - self._offset) * 1e9)  # float: NaN where unknown
 
     def _chunks(self, chunks: pd.DataFrame) -> None:
         m = self.model
@@ -150,7 +155,7 @@ class Ledger:
         )
         c = chunks[ok]
         self.c_step = step_idx[ok]
-        self.c_req = np.array([self.index[str(r)] for r in c["request_id"]], dtype=np.int64)
+        self.c_req = self._chunk_codes[ok].astype(np.int64)
         n = c["num_tokens"].to_numpy(dtype=np.float64)
         s = c["start"].to_numpy(dtype=np.float64)
         decode = (c["kind"] == "decode").to_numpy()
@@ -477,6 +482,48 @@ class Ledger:
             "excess_ms": float(self.p_excess.sum()),
             "steps_ms": float(self.p_wall.sum()),
         }
+
+
+def window_works(window: Window) -> pd.DataFrame:
+    """The window's steps with their work as ``advisor.fit.load_steps`` gives it
+    (``prefill_tokens``, ``decode_tokens``, ``attention_pairs``, ``decode_pairs``,
+    ``image_tokens``, ``image_prefill_tokens``), counted with numpy over the chunks already
+    read: what the fit needs, without reading the store again."""
+    steps = window.steps.sort_values("step", kind="stable").reset_index(drop=True)
+    chunks = window.chunks
+    no = steps["step"].to_numpy(dtype=np.int64)
+    idx = np.searchsorted(no, chunks["step"].to_numpy(dtype=np.int64))
+    ok = (idx < len(no)) & (no[np.minimum(idx, max(len(no) - 1, 0))] == chunks["step"].to_numpy())
+    idx = idx[ok]
+    c = chunks[ok]
+    n = c["num_tokens"].to_numpy(dtype=np.float64)
+    s = c["start"].to_numpy(dtype=np.float64)
+    decode = (c["kind"] == "decode").to_numpy()
+    pairs = n * s + n * (n + 1) / 2
+    reqs = window.requests
+    img = pd.to_numeric(reqs["num_image_tokens"], errors="coerce").fillna(0)
+    share = np.zeros(len(c))
+    image_prefill = np.zeros(len(c))
+    if (img > 0).any():
+        prompt = pd.to_numeric(reqs["num_prompt_tokens"], errors="coerce").fillna(0)
+        with_img = reqs[(img > 0) & (prompt > 0)]
+        ratio = (img / prompt.where(prompt > 0, 1)).clip(upper=1.0)[with_img.index]
+        by_id = dict(zip(with_img["request_id"].astype(str), ratio, strict=True))
+        share = c["request_id"].astype(str).map(by_id).fillna(0.0).to_numpy(dtype=np.float64)
+        image_prefill = np.where(~decode & (share > 0), n, 0.0)
+    ns = len(no)
+
+    def per_step(values: np.ndarray) -> np.ndarray:
+        return np.bincount(idx, values, minlength=ns)
+
+    out = steps.copy()
+    out["prefill_tokens"] = per_step(np.where(decode, 0.0, n)).astype(np.int64)
+    out["decode_tokens"] = per_step(np.where(decode, n, 0.0)).astype(np.int64)
+    out["attention_pairs"] = per_step(pairs).astype(np.int64)
+    out["decode_pairs"] = per_step(np.where(decode, pairs, 0.0)).astype(np.int64)
+    out["image_prefill_tokens"] = per_step(image_prefill).astype(np.int64)
+    out["image_tokens"] = np.round(per_step(np.where(decode, 0.0, n * share))).astype(np.int64)
+    return out
 
 
 def model_dict(model: CostModel, quality: Mapping[str, Any] | None = None) -> dict[str, Any]:

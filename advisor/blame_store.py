@@ -7,11 +7,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
-from advisor.blame import BlameError, Ledger, Window
-from advisor.fit import FitError, FitReport, fit_steps, image_shares, load_steps, step_works
+from advisor.blame import BlameError, Ledger, Window, window_works
+from advisor.fit import FitError, FitReport, fit_steps, load_steps
 from storage import queries
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,9 @@ LOOKBACK_S = 10.0
 # fewer steps than this in the window: the model is fitted on the FIT_S seconds ending with it
 MIN_FIT_STEPS = 200
 FIT_S = 300.0
+# at most this many steps are fitted on: every step with prefill, and decode-only steps evenly
+# spread (a minute of a busy engine has thousands of decode steps that all say the same)
+MAX_FIT_STEPS = 1500
 
 
 @dataclass(frozen=True)
@@ -76,26 +80,36 @@ def fit_window(db: Engine, window: Window) -> FitReport:
     with them when the window holds fewer than ``MIN_FIT_STEPS``."""
     steps = window.steps
     if len(steps) >= MIN_FIT_STEPS:
-        reqs = window.requests
-        images = frozenset(
-            reqs.loc[reqs["num_image_tokens"].fillna(0) > 0, "request_id"].astype(str)
-        )
-        work = step_works(window.chunks, images, image_shares(reqs))
-        merged = steps.merge(work, on=["engine_id", "run_id", "step"], how="left").fillna(
-            {c: 0 for c in work.columns if c not in ("engine_id", "run_id", "step")}
-        )
+        merged = window_works(window)
     else:
         until = float(steps["end"].max())
         since = min(float(steps["start"].min()), until - FIT_S)
         merged = load_steps(
             db, engine_id=window.engine_id, run_id=window.run_id, since=since, until=until
         )
+    merged = thin(merged, MAX_FIT_STEPS)
     try:
         return fit_steps(
             merged, {"engine_id": window.engine_id, "run_id": window.run_id}, resamples=0
         )
     except FitError as exc:
         raise BlameError(f"cannot fit the step-cost model: {exc}") from exc
+
+
+def thin(steps: pd.DataFrame, limit: int) -> pd.DataFrame:
+    """``steps`` with every step that had prefill and evenly spread decode-only steps, at most
+    ``limit`` in all (the prefill steps are kept even beyond it)."""
+    if len(steps) <= limit:
+        return steps
+    prefill = steps["prefill_tokens"].to_numpy() > 0
+    decode = np.flatnonzero(~prefill)
+    room = max(limit - int(prefill.sum()), min(len(decode), 100))
+    keep = prefill.copy()
+    if len(decode):
+        keep[decode[np.linspace(0, len(decode) - 1, min(room, len(decode))).astype(np.int64)]] = (
+            True
+        )
+    return steps[keep]
 
 
 def blame_window(
