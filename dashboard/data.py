@@ -211,3 +211,15 @@ def stall_window(
         )
     except Exception as exc:  # noqa: BLE001 - any driver error: not readable now
         raise StoreUnavailable(f"cannot read the store (stalls): {_short(exc)}") from exc
+
+
+@st.cache_data(ttl=5.0, show_spinner=False)
+def fleet(db_url: str | None) -> pd.DataFrame:
+    """``storage.fleet_summary.fleet_summary``: every engine, worst first."""
+    db = connection(db_url)
+    try:
+        from storage.fleet_summary import fleet_summary
+
+        return fleet_summary(db)
+    except Exception as exc:  # noqa: BLE001 - any driver error: not readable now
+        raise StoreUnavailable(f"cannot read the store (fleet): {_short(exc)}") from exc

@@ -35,6 +35,7 @@ ui.sidebar()
 
 pages = [
     st.Page(HERE / "views" / "live.py", title="Live", default=True),
+    st.Page(HERE / "views" / "fleet.py", title="Fleet"),
     st.Page(HERE / "views" / "step.py", title="Step"),
     st.Page(HERE / "views" / "requests.py", title="Requests"),
     st.Page(HERE / "views" / "control.py", title="Control"),
