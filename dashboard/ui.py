@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dashboard import control, data
+from dashboard import control, data, health
 from dashboard.autopilot import AutopilotSwitch
 from dashboard.processes import yield_cpu
 from dashboard.services import (
@@ -86,6 +86,30 @@ def collector_engines(url: str | None) -> tuple[list[dict[str, Any]] | None, str
         return control.list_engines(url, token=settings().control_token), None
     except CollectorUnavailable as exc:
         return None, str(exc)
+
+
+# The collector's /healthz turns 503 within 3 s of a store that stops answering; polled at most
+# this often (shared by every fragment and session), the dashboard says so within 2 s more
+HEALTH_TTL_S = 0.5
+
+
+@st.cache_data(ttl=HEALTH_TTL_S, show_spinner=False)
+def collector_health(url: str | None) -> health.CollectorHealth | None:
+    """The collector's ``/healthz`` answer (None: no collector configured)."""
+    return health.check(url) if url else None
+
+
+def store_outage_banner(collector_url: str | None) -> bool:
+    """Say so when the collector answers that its store is failing or hung; True when it did."""
+    h = collector_health(collector_url)
+    if h is None or not h.store_outage:
+        return False
+    st.error(
+        f"Store outage: the collector cannot write to its store ({as_text(h.detail)}). "
+        "Engines keep their events and resend them once it is back: the charts stop at the "
+        "last stored step until then."
+    )
+    return True
 
 
 @dataclass(frozen=True)
@@ -252,6 +276,7 @@ def _status_panel() -> None:
     else:
         store = data.shown_url(ctx.db_url)
         st.caption(f"Attached: collector {ctx.collector_url or '—'} · store {store}")
+    store_outage_banner(ctx.collector_url)
     live, err = collector_engines(ctx.collector_url)
     if live is not None:
         n = sum(1 for e in live if e.get("connected"))

@@ -40,6 +40,7 @@ def live_view() -> None:
 
 def _live_view() -> None:
     ctx = ui.fresh_context()
+    ui.store_outage_banner(ctx.collector_url)
     if ctx.empty:
         ui.empty_store_help(ctx)
         return
