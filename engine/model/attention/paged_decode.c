@@ -10,6 +10,10 @@
  * Plain C written for the vectorizer (-O3 -fopenmp-simd, the host's ISA): no intrinsics, so it
  * builds wherever a C compiler does. exp is a Cephes-style polynomial (max rel. error ~2e-7 on
  * the range it sees, arguments <= 0), vectorizable where libm's expf is not.
+ *
+ * Threads: with OpenMP (-fopenmp) the (sequence, K/V head) pairs are shared out to `threads`
+ * threads (the runtime torch uses), each with its own scratch; each pair's output rows are
+ * written by one thread only.
  */
 #include <math.h>
 #include <stdint.h>
@@ -17,6 +21,9 @@
 #include <string.h>
 
 #include "../vexp.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 static inline float bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } c;
@@ -35,8 +42,18 @@ static inline uint16_t f32_to_bf16(float f) {
 #define MAX_D 256
 #define MAX_G 16
 
-/* dtype: 0 = fp32, 1 = bf16 (q, caches and out alike). Strides in elements. Returns 0, or
- * -1 for arguments it does not take (head dim, group size), -2 when scratch memory fails. */
+/* Whether the library shares its work out to threads (built with OpenMP). */
+int paged_decode_threaded(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* dtype: 0 = fp32, 1 = bf16 (q, caches and out alike). Strides in elements. threads: how many
+ * threads share the (sequence, K/V head) pairs (ignored without OpenMP). Returns 0, or -1 for
+ * arguments it does not take (head dim, group size), -2 when scratch memory fails. */
 int paged_decode_attention(
     int dtype,
     const void *q, long q_row_stride, long q_head_stride, const int64_t *q_rows,
@@ -44,7 +61,7 @@ int paged_decode_attention(
     const void *k_cache, const void *v_cache, long slot_stride, long kv_head_stride,
     const int64_t *block_table, long table_stride, const int64_t *ctx_lens, int block_size,
     float scale,
-    void *out, long out_row_stride, long out_head_stride)
+    void *out, long out_row_stride, long out_head_stride, int threads)
 {
     if (head_dim < 1 || head_dim > MAX_D || num_kv_heads < 1 || num_heads % num_kv_heads)
         return -1;
@@ -53,19 +70,32 @@ int paged_decode_attention(
     long max_ctx = 1;
     for (int b = 0; b < num_seqs; b++)
         if (ctx_lens[b] > max_ctx) max_ctx = ctx_lens[b];
-    float *scores = (float *)malloc(sizeof(float) * (size_t)G * (size_t)max_ctx);
-    if (!scores) return -2;
+    if (threads < 1) threads = 1;
+#ifndef _OPENMP
+    threads = 1;
+#endif
+    const long jobs = (long)num_seqs * num_kv_heads;
+    if (threads > jobs) threads = jobs > 0 ? (int)jobs : 1;
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)G * (size_t)max_ctx * (size_t)threads);
+    if (!scratch) return -2;
     const int bf16 = dtype == 1;
     const float *qf = (const float *)q, *kf = (const float *)k_cache, *vf = (const float *)v_cache;
     const uint16_t *qh = (const uint16_t *)q, *kh = (const uint16_t *)k_cache,
                    *vh = (const uint16_t *)v_cache;
-    float qs[MAX_G][MAX_D], acc[MAX_G][MAX_D], vrow[MAX_D];
 
-    for (int b = 0; b < num_seqs; b++) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    for (long job = 0; job < jobs; job++) {
+        const int b = (int)(job / num_kv_heads), h = (int)(job % num_kv_heads);
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        float *scores = scratch + (size_t)tid * (size_t)G * (size_t)max_ctx;
+        float qs[MAX_G][MAX_D], acc[MAX_G][MAX_D], vrow[MAX_D];
         const long n = ctx_lens[b];
         const int64_t *table = block_table + (long)b * table_stride;
         const long qrow = q_rows[b];
-        for (int h = 0; h < num_kv_heads; h++) {
+        {
             /* the group's queries, widened and pre-scaled */
             for (int g = 0; g < G; g++) {
                 long base = qrow * q_row_stride + (long)(h * G + g) * q_head_stride;
@@ -136,6 +166,6 @@ int paged_decode_attention(
             }
         }
     }
-    free(scores);
+    free(scratch);
     return 0;
 }

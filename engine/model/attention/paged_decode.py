@@ -9,10 +9,12 @@ reads the keys and values where they lie, serving the query heads that share a K
 together: no gather, no padding, no mask.
 
 It is plain C compiled at first use for the host (``ckernel.build``: ``cc -O3 -march=native
--fopenmp-simd``), loaded with ctypes. ``decode_kernel()`` returns None, the reason logged once
+-fopenmp``), loaded with ctypes. ``decode_kernel()`` returns None, the reason logged once
 at INFO, when it cannot be used: ``CHUNKSCOPE_DECODE_KERNEL=0``, no compiler, a failed build;
-the split backend then runs its gather + SDPA path as before. One thread (the engine's CPU
-default); with more torch threads the torch path, which parallelizes, runs instead.
+the split backend then runs its gather + SDPA path as before. Any head dim up to 256, any
+number of torch threads: the (sequence, K/V head) pairs are shared out to
+``torch.get_num_threads()`` threads (OpenMP, the runtime torch uses). A compiler without OpenMP
+builds it single-threaded, and it then serves one torch thread only.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from engine.model import ckernel
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+FLAGS_NO_OPENMP = ["-O3", "-march=native", "-fopenmp-simd"]
 ENV_SWITCH = "CHUNKSCOPE_DECODE_KERNEL"
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
@@ -47,13 +50,19 @@ def _load() -> ctypes.CDLL | None:
     why = None if enabled() else f"{ENV_SWITCH}=0"
     if why is None:
         try:
-            dll = ctypes.CDLL(str(ckernel.build(SOURCE, FLAGS)))
+            try:
+                path = ckernel.build(SOURCE, FLAGS)
+            except RuntimeError as e:
+                logger.info("paged decode kernel built without OpenMP (one thread): %s", e)
+                path = ckernel.build(SOURCE, FLAGS_NO_OPENMP)
+            dll = ctypes.CDLL(str(path))
             fn = dll.paged_decode_attention
             fn.restype = ctypes.c_int
             L, P, I = ctypes.c_long, ctypes.c_void_p, ctypes.c_int  # noqa: E741, N806
             fn.argtypes = [
-                I, P, L, L, P, I, I, I, I, P, P, L, L, P, L, P, I, ctypes.c_float, P, L, L,
+                I, P, L, L, P, I, I, I, I, P, P, L, L, P, L, P, I, ctypes.c_float, P, L, L, I,
             ]  # fmt: skip
+            dll.paged_decode_threaded.restype = ctypes.c_int
             return dll
         except (RuntimeError, OSError) as e:
             why = f"build or load failed: {e}"
@@ -75,16 +84,18 @@ def reset() -> None:
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel can serve this layer's decodes: fp32 or bf16 on CPU, caches of the
-    query's dtype, head dim and group size within the kernel's limits, one torch thread."""
+    query's dtype, head dim and group size within the kernel's limits; more than one torch
+    thread only when built with OpenMP."""
     if q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != q.dtype:
         return False
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[-2]
     if dim > MAX_HEAD_DIM or heads % kv_heads or heads // kv_heads > MAX_GROUP:
         return False
-    if torch.get_num_threads() != 1:
+    dll = decode_kernel()
+    if dll is None:
         return False
-    return decode_kernel() is not None
+    return torch.get_num_threads() == 1 or bool(dll.paged_decode_threaded())
 
 
 def paged_decode(
@@ -97,12 +108,14 @@ def paged_decode(
     block_size: int,
     out: torch.Tensor,
     scale: float | None = None,
+    threads: int | None = None,
 ) -> None:
     """Write into ``out[rows[b]]`` (``[T, Hq, D]``) the attention of query ``q[rows[b]]``
     (``[T, Hq, D]``) over positions ``[0, ctx_lens[b])`` of its sequence, whose K/V live in
     ``k_flat``/``v_flat`` (``[slots, Hkv, D]``, slot = block id x ``block_size`` + offset) at
     the blocks of ``block_table[b]`` (int64 ``[B, W]``). ``rows``, ``ctx_lens``: int64 ``[B]``.
-    Call only when ``usable`` says so."""
+    ``threads``: how many threads share the work (None: torch's thread count). Call only when
+    ``usable`` says so."""
     dll = decode_kernel()
     if dll is None:
         raise RuntimeError("the paged decode attention kernel is not available")
@@ -139,6 +152,7 @@ def paged_decode(
         block_table.data_ptr(), block_table.stride(0), ctx_lens.data_ptr(), block_size,
         dim**-0.5 if scale is None else scale,
         out.data_ptr(), out.stride(0), out.stride(1),
+        torch.get_num_threads() if threads is None else threads,
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention failed ({rc})")

@@ -183,11 +183,10 @@ class SplitBackend:
     def _paged_ready(self) -> bool:
         """Whether a step will go to one of the whole-step kernels, AMX (bf16) or AVX-512 (then
         the torch path's metadata is built only if a layer falls back to it)."""
-        if torch.get_num_threads() != 1:
-            return False
-        if self._amx and self.amx_paged and amx.prefix_kernel() is not None:
+        one = torch.get_num_threads() == 1
+        if self._amx and self.amx_paged and one and amx.prefix_kernel() is not None:
             return True
-        return self._vec and vec.kernel() is not None
+        return self._vec and vec.available()
 
     def prepare_metadata(
         self, seqs: list[SeqSlice], block_size: int, device: torch.device
@@ -211,11 +210,12 @@ class SplitBackend:
 
     def _decode_ready(self) -> bool:
         """Whether the torch path's decodes go to the in-place decode kernel."""
-        return (
-            self._decode_kernel
-            and torch.get_num_threads() == 1
-            and paged_decode.decode_kernel() is not None
-        )
+        if not self._decode_kernel:
+            return False
+        dll = paged_decode.decode_kernel()
+        if dll is None:
+            return False
+        return torch.get_num_threads() == 1 or bool(dll.paged_decode_threaded())
 
     def forward(
         self,

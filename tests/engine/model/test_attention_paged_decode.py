@@ -1,6 +1,7 @@
 """Decode attention read in place from the paged cache (``paged_decode``): equal to SDPA over the
 gathered context (fp32 to 1e-5, bf16 within bf16's own noise) on the paged layouts the split
-tests build, in the split backend and at engine level; the torch path wherever it cannot run."""
+tests build (head dims 32, 64 and 128, GQA 1 to 8), in the split backend and at engine level;
+at two torch threads the same bits as at one; the torch path wherever it cannot run."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ CASES = [
     Case("decodes beside a chunk", [(64, 300, "a"), (1, 33, "b"), (1, 260, "c")]),
     Case("head dim 64, GQA 4", [(1, 129, "a"), (1, 5, "b")], head_dim=64, heads=(8, 2)),
     Case("head dim 128, no GQA", [(1, 77, "a"), (1, 300, "b")], head_dim=128, heads=(2, 2)),
+    Case("head dim 128, GQA 4", [(1, 260, "a"), (1, 9, "b")], head_dim=128, heads=(8, 2)),
+    Case(
+        "head dim 128, GQA 8",
+        [(1, 90, "a"), (1, 400, "b"), (1, 3, "c")],
+        head_dim=128,
+        heads=(8, 1),
+    ),  # fmt: skip
     Case("block size 7, shared prefix", [(1, 40, "p"), (1, 41, "p"), (1, 3, "x")], 7),
     Case("one block size 1 run", [(1, 31, "a"), (1, 2, "b")], 1, consecutive=True),
 ]
@@ -122,7 +130,7 @@ def test_planted_bugs_are_caught(bug: str, monkeypatch: pytest.MonkeyPatch) -> N
     assert (got - ref).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("why", ["switched off", "no compiler", "two threads"])
+@pytest.mark.parametrize("why", ["switched off", "no compiler", "two threads, no OpenMP"])
 def test_the_torch_path_runs_where_the_kernel_cannot(
     why: str, monkeypatch: pytest.MonkeyPatch, calls: list[int], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -137,7 +145,9 @@ def test_the_torch_path_runs_where_the_kernel_cannot(
         elif why == "no compiler":
             monkeypatch.setenv("CC", "/nonexistent/cc")
             monkeypatch.setenv("CHUNKSCOPE_KERNEL_CACHE", "/tmp/chunkscope-test-no-cc-cache")
-        torch.set_num_threads(2 if why == "two threads" else 1)
+        else:  # built as a compiler without OpenMP builds it: one thread only
+            monkeypatch.setattr(paged_decode, "FLAGS", paged_decode.FLAGS_NO_OPENMP)
+        torch.set_num_threads(2 if why.startswith("two threads") else 1)
         with caplog.at_level(logging.INFO, logger=paged_decode.__name__):
             got = _forward(SplitBackend(), case, seqs, cache, qkv)
     finally:
@@ -147,6 +157,28 @@ def test_the_torch_path_runs_where_the_kernel_cannot(
     assert calls == []
     if why == "no compiler":
         assert "paged decode attention kernel not used" in caplog.text
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_two_threads_give_one_threads_bits(
+    case: Case, dtype: torch.dtype, calls: list[int]
+) -> None:
+    """Each (sequence, K/V head) pair is computed alike whichever thread takes it."""
+    seqs, cache, qkv = _setup(case)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _forward(SplitBackend(), case, seqs, cache, qkv, dtype)
+        n = len(calls)
+        torch.set_num_threads(2)
+        two = _forward(SplitBackend(), case, seqs, cache, qkv, dtype)
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == 2 * n > 0  # the kernel ran at two threads too
+    decode = torch.tensor([s.q_start for s in seqs if s.q_len == 1])
+    assert torch.equal(one[decode], two[decode])
 
 
 @needs_kernel

@@ -7,7 +7,13 @@ in one call, a chunk at position 0, a 512-token chunk over 6,000 keys, a max tha
 later 256-key chunk); bf16 within bf16's own noise (torch's bf16 flash kernel against the same
 reference); causality key by key. Backend level: the split backend with the kernel equals it
 without (fp32 1e-5) and does call it. Engine level: greedy tokens unchanged in both dtypes.
-A failed build and the switch fall back to torch's kernel.
+A failed build and the switch fall back to torch's kernel. Head dim 128 (GQA 1 to 8, both
+dtypes) against the same references; at two threads the same bits as at one.
+
+The tests run the build this CPU takes (``vec.isa()``): on CPUs with AVX2 but no AVX-512 (the
+CI machine), the AVX2 build of the same source (its AVX-512 intrinsics as pairs of 8-lane
+vectors, ``avx512_on_avx2.h``), asked for with ``CHUNKSCOPE_VEC_ATTENTION=avx2``; the AVX-512
+instructions themselves are then not run here. They skip only where neither builds.
 """
 
 from __future__ import annotations
@@ -29,36 +35,47 @@ from tests.engine.model.test_attention_amx import BACKEND_CASES
 from tests.engine.model.test_attention_flex import GREEDY, LLMEngine
 from tests.engine.model.test_attention_split import Case, _forward, _setup
 
-WHY_NOT = ckernel.x86_unavailable(vec.ENV_SWITCH, ("avx512f", "avx512bw", "avx512dq"))
+
+def _build() -> str | None:
+    """The build the tests run: this CPU's, else the AVX2 one where the CPU has AVX2 + FMA."""
+    if vec.isa() is not None:
+        return vec.isa()
+    why = ckernel.x86_unavailable("CHUNKSCOPE_VEC_ATTENTION_TEST", vec.ISA_FEATURES["avx2"])
+    return "avx2" if why is None else None
+
+
+BUILD = _build()
 pytestmark = [
-    pytest.mark.skipif(WHY_NOT is not None, reason=f"AVX-512 kernel unusable here: {WHY_NOT}"),
+    pytest.mark.skipif(BUILD is None, reason="neither AVX-512 nor AVX2 + FMA on this CPU"),
     pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) on PATH"),
 ]
 
 
 @pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
+def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    if BUILD == "avx2":  # the AVX2 build runs where asked
+        monkeypatch.setenv(vec.ENV_SWITCH, "avx2")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
 
-def _cache(blocks: int, block_size: int, kv_heads: int, g: torch.Generator):
-    kc = torch.randn(blocks, block_size, kv_heads, 64, generator=g)
-    vc = torch.randn(blocks, block_size, kv_heads, 64, generator=g)
+def _cache(blocks: int, block_size: int, kv_heads: int, g: torch.Generator, dim: int = 64):
+    kc = torch.randn(blocks, block_size, kv_heads, dim, generator=g)
+    vc = torch.randn(blocks, block_size, kv_heads, dim, generator=g)
     return kc, vc
 
 
 def _layout(spec: list[tuple[int, int]], block_size: int, kv_heads: int = 2, groups: int = 2,
-            seed: int = 0, rise: int = 0):  # fmt: skip
+            seed: int = 0, rise: int = 0, dim: int = 64):  # fmt: skip
     """Sequences ``(q_len, ctx_len)`` over shuffled blocks of one fp32 cache; q rows stacked in
     order. ``rise``: keys from that position on score higher (a row's max rises late)."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-ctx // block_size) for _, ctx in spec]
     nb = sum(need) + 3
     perm = torch.randperm(nb, generator=g)
-    kc, vc = _cache(nb, block_size, kv_heads, g)
+    kc, vc = _cache(nb, block_size, kv_heads, g, dim)
     width = max(need)
     table = torch.zeros(len(spec), width, dtype=torch.long)
     seqs, at, start = [], 0, 0
@@ -71,8 +88,8 @@ def _layout(spec: list[tuple[int, int]], block_size: int, kv_heads: int = 2, gro
         for i, (_, ctx) in enumerate(spec):
             flat = kc[table[i, : need[i]]].flatten(0, 1)
             flat[rise:ctx] *= 3
-            kc[table[i, : need[i]]] = flat.view(need[i], block_size, kv_heads, 64)
-    q = torch.randn(start, kv_heads * groups, 64, generator=g) * 0.6
+            kc[table[i, : need[i]]] = flat.view(need[i], block_size, kv_heads, dim)
+    q = torch.randn(start, kv_heads * groups, dim, generator=g) * 0.6
     return q, kc, vc, torch.tensor(seqs, dtype=torch.int32).view(-1, 3), table
 
 
@@ -125,6 +142,65 @@ def test_fp32_equals_reference(spec, block_size: int, kv_heads: int, groups: int
     case = _layout(spec, block_size, kv_heads, groups)
     got = _run(*case)
     torch.testing.assert_close(got.double(), _reference(*case), atol=1e-5, rtol=1e-5)
+
+
+HEAD_128 = [
+    ("chunk and decodes, no GQA", [(37, 300), (1, 45), (1, 1)], 16, 2, 1),
+    ("several chunks, GQA 2", [(64, 700), (9, 1000), (20, 20)], 16, 2, 2),
+    ("block size 7, GQA 4", [(19, 200), (1, 90)], 7, 2, 4),
+    ("one K/V head, GQA 8", [(33, 513), (1, 300), (1, 7)], 16, 1, 8),
+]
+
+
+@pytest.mark.parametrize(
+    ("spec", "block_size", "kv_heads", "groups"),
+    [lay[1:] for lay in HEAD_128],
+    ids=[lay[0] for lay in HEAD_128],
+)
+def test_head_dim_128_fp32_equals_reference(  # type: ignore[no-untyped-def]
+    spec, block_size: int, kv_heads: int, groups: int
+) -> None:
+    case = _layout(spec, block_size, kv_heads, groups, dim=128)
+    got = _run(*case)
+    torch.testing.assert_close(got.double(), _reference(*case), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("spec", "block_size", "kv_heads", "groups"),
+    [lay[1:] for lay in HEAD_128],
+    ids=[lay[0] for lay in HEAD_128],
+)
+def test_head_dim_128_bf16_within_bf16_noise(  # type: ignore[no-untyped-def]
+    spec, block_size: int, kv_heads: int, groups: int
+) -> None:
+    q, kc, vc, seqs, table = _layout(spec, block_size, kv_heads, groups, dim=128)
+    q16, k16, v16 = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    ref = _reference(q16.float(), k16.float(), v16.float(), seqs, table)
+    got = _run(q16, k16, v16, seqs, table).double()
+    noise = (_reference(q16, k16, v16, seqs, table).bfloat16().double() - ref).abs()
+    err = (got - ref).abs()  # the kernel rounds once (its fp32 result to bf16), as this does
+    assert float(err.max()) <= 2 * float(noise.max()) + 1e-6
+    assert float(err.mean()) <= 1.25 * float(noise.mean()) + 1e-6
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_two_threads_give_one_threads_bits(dim: int, dtype: torch.dtype) -> None:
+    """The jobs (a sequence's K/V head, a chunk's range of query tiles) are computed alike
+    whichever thread takes them and however the tiles are cut."""
+    if not vec.threaded(dim):
+        pytest.skip("the kernel was built without OpenMP here")
+    spec = [(200, 900), (1, 300), (64, 64), (1, 17), (5, 400)]
+    q, kc, vc, seqs, table = _layout(spec, 16, 2, 4, dim=dim)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.zeros_like(q)
+        vec.attention_paged(q, kc, vc, seqs, table, out, threads=threads)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0].double(), _reference(q, kc, vc, seqs, table),
+                               atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)  # fmt: skip
 
 
 def test_fp32_max_rising_in_a_later_chunk() -> None:
@@ -185,6 +261,10 @@ def test_usable_only_where_the_kernel_serves() -> None:
     assert not vec.usable(q, kc.bfloat16())  # mixed dtypes
     assert not vec.usable(q.half(), kc.half())
     assert not vec.usable(q[..., :32], kc[..., :32])  # head dim 32
+    q2, kc2, _, _, _ = _layout([(4, 20)], 16, dim=128)
+    assert vec.usable(q2, kc2) and vec.usable(q2.bfloat16(), kc2.bfloat16())
+    torch.set_num_threads(2)
+    assert vec.usable(q, kc) == vec.threaded(64)  # more threads: with OpenMP only
     wide = torch.zeros(4, 17, 64)  # 17 query heads on one K/V head
     assert not vec.usable(wide, kc[:, :, :1])
 
