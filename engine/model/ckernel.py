@@ -11,12 +11,15 @@ at install time; the caller loads it with ctypes.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import re
 import subprocess
 import tempfile
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -99,3 +102,16 @@ def build(source: Path, flags: list[str], compiler: str | None = None) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
+
+
+def build_threaded(source: Path, flags: list[str], compiler: str | None = None) -> Path:
+    """``build`` with OpenMP (``-fopenmp``: the library can share its work out to threads, on
+    the OpenMP runtime torch has loaded), or without it where the compiler has none (the
+    library then runs on the calling thread; each kernel says which through its ``*_threaded``
+    function). Raises RuntimeError when neither builds."""
+    try:
+        return build(source, [*flags, "-fopenmp"], compiler)
+    except RuntimeError as e:
+        path = build(source, flags, compiler)
+        logger.info("%s built without OpenMP (one thread): %s", source.name, e)
+        return path

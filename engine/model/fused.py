@@ -12,8 +12,11 @@ up to fp32 summation order and the exp. They are compiled at first use and loade
 attention kernels are (``engine.model.ckernel.build``: same cache folder, same compiler, no
 build at install).
 
-Used for bf16 (when the CPU has AVX512-BF16) and fp32 CPU tensors with one torch thread (the
-loops are single-threaded; torch's ops parallelize), when the build succeeds;
+Used for bf16 (when the CPU has AVX512-BF16) and fp32 CPU tensors at any number of torch
+threads: built with OpenMP (the runtime torch uses), each op shares its rows out to
+``torch.get_num_threads()`` threads when it has at least 16,384 elements (one thread below: a
+decode step's few rows); a compiler without OpenMP builds them single-threaded, and they then
+serve one torch thread only. Used when the build succeeds;
 ``CHUNKSCOPE_FUSED_OPS=0`` turns them off. Otherwise ``llama.py`` runs its torch code,
 unchanged. The reason they are not used is logged once at INFO.
 """
@@ -32,7 +35,7 @@ from engine.model import ckernel
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fused_ops.c")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]  # and -fopenmp
 SOURCE_F32 = Path(__file__).with_name("fused_ops_f32.c")
 FLAGS_F32 = ["-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math"]
 
@@ -53,15 +56,16 @@ def _load(source: Path, flags: list[str], prefix: str, why: str | None, what: st
     fails."""
     if why is None:
         try:
-            dll = ctypes.CDLL(str(ckernel.build(source, flags)))
+            dll = ctypes.CDLL(str(ckernel.build_threaded(source, flags)))
             signatures = {
-                "rms_norm": [_P, _L, _P, _I, _I, _F, _P, _L],
-                "rope": [_P, _L, _I, _I, _I, _P, _P, _L],
-                "silu_mul": [_P, _L, _I, _I, _P, _L],
+                "rms_norm": [_P, _L, _P, _I, _I, _F, _P, _L, _I],
+                "rope": [_P, _L, _I, _I, _I, _P, _P, _L, _I],
+                "silu_mul": [_P, _L, _I, _I, _P, _L, _I],
             }
             for name, argtypes in signatures.items():
                 fn = getattr(dll, prefix + name)
                 fn.argtypes, fn.restype = argtypes, None
+            getattr(dll, prefix + "threaded").restype = _I
             return dll
         except (RuntimeError, OSError) as e:
             why = f"build or load failed: {e}"
@@ -95,13 +99,23 @@ def set_enabled(on: bool) -> None:
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether ``x`` (the step's activations) goes to the fused ops: bf16 or fp32 on CPU, one
-    torch thread, the dtype's library built."""
-    if not (_switch["on"] and x.device.type == "cpu" and torch.get_num_threads() == 1):
+    """Whether ``x`` (the step's activations) goes to the fused ops: bf16 or fp32 on CPU, the
+    dtype's library built; more than one torch thread only when it was built with OpenMP."""
+    if not (_switch["on"] and x.device.type == "cpu"):
         return False
     if x.dtype == torch.bfloat16:
-        return library() is not None
-    return x.dtype == torch.float32 and library_f32() is not None
+        dll, prefix = library(), "fused_"
+    elif x.dtype == torch.float32:
+        dll, prefix = library_f32(), "f32_"
+    else:
+        return False
+    if dll is None:
+        return False
+    return torch.get_num_threads() == 1 or bool(getattr(dll, prefix + "threaded")())
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
 
 
 def _rows(x: torch.Tensor, n: int) -> int:
@@ -120,7 +134,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xs = _rows(x, n)
     out = torch.empty(rows, n, dtype=x.dtype)
     fn = library_f32().f32_rms_norm if x.dtype == torch.float32 else library().fused_rms_norm  # type: ignore[union-attr]
-    fn(x.data_ptr(), xs, weight.data_ptr(), rows, n, eps, out.data_ptr(), n)
+    fn(x.data_ptr(), xs, weight.data_ptr(), rows, n, eps, out.data_ptr(), n, _threads())
     return out
 
 
@@ -136,7 +150,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     if not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("cos and sin must be contiguous")
     fn = library_f32().f32_rope if x.dtype == torch.float32 else library().fused_rope  # type: ignore[union-attr]
-    fn(x.data_ptr(), x.stride(0), rows, heads, d, cos.data_ptr(), sin.data_ptr(), d)
+    fn(x.data_ptr(), x.stride(0), rows, heads, d, cos.data_ptr(), sin.data_ptr(), d, _threads())
     return x
 
 
@@ -149,5 +163,5 @@ def silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=gate_up.dtype)
     f32 = gate_up.dtype == torch.float32
     fn = library_f32().f32_silu_mul if f32 else library().fused_silu_mul  # type: ignore[union-attr]
-    fn(gate_up.data_ptr(), gs, rows, n, out.data_ptr(), n)
+    fn(gate_up.data_ptr(), gs, rows, n, out.data_ptr(), n, _threads())
     return out

@@ -11,6 +11,21 @@
 #include <math.h>
 #include <stdint.h>
 
+/* Threads: each function's rows are shared out to `threads` threads (OpenMP, built with
+ * -fopenmp) when there are at least PARALLEL_MIN elements; one thread below that (a decode
+ * step's few rows: the fork would cost more than the pass). Each row is computed alike on any
+ * thread. */
+#define PARALLEL_MIN 16384
+
+/* Whether the library shares its rows out to threads (built with OpenMP). */
+int fused_threaded(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 static inline __m512 load16(const uint16_t *p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -29,7 +44,8 @@ static inline __m512 round_bf16(__m512 x) { /* x rounded to bf16 (nearest even),
 
 /* out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))): RMSNorm normalized in fp32, scaled in bf16. */
 void fused_rms_norm(const uint16_t *x, long xs, const uint16_t *w, int rows, int n, float eps,
-                    uint16_t *out, long os) {
+                    uint16_t *out, long os, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (long)rows * n >= PARALLEL_MIN)
     for (int r = 0; r < rows; r++) {
         const uint16_t *xr = x + (long)r * xs;
         __m512 acc = _mm512_setzero_ps();
@@ -49,8 +65,9 @@ void fused_rms_norm(const uint16_t *x, long xs, const uint16_t *w, int rows, int
 /* In place, each head of each row: x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), with
  * rotate_half(x) = (-x[d/2:], x[:d/2]); cos, sin: bf16 [rows][d] (d a multiple of 32). */
 void fused_rope(uint16_t *x, long xs, int rows, int heads, int d, const uint16_t *cos,
-                const uint16_t *sin, long cs) {
+                const uint16_t *sin, long cs, int threads) {
     int h2 = d / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (long)rows * heads * d >= PARALLEL_MIN)
     for (int r = 0; r < rows; r++) {
         const uint16_t *c = cos + (long)r * cs, *s = sin + (long)r * cs;
         for (int h = 0; h < heads; h++) {
@@ -87,8 +104,9 @@ static inline __m512 exp_ps(__m512 x) {
 }
 
 /* out = bf16(bf16(silu(gate)) * up), gate and up the two halves of each row of gu (n each). */
-void fused_silu_mul(const uint16_t *gu, long gs, int rows, int n, uint16_t *out, long os) {
+void fused_silu_mul(const uint16_t *gu, long gs, int rows, int n, uint16_t *out, long os, int threads) {
     const __m512 one = _mm512_set1_ps(1.0f);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (long)rows * n >= PARALLEL_MIN)
     for (int r = 0; r < rows; r++) {
         const uint16_t *g = gu + (long)r * gs, *u = g + n;
         for (int i = 0; i < n; i += 16) {

@@ -1,5 +1,5 @@
 /* Row-wise fp32 operations of the decoder step, each in one pass over a row (chunkscope; see
- * fused.py). Plain C for the vectorizer (-O3 -march=native -fopenmp-simd -fno-trapping-math:
+ * fused.py). Plain C for the vectorizer (-O3 -march=native -fopenmp -fno-trapping-math:
  * the last lets it select between values computed on both sides of a comparison; nothing here
  * reads the floating-point exception flags), so it builds on any CPU with a C compiler. torch
  * runs each of these as several elementwise ops (RMSNorm: pow, mean, add, rsqrt, two muls;
@@ -11,11 +11,27 @@
 #include <math.h>
 #include <stdint.h>
 
+/* Threads: each function's rows are shared out to `threads` threads (OpenMP, built with
+ * -fopenmp) when there are at least PARALLEL_MIN elements; one thread below that (a decode
+ * step's few rows: the fork would cost more than the pass). Each row is computed alike on any
+ * thread. */
+#define PARALLEL_MIN 16384
+
+/* Whether the library shares its rows out to threads (built with OpenMP). */
+int f32_threaded(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 #include "vexp.h"
 
 /* out = w * (x * rsqrt(mean(x^2) + eps)) */
 void f32_rms_norm(const float *x, long xs, const float *w, int rows, int n, float eps, float *out,
-                  long os) {
+                  long os, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (long)rows * n >= PARALLEL_MIN)
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (long)r * xs;
         float *o = out + (long)r * os;
@@ -31,8 +47,9 @@ void f32_rms_norm(const float *x, long xs, const float *w, int rows, int n, floa
 /* In place on x [rows][heads][d] (row stride xs, heads d apart): x * cos + rotate_half(x) * sin,
  * rotate_half(x) = [-x2, x1] for x = [x1, x2]; cos, sin [rows][d] (row stride cs). */
 void f32_rope(float *x, long xs, int rows, int heads, int d, const float *cos_, const float *sin_,
-              long cs) {
+              long cs, int threads) {
     const int half = d / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (long)rows * heads * d >= PARALLEL_MIN)
     for (int r = 0; r < rows; r++) {
         const float *c = cos_ + (long)r * cs, *s = sin_ + (long)r * cs;
         for (int h = 0; h < heads; h++) {
@@ -48,7 +65,8 @@ void f32_rope(float *x, long xs, int rows, int heads, int d, const float *cos_, 
 }
 
 /* out [rows][n] = silu(gate) * up with gu [rows][2n] = [gate | up]; silu(g) = g / (1 + exp(-g)) */
-void f32_silu_mul(const float *gu, long gs, int rows, int n, float *out, long os) {
+void f32_silu_mul(const float *gu, long gs, int rows, int n, float *out, long os, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (long)rows * n >= PARALLEL_MIN)
     for (int r = 0; r < rows; r++) {
         const float *g = gu + (long)r * gs, *u = g + n;
         float *o = out + (long)r * os;

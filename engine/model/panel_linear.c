@@ -9,6 +9,11 @@
  *
  * Plain C with GCC's vector extension (8 floats; -O3 -march=native picks the host's ISA), so it
  * builds wherever GCC or clang does.
+ *
+ * Threads: with OpenMP (-fopenmp) the panels (16 outputs each) are shared out to `threads`
+ * threads; the rows are packed once by the calling thread and read by all. Each output is
+ * computed alike on any thread (the same sum in the same order): the bits do not depend on the
+ * thread count.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -94,14 +99,27 @@ static inline void block_few(int mr, const float *x, long xs, const float *panel
 static __thread float *scratch; /* a group's packed rows */
 static __thread size_t scratch_cap;
 
+/* Whether the library shares its panels out to threads (built with OpenMP). */
+int panel_threaded(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* out [rows][n] (row stride os) = x [rows][k] (row stride xs) . W^T (+ bias) over the panels p.
- * Returns 0, or -1 when scratch memory fails. */
+ * threads: how many threads share the panels (1 below ~2 panels each). Returns 0, or -1 when
+ * scratch memory fails. */
 int panel_linear(const float *x, long xs, int rows, const float *p, int n, int k,
-                 const float *bias, float *out, long os) {
+                 const float *bias, float *out, long os, int threads) {
     /* rows in groups of ~MB_BYTES of x, packed per 6-row block as xt[k][6] (zero past the
      * last row); every panel (k x 16 floats, L1/L2) then passes over the group's blocks */
+    const int np = (n + NR - 1) / NR;
+    if (threads > np / 2) threads = np / 2 > 1 ? np / 2 : 1;
     if (rows < MR) {
-        for (int b = 0; b * NR < n; b++) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int b = 0; b < np; b++) {
             int nv = n - b * NR < NR ? n - b * NR : NR;
             block_few(rows, x, xs, p + (long)b * k * NR, k, bias ? bias + b * NR : 0,
                       out + b * NR, os, nv);
@@ -128,7 +146,8 @@ int panel_linear(const float *x, long xs, int rows, const float *p, int n, int k
                 for (int kk = 0; kk < k; kk++) dst[kk * MR + m] = m < mr ? src[kk] : 0.0f;
             }
         }
-        for (int b = 0; b * NR < n; b++) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int b = 0; b < np; b++) {
             int nv = n - b * NR < NR ? n - b * NR : NR;
             const float *panel = p + (long)b * k * NR, *bb = bias ? bias + b * NR : 0;
             for (int m0 = g0; m0 < g1; m0 += MR) {

@@ -10,12 +10,15 @@ ms for the same 17 linears at 6 rows, and as fast as MKL at 512 rows (82 against
 so the plain weight is not kept (no second copy). Each output sums over k in order whatever the
 batch: a row's result does not depend on the other rows.
 
-Used for fp32 CPU models loaded with one torch thread (the kernel is single-threaded; MKL
-parallelizes) on x86-64 CPUs without AVX-512 (the kernel uses 8-float vectors; on AVX-512 CPUs
-wider kernels serve: oneDNN's with packed weights on non-Intel ones, ``packed_linear``, and
-MKL's on Intel ones), when the library builds (``ckernel.build``, ``cc -O3 -march=native``).
+Used for fp32 CPU models on x86-64 CPUs without AVX-512 (the kernel uses 8-float vectors; on
+AVX-512 CPUs wider kernels serve: oneDNN's with packed weights on non-Intel ones,
+``packed_linear``, and MKL's on Intel ones), when the library builds (``ckernel.build``,
+``cc -O3 -march=native -fopenmp``).
 ``CHUNKSCOPE_PANEL_LINEAR=0`` turns it off. The results equal ``linear``'s
-up to fp32 summation order (checked on a probe when each layer is packed).
+up to fp32 summation order (checked on a probe when each layer is packed). Threads: built with
+OpenMP (the runtime torch uses), each call shares its panels out to ``torch.get_num_threads()``
+threads, the same bits at any count; a compiler without OpenMP builds it single-threaded, and
+the model is then packed only when loaded with one torch thread.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from engine.model.linear_swap import swap_linears
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("panel_linear.c")
-FLAGS = ["-O3", "-march=native"]
+FLAGS = ["-O3", "-march=native"]  # and -fopenmp (ckernel.build_threaded)
 ENV_SWITCH = "CHUNKSCOPE_PANEL_LINEAR"
 PANEL = 16
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -44,14 +47,15 @@ _state: dict[str, ctypes.CDLL | None] = {}
 
 def _load() -> ctypes.CDLL | None:
     try:
-        dll = ctypes.CDLL(str(ckernel.build(SOURCE, FLAGS)))
+        dll = ctypes.CDLL(str(ckernel.build_threaded(SOURCE, FLAGS)))
     except (RuntimeError, OSError) as e:
         logger.info("fp32 panel linear kernel not built (%s): torch's linear runs", e)
         return None
     dll.panel_pack.argtypes = [_P, _L, _I, _I, _P]
-    dll.panel_linear.argtypes = [_P, _L, _I, _P, _I, _I, _P, _P, _L]
+    dll.panel_linear.argtypes = [_P, _L, _I, _P, _I, _I, _P, _P, _L, _I]
     dll.panel_pack.restype = None
     dll.panel_linear.restype = _I
+    dll.panel_threaded.restype = _I
     return dll
 
 
@@ -94,7 +98,7 @@ class PanelLinear(nn.Module):
         m = rows.shape[0]
         out = torch.empty(m, n, dtype=torch.float32)
         if m and self._call(rows.data_ptr(), rows.stride(0), m, self._panels, n, k, self._bias,
-                            out.data_ptr(), n):  # fmt: skip
+                            out.data_ptr(), n, torch.get_num_threads()):  # fmt: skip
             raise MemoryError("panel linear: scratch allocation failed")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
@@ -110,15 +114,16 @@ def why_not(dtype: torch.dtype, device: torch.device) -> str | None:
         return f"only fp32 on CPU (here {dtype} on {device.type})"
     if packed_linear.why_not(dtype, device) is None:  # the loader packs first: nothing left
         return "oneDNN packs fp32 weights on this CPU (packed_linear)"
-    if torch.get_num_threads() != 1:
-        return f"{torch.get_num_threads()} torch threads (the kernel is single-threaded)"
     why = ckernel.x86_unavailable(ENV_SWITCH, ("avx2", "fma"))
     if why is not None:
         return why
     if ckernel.x86_unavailable(ENV_SWITCH, ("avx512f",)) is None:
         return "an AVX-512 CPU (MKL's wider kernels kept; the panel kernel uses 8-float vectors)"
-    if library() is None:
+    lib = library()
+    if lib is None:
         return "the kernel did not build"
+    if torch.get_num_threads() != 1 and not lib.panel_threaded():
+        return f"{torch.get_num_threads()} torch threads (the kernel was built without OpenMP)"
     return None
 
 

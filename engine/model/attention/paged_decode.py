@@ -31,8 +31,7 @@ from engine.model import ckernel
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
-FLAGS_NO_OPENMP = ["-O3", "-march=native", "-fopenmp-simd"]
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]  # and -fopenmp (ckernel.build_threaded)
 ENV_SWITCH = "CHUNKSCOPE_DECODE_KERNEL"
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
@@ -50,12 +49,7 @@ def _load() -> ctypes.CDLL | None:
     why = None if enabled() else f"{ENV_SWITCH}=0"
     if why is None:
         try:
-            try:
-                path = ckernel.build(SOURCE, FLAGS)
-            except RuntimeError as e:
-                logger.info("paged decode kernel built without OpenMP (one thread): %s", e)
-                path = ckernel.build(SOURCE, FLAGS_NO_OPENMP)
-            dll = ctypes.CDLL(str(path))
+            dll = ctypes.CDLL(str(ckernel.build_threaded(SOURCE, FLAGS)))
             fn = dll.paged_decode_attention
             fn.restype = ctypes.c_int
             L, P, I = ctypes.c_long, ctypes.c_void_p, ctypes.c_int  # noqa: E741, N806

@@ -66,21 +66,12 @@ def isa() -> str | None:
     return None
 
 
-def _build(flags: list[str]) -> ctypes.CDLL:
-    """The library built with OpenMP, or without it where the compiler has none."""
-    try:
-        path = ckernel.build(SOURCE, [*flags, "-fopenmp"])
-    except RuntimeError as e:
-        logger.info("AVX-512 attention kernel built without OpenMP (one thread): %s", e)
-        path = ckernel.build(SOURCE, flags)
-    return ctypes.CDLL(str(path))
-
-
 def _load(head_dim: int, which: str | None) -> ctypes.CDLL | None:
     why = ckernel.x86_unavailable(ENV_SWITCH, ISA_FEATURES[which or "avx512"])
     if why is None and which is not None:
         try:
-            dll = _build([*ISA_FLAGS[which], f"-DHEAD_DIM={head_dim}"])
+            flags = [*ISA_FLAGS[which], f"-DHEAD_DIM={head_dim}"]
+            dll = ctypes.CDLL(str(ckernel.build_threaded(SOURCE, flags)))
             fn = dll.vec_attention_paged
             fn.restype = ctypes.c_int
             L, P, I = ctypes.c_long, ctypes.c_void_p, ctypes.c_int  # noqa: E741, N806

@@ -146,7 +146,7 @@ def test_the_torch_path_runs_where_the_kernel_cannot(
             monkeypatch.setenv("CC", "/nonexistent/cc")
             monkeypatch.setenv("CHUNKSCOPE_KERNEL_CACHE", "/tmp/chunkscope-test-no-cc-cache")
         else:  # built as a compiler without OpenMP builds it: one thread only
-            monkeypatch.setattr(paged_decode, "FLAGS", paged_decode.FLAGS_NO_OPENMP)
+            monkeypatch.setattr(paged_decode.ckernel, "build_threaded", paged_decode.ckernel.build)
         torch.set_num_threads(2 if why.startswith("two threads") else 1)
         with caplog.at_level(logging.INFO, logger=paged_decode.__name__):
             got = _forward(SplitBackend(), case, seqs, cache, qkv)

@@ -1,8 +1,8 @@
 """The fused fp32 row operations (engine/model/fused.py, fused_ops_f32.c) compute what llama.py's
 torch ops do: RMSNorm, silu * up and rotary embedding against torch on the same fp32 inputs
 (fp32 summation order and the exp inside silu apart), rows 1 .. 513, strided rows, large and
-tiny values; greedy tokens with the fused ops on equal those with them off; a failed build or
-the switch falls back to torch's ops."""
+tiny values; the same bits at two threads as at one; greedy tokens with the fused ops on equal
+those with them off; a failed build or the switch falls back to torch's ops."""
 
 from __future__ import annotations
 
@@ -41,6 +41,27 @@ def _data(rows: int, cols: int, seed: int, scale: float = 3.0) -> torch.Tensor:
 def test_fp32_is_usable_here() -> None:
     assert fused.usable(torch.zeros(2, 16))
     assert not fused.usable(torch.zeros(2, 16, dtype=torch.float64))
+
+
+def test_two_threads_give_one_threads_bits() -> None:
+    """Rows are shared out to threads above 16,384 elements; each row is computed alike."""
+    lib = fused.library_f32()
+    assert lib is not None
+    if not lib.f32_threaded():
+        pytest.skip("the fused ops were built without OpenMP here")
+    x, w = _data(300, 512, 1), _data(1, 512, 2)[0]
+    gate_up = _data(300, 2 * 512, 3, scale=8.0)
+    rope = RotaryEmbedding(64, 2048, 10000.0, None)
+    cos, sin = rope.tables(torch.arange(300) * 5, torch.float32)
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        assert fused.usable(x)
+        q = _data(300, 8 * 64, 4).view(300, 8, 64)
+        outs.append((fused.rms_norm(x, w, 1e-6), fused.silu_mul(gate_up, 512),
+                     fused.rope_(q, cos, sin)))  # fmt: skip
+    for one, two in zip(*outs, strict=True):
+        assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 513])

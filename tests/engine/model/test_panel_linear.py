@@ -1,6 +1,7 @@
 """fp32 linear layers over panel-packed weights: equal to ``nn.functional.linear`` up to fp32
-summation order at every row count, batch-invariant, every linear of a model replaced, the
-engine's tokens unchanged, and torch's linear kept wherever the kernel does not apply."""
+summation order at every row count, batch-invariant, the same bits at two and three threads as
+at one, every linear of a model replaced, the engine's tokens unchanged, and torch's linear kept
+wherever the kernel does not apply (a build without OpenMP at two threads among them)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,28 @@ def test_panel_equals_linear(rows: int, n: int, k: int, bias: bool) -> None:
         got = panel(x)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 7, 64, 300])
+def test_threads_give_one_threads_bits(rows: int) -> None:
+    _needs_kernel()
+    lib = panel_linear.library()
+    assert lib is not None
+    if not lib.panel_threaded():
+        pytest.skip("the kernel was built without OpenMP here")
+    torch.manual_seed(rows)
+    plain = nn.Linear(256, 200)
+    panel = PanelLinear(plain)
+    x = torch.randn(rows, 256)
+    outs = []
+    with torch.inference_mode():
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(panel(x))
+    torch.set_num_threads(1)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0], nn.functional.linear(x, plain.weight, plain.bias),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 def test_leading_dims_strided_rows_and_no_rows() -> None:
@@ -108,9 +131,15 @@ def test_nothing_is_packed_where_it_does_not_apply(monkeypatch: pytest.MonkeyPat
     assert "only fp32 on CPU" in str(why_not(torch.bfloat16, CPU))
     assert why_not(torch.float32, torch.device("cuda")) is not None
     monkeypatch.setenv("CHUNKSCOPE_PACKED_LINEAR", "0")  # else oneDNN's packing may come first
-    torch.set_num_threads(2)
-    assert "2 torch threads" in str(why_not(torch.float32, CPU))
-    torch.set_num_threads(1)
+    if why_not(torch.float32, CPU) is None:  # the kernel applies here: at two threads too...
+        torch.set_num_threads(2)
+        assert why_not(torch.float32, CPU) is None
+        panel_linear._state.clear()  # ...unless built without OpenMP
+        with monkeypatch.context() as m:
+            m.setattr(panel_linear.ckernel, "build_threaded", panel_linear.ckernel.build)
+            assert "2 torch threads" in str(why_not(torch.float32, CPU))
+        panel_linear._state.clear()
+        torch.set_num_threads(1)
     monkeypatch.delenv("CHUNKSCOPE_PACKED_LINEAR")
     monkeypatch.setattr(panel_linear.ckernel, "x86_unavailable", lambda s, f: None)  # AVX-512
     monkeypatch.setattr(panel_linear.ckernel, "cpu_vendor", lambda: "GenuineIntel")
