@@ -337,6 +337,8 @@ class Store:
         self.runs_window = runs_window
         self._autocheckpoint = sqlite_autocheckpoint
         self.shared = db.dialect.name == "postgresql" if shared is None else shared
+        # PostgreSQL: the event tables take their rows by COPY (see _append)
+        self.copy = db.dialect.name == "postgresql"
         self._conn: Connection | None = None
         self._runs: dict[int, RunState] = {}
         self._upd_requests = (
@@ -950,6 +952,23 @@ class Store:
 
     # -- flush --------------------------------------------------------------------------------
 
+    def _append(self, table: Any, rows: list[dict[str, Any]]) -> None:
+        """Insert ``rows`` (each with the same keys) into an append-only event table: on
+        PostgreSQL with one COPY (no statement per row), elsewhere with one executemany."""
+        if not self.copy:
+            self.conn.execute(insert(table), rows)
+            return
+        cols = list(rows[0])
+        get = operator.itemgetter(*cols)
+        dbapi = self.conn.connection.driver_connection
+        assert dbapi is not None
+        with (
+            dbapi.cursor() as cur,
+            cur.copy(f"COPY {table.name} ({', '.join(cols)}) FROM STDIN") as copy,
+        ):
+            for row in rows:
+                copy.write_row(get(row))
+
     def _flush(self, batch: _Batch) -> None:
         conn = self.conn
         new_rows: list[dict[str, Any]] = []
@@ -969,9 +988,9 @@ class Store:
         if upd_rows:
             conn.execute(self._upd_requests, upd_rows)
         if batch.steps:
-            conn.execute(insert(schema.steps), batch.steps)
+            self._append(schema.steps, batch.steps)
         if batch.request_events:
-            conn.execute(insert(schema.request_events), batch.request_events)
+            self._append(schema.request_events, batch.request_events)
         if batch.controls:
             conn.execute(insert(schema.controls), batch.controls)
         if batch.gaps:
