@@ -152,7 +152,7 @@ def find_request(
         reqs = queries.requests(db, engine_id=engine_id, run_id=run_id, since=lo, until=hi)
         rows = reqs[reqs["request_id"] == rid]
         if not rows.empty:
-            return rid, rows.iloc[-1].to_dict()
+            return rid, {**rows.iloc[-1].to_dict(), "last_token": hi}
     # a request that never produced a token: look through the engine's requests
     reqs = queries.requests(db, engine_id=engine_id, run_id=run_id)
     for rid in request_ids(request_id):
@@ -174,7 +174,8 @@ def blame_request(
     rid, row = find_request(db, engine_id, request_id, run_id)
     run = str(row["run_id"])
     begin = _first(row, "arrival", "first_scheduled", "first_token")
-    end = _first(row, "finished", "first_token", "first_scheduled")
+    # to its end, or (still running) to its last token so far
+    end = _first(row, "finished", "last_token", "first_token", "first_scheduled")
     if begin is None or end is None:
         raise BlameError(f"request {request_id!r} has no times in the store")
     window = read_window(db, engine_id, run, begin - LOOKBACK_S, max(end, begin))

@@ -59,9 +59,9 @@ class Mix:
 
 MIXES = {
     # a long prompt prefilled in one step: every chat waits for all of it at once
-    "one-step": Mix("one-step", 4096, 2000, 3500),
+    "one-step": Mix("one-step", 4096, 1500, 2500),
     # the same prompts in 512-token chunks: many short stalls, and new chats queue behind them
-    "chunked": Mix("chunked", 512, 2000, 3500),
+    "chunked": Mix("chunked", 512, 1500, 2500),
 }
 
 
@@ -104,9 +104,9 @@ def plan(mix: Mix, args: argparse.Namespace, seed: int) -> list[Planned]:
     return sorted(out, key=lambda p: p.offset_s)
 
 
-async def _send(session: Any, url: str, p: Planned, rec: Sent) -> None:
+async def _send(session: Any, url: str, model: str, p: Planned, rec: Sent) -> None:
     body = {
-        "model": "demo",
+        "model": model,
         "prompt": p.prompt,
         "max_tokens": p.max_tokens,
         "temperature": 0.0,
@@ -130,7 +130,7 @@ async def _send(session: Any, url: str, p: Planned, rec: Sent) -> None:
 
 
 async def _drive(
-    url: str, planned: list[Planned], with_culprits: bool
+    url: str, model: str, planned: list[Planned], with_culprits: bool
 ) -> tuple[list[Sent], float, float]:
     import aiohttp
 
@@ -147,7 +147,7 @@ async def _drive(
             await asyncio.sleep(max(0.0, t0 + p.offset_s - time.monotonic()))
             rec = Sent(p.index, p.traffic_class)
             sent.append(rec)
-            tasks.append(asyncio.ensure_future(_send(session, url, p, rec)))
+            tasks.append(asyncio.ensure_future(_send(session, url, model, p, rec)))
         await asyncio.gather(*tasks)
     return sent, start, time.time()
 
@@ -187,10 +187,61 @@ def _wait_stored(db: Any, sent: list[Sent], timeout: float = 30.0) -> None:
     logger.warning("%d requests never reached the store", len(ids - done))
 
 
-def run_mix(url: str, db: Any, mix: Mix, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    import urllib.request
-
+def _one_pair(
+    url: str, db: Any, planned: list[Planned], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The traffic with its culprits, then without: the victims' times in each, and the
+    ledger's blame (of the run with them) per victim, by place in the schedule."""
     from advisor.blame_store import blame_window
+
+    runs: dict[str, Any] = {}
+    for label, with_culprits in (("with", True), ("without", False)):
+        time.sleep(args.settle_s)
+        sent, start, end = asyncio.run(_drive(url, args.preset, planned, with_culprits))
+        _wait_stored(db, sent)
+        runs[label] = {"sent": sent, "start": start, "end": end + 1.0}
+        errors = [r.error for r in sent if r.error]
+        if errors:
+            logger.warning("%s: %d errors, e.g. %s", label, len(errors), errors[0])
+    t = time.perf_counter()
+    blamed = blame_window(
+        db, engine_id=ENGINE_ID, since=runs["with"]["start"] - 1.0, until=runs["with"]["end"]
+    )
+    ledger_s = time.perf_counter() - t
+    sent = runs["with"]["sent"]
+    culprits = {r.request_id for r in sent if r.traffic_class == "rag"}
+    by_index = {r.index: r.request_id for r in sent}
+    with_t = _victim_times(db, sent)
+    without_t = _victim_times(db, runs["without"]["sent"])
+    blame: dict[int, float] = {}
+    excess: dict[int, float] = {}
+    for i in set(with_t) & set(without_t):
+        out = blamed.ledger.request(str(by_index[i]))
+        blame[i] = sum(c["ms"] for c in out["culprits"] if c["request_id"] in culprits)
+        excess[i] = out["excess_ms"]
+    offenders = blamed.ledger.offenders(len(culprits))
+    m = blamed.fit.model
+    return {
+        "with": with_t,
+        "without": without_t,
+        "blame": blame,
+        "excess": excess,
+        "num_culprits": len(culprits),
+        "offenders_that_are_culprits": sum(1 for o in offenders if o["request_id"] in culprits),
+        "ledger_s": ledger_s,
+        "fit": {
+            "rel_err_p50": m.rel_err_p50,
+            "poor": blamed.fit.poor,
+            "reasons": blamed.fit.quality.get("reasons"),
+            "model": m.to_dict(),
+        },  # fmt: skip
+    }
+
+
+def run_mix(url: str, db: Any, mix: Mix, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """``args.pairs`` pairs of runs (with, without) of the same traffic at the mix's budget;
+    per victim, its times and its blame averaged over the pairs."""
+    import urllib.request
 
     req = urllib.request.Request(
         f"{url}/v1/scheduler",
@@ -200,56 +251,43 @@ def run_mix(url: str, db: Any, mix: Mix, args: argparse.Namespace, seed: int) ->
     )
     urllib.request.urlopen(req, timeout=30).read()
     planned = plan(mix, args, seed)
-    runs: dict[str, Any] = {}
-    for label, with_culprits in (("with", True), ("without", False)):
-        time.sleep(args.settle_s)
-        sent, start, end = asyncio.run(_drive(url, planned, with_culprits))
-        _wait_stored(db, sent)
-        runs[label] = {"sent": sent, "start": start, "end": end + 1.0}
-        errors = [r.error for r in sent if r.error]
-        if errors:
-            logger.warning("%s/%s: %d errors, e.g. %s", mix.name, label, len(errors), errors[0])
-    with_t = _victim_times(db, runs["with"]["sent"])
-    without_t = _victim_times(db, runs["without"]["sent"])
-    both = sorted(set(with_t) & set(without_t))
-    measured = sum(with_t[i] - without_t[i] for i in both)
-    t_fit = time.perf_counter()
-    blamed = blame_window(
-        db, engine_id=ENGINE_ID, since=runs["with"]["start"] - 1.0, until=runs["with"]["end"]
-    )
-    ledger_s = time.perf_counter() - t_fit
-    culprits = {r.request_id for r in runs["with"]["sent"] if r.traffic_class == "rag"}
-    by_index = {r.index: r.request_id for r in runs["with"]["sent"]}
-    blame = 0.0
-    total_excess = 0.0
-    for i in both:
-        out = blamed.ledger.request(str(by_index[i]))
-        blame += sum(c["ms"] for c in out["culprits"] if c["request_id"] in culprits)
-        total_excess += out["excess_ms"]
-    offenders = blamed.ledger.offenders(len(culprits) + 3)
-    m = blamed.fit.model
+    pairs = [_one_pair(url, db, planned, args) for _ in range(args.pairs)]
+    victims = sorted(set.intersection(*(set(p["blame"]) for p in pairs)))
+
+    def mean(key: str, i: int) -> float:
+        return statistics.fmean(p[key][i] for p in pairs)
+
+    measured = sum(mean("with", i) - mean("without", i) for i in victims)
+    blamed = sum(mean("blame", i) for i in victims)
+    per_pair = [
+        {
+            "measured_ms": sum(p["with"][i] - p["without"][i] for i in victims),
+            "blamed_ms": sum(p["blame"][i] for i in victims),
+            "victims_ms_with": sum(p["with"][i] for i in victims),
+            "victims_ms_without": sum(p["without"][i] for i in victims),
+            "victims_excess_ms": sum(p["excess"][i] for i in victims),
+            **{k: p[k] for k in ("num_culprits", "offenders_that_are_culprits", "ledger_s", "fit")},
+        }
+        for p in pairs
+    ]
     return {
         "mix": mix.__dict__,
         "seed": seed,
-        "num_victims": len(both),
-        "num_culprits": len(culprits),
-        "victims_ms_with": sum(with_t[i] for i in both),
-        "victims_ms_without": sum(without_t[i] for i in both),
+        "pairs": args.pairs,
+        "num_victims": len(victims),
         "measured_ms": measured,
-        "blamed_ms": blame,
-        "blamed_over_measured": blame / measured if measured > 0 else None,
-        "within_20pct": measured > 0 and abs(blame / measured - 1) <= 0.2,
-        "victims_excess_ms": total_excess,
-        "top_offenders_are_culprits": sum(
-            1 for o in offenders[: len(culprits)] if o["request_id"] in culprits
-        ),
-        "ledger_s": ledger_s,
-        "fit": {
-            "rel_err_p50": m.rel_err_p50,
-            "poor": blamed.fit.poor,
-            "reasons": blamed.fit.quality.get("reasons"),
-        },  # fmt: skip
-        "per_victim_ms": {str(i): [with_t[i], without_t[i]] for i in both},
+        "blamed_ms": blamed,
+        "blamed_over_measured": blamed / measured if measured > 0 else None,
+        "within_20pct": measured > 0 and abs(blamed / measured - 1) <= 0.2,
+        "per_pair": per_pair,
+        "per_victim_ms": {
+            str(i): {
+                "with": mean("with", i),
+                "without": mean("without", i),
+                "blamed": mean("blame", i),
+            }  # fmt: skip
+            for i in victims
+        },
     }
 
 
@@ -373,10 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mixes", default="one-step,chunked", help=f"among {', '.join(MIXES)}")
     ap.add_argument("--duration-s", type=float, default=40.0, help="traffic per run")
-    ap.add_argument("--chat-every-s", type=float, default=0.4)
-    ap.add_argument("--chat-output", type=int, default=80)
+    ap.add_argument("--pairs", type=int, default=2, help="runs with and without, per mix")
+    ap.add_argument("--chat-every-s", type=float, default=0.8)
+    ap.add_argument("--chat-output", type=int, default=60)
     ap.add_argument("--rag-first-s", type=float, default=3.0)
-    ap.add_argument("--rag-every-s", type=float, default=5.0)
+    ap.add_argument("--rag-every-s", type=float, default=6.0)
     ap.add_argument("--rag-output", type=int, default=4)
     ap.add_argument("--settle-s", type=float, default=3.0, help="idle before each run")
     ap.add_argument("--seed", type=int, default=7)
@@ -392,8 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
-        args.duration_s, args.busy_s, args.repeats = 10.0, 10.0, 2
+        args.duration_s, args.busy_s, args.repeats, args.pairs = 10.0, 10.0, 2, 1
         args.chat_output, args.rag_every_s, args.rag_first_s = 20, 4.0, 1.0
+    args.preset = "tiny" if args.quick else "demo"
     out_dir = setup(args)
     mixes = [MIXES[m.strip()] for m in args.mixes.split(",") if m.strip()]
     from storage.db import connect
@@ -408,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_served:
             db_url = f"sqlite:///{work / 'served.db'}"
             collector = start_collector(db_url, args=["--log-level", "WARNING"])
-            cmd = [sys.executable, "-m", "engine", "--model", "tiny" if args.quick else "demo",
+            cmd = [sys.executable, "-m", "engine", "--model", args.preset,
                    "--port", "0", "--device", "cpu", "--dtype", "float32",
                    "--token-budget", "4096", "--max-token-budget", "8192",
                    "--max-model-len", "4096", "--engine-id", ENGINE_ID,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data, story, ui
+from dashboard import blame_charts, blame_data, charts, data, story, ui
 
 st.header("Compare")
 ctx = ui.context()
@@ -211,3 +211,31 @@ styled = table.style.format({"A": "{:.1f}", "B": "{:.1f}", "B / A": "{:.2f}x"}, 
 )
 st.dataframe(styled, hide_index=True)
 st.plotly_chart(charts.compare_figure(table, names=names), key="compare_fig")
+
+
+# ---- who caused the stalls: the blame ledger per side -------------------------------------
+st.subheader("Who caused the stalls")
+caused: dict[str, pd.DataFrame] = {}
+notes = []
+for name, (e_id, r_id, lo, hi) in zip(names, specs, strict=True):
+    if e_id is None or r_id is None:
+        notes.append(f"{name}: pick one engine")
+        continue
+    try:
+        if hi is None:
+            last = data.steps(ctx.db_url, e_id, r_id, limit=1)
+            hi = None if last.empty else float(last["end"].iloc[0])
+        if hi is not None and (lo is None or hi - lo > blame_data.MAX_WINDOW_S):
+            lo = hi - blame_data.MAX_WINDOW_S  # the newest part of a long window
+        _, by_class, excess = blame_data.window_blame(ctx.db_url, e_id, r_id, lo, hi)
+    except (data.StoreUnavailable, blame_data.BlameUnavailable) as exc:
+        notes.append(f"{name}: {exc}")
+        continue
+    caused[name] = by_class
+    notes.append(
+        f"{name}: {excess / 1e3:.1f} s of excess, caused by "
+        f"{blame_charts.class_cost_line(by_class)}"
+    )
+for note in notes:
+    st.markdown(f"- {note}")
+st.plotly_chart(blame_charts.class_cost_figure(caused), key="compare_blame_fig")

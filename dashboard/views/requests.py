@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, data, ui
+from dashboard import blame_charts, blame_data, charts, data, ui
 
 COLUMNS = [
     "request_id",
@@ -61,3 +61,65 @@ for col, (name, key) in zip(
     v = row.get(key)
     col.metric(name, "—" if v is None or v != v else f"{v:.1f} ms")
 st.plotly_chart(charts.waterfall_figure(times, row), key="waterfall")
+
+# ---- who slowed it: the blame ledger ---------------------------------------------------------
+st.subheader("Who slowed it")
+try:
+    blame, gaps = blame_data.request_blame(
+        ctx.db_url, str(row["engine_id"]), str(row["run_id"]), str(rid)
+    )
+except (data.StoreUnavailable, blame_data.BlameUnavailable) as exc:
+    st.info(f"No ledger for this request: {exc}")
+else:
+    cols = st.columns(4)
+    cols[0].metric(
+        "Excess",
+        f"{blame['excess_ms']:.0f} ms",
+        help="its time beyond its own work and the engine's pauses: what the other requests "
+        "in its steps cost it",
+    )
+    cols[1].metric(
+        "Of it, queued",
+        f"{blame['queue_ms']:.0f} ms",
+        help="steps it waited through without a chunk while others held the budget",
+    )
+    cols[2].metric("Stalls", f"{blame['num_stalls']} of {blame['num_gaps']} gaps")
+    top = blame["culprits"][0] if blame["culprits"] else None
+    cols[3].metric(
+        "Top culprit",
+        "—" if top is None else f"{top['ms']:.0f} ms",
+        help=None if top is None else str(top["request_id"]),
+    )
+    if top is not None:
+        st.caption(
+            f"Most of it: **{top['request_id']}** ({top.get('traffic_class') or 'no class'}, "
+            f"{top.get('num_prompt_tokens') or '?'} prompt tokens), {top['ms']:.0f} ms over "
+            f"{top['gaps']} of its gaps."
+        )
+    st.plotly_chart(blame_charts.stall_timeline_figure(gaps), key="blame_timeline")
+    st.dataframe(
+        blame_charts.culprits_frame(blame["culprits"][:10]), hide_index=True, key="culprits"
+    )
+
+# ---- top offenders of the window --------------------------------------------------------------
+st.subheader("Top offenders")
+if ctx.engine_id is None or ctx.run_id is None or latest is None:
+    st.info("Pick one engine in the sidebar to see which requests cost the others most.")
+else:
+    lo = (
+        latest - blame_data.MAX_WINDOW_S
+        if since is None
+        else max(since, latest - blame_data.MAX_WINDOW_S)
+    )
+    try:
+        offenders, by_class, excess = blame_data.window_blame(
+            ctx.db_url, ctx.engine_id, ctx.run_id, lo, latest
+        )
+    except (data.StoreUnavailable, blame_data.BlameUnavailable) as exc:
+        st.info(f"No ledger for this window: {exc}")
+    else:
+        st.caption(
+            f"The last {latest - lo:.0f} s: {excess / 1e3:.1f} s of excess in all; caused by "
+            f"{blame_charts.class_cost_line(by_class)}."
+        )
+        st.dataframe(blame_charts.offenders_frame(offenders), hide_index=True, key="offenders")

@@ -1,0 +1,71 @@
+"""The blame ledger's reads for the pages (``advisor.blame_store``), cached like
+``dashboard.data``'s: a store that cannot be read, or a window the ledger cannot blame, raises
+``data.StoreUnavailable`` or ``BlameUnavailable`` with the reason the page shows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import data
+
+# the Requests page blames at most this much of its window (the newest part of it)
+MAX_WINDOW_S = 600.0
+
+
+class BlameUnavailable(RuntimeError):
+    """The ledger cannot be computed for this selection (the reason is in the message)."""
+
+
+def _run(fn: Any, **kwargs: Any) -> Any:
+    from advisor.blame import BlameError
+
+    try:
+        return fn(**kwargs)
+    except BlameError as exc:
+        raise BlameUnavailable(str(exc)) from exc
+    except Exception as exc:  # noqa: BLE001 - any driver error: not readable now
+        raise data.StoreUnavailable(f"cannot read the store (blame): {exc}") from exc
+
+
+@st.cache_data(ttl=10.0, show_spinner=False)
+def request_blame(
+    db_url: str | None, engine_id: str, run_id: str, request_id: str
+) -> tuple[dict[str, Any], pd.DataFrame]:
+    """What slowed one request (``Ledger.request``) and its gaps (``Ledger.gaps``)."""
+    from advisor.blame_store import blame_request
+
+    db = data.connection(db_url)
+
+    def go() -> tuple[dict[str, Any], pd.DataFrame]:
+        out, blamed = blame_request(db, engine_id=engine_id, request_id=request_id, run_id=run_id)
+        return out, blamed.ledger.gaps(out.get("stored_request_id", request_id))
+
+    result: tuple[dict[str, Any], pd.DataFrame] = _run(go)
+    return result
+
+
+@st.cache_data(ttl=10.0, show_spinner=False)
+def window_blame(
+    db_url: str | None,
+    engine_id: str,
+    run_id: str,
+    since: float | None,
+    until: float | None,
+    top: int = 10,
+) -> tuple[list[dict[str, Any]], pd.DataFrame, float]:
+    """(the ``top`` offenders, the excess caused per class, the window's excess in ms)."""
+    from advisor.blame_store import blame_window
+
+    db = data.connection(db_url)
+
+    def go() -> tuple[list[dict[str, Any]], pd.DataFrame, float]:
+        ledger = blame_window(
+            db, engine_id=engine_id, run_id=run_id, since=since, until=until
+        ).ledger
+        return ledger.offenders(top), ledger.by_class(), ledger.totals()["excess_ms"]
+
+    result: tuple[list[dict[str, Any]], pd.DataFrame, float] = _run(go)
+    return result
