@@ -20,27 +20,41 @@ All little-endian. Many steps unpack at once: join their bytes and ``np.frombuff
 
 from __future__ import annotations
 
+import struct
+from typing import Any
+
 import numpy as np
 
 CHUNK_DTYPE = np.dtype([("req", "<i4"), ("start", "<i4"), ("n", "<i4"), ("flags", "u1")])
 TOKEN_DTYPE = np.dtype([("req", "<i4"), ("k", "<i4"), ("itl_ns", "<i8")])
+assert CHUNK_DTYPE.itemsize == 13 and TOKEN_DTYPE.itemsize == 16
 FLAG_DECODE = 1
 FLAG_PRODUCED = 2
 FLAG_CAPPED = 4
 
 
+_CHUNK = struct.Struct("<iiiB")  # CHUNK_DTYPE's record (no padding)
+_TOKEN = struct.Struct("<iiq")  # TOKEN_DTYPE's record
+
+
+def _pack(record: struct.Struct, rows: list[Any]) -> bytes:
+    """The rows as records, in C (struct) per row: a few times cheaper than a numpy array of
+    a step's few dozen rows. OverflowError for a value out of its field's range."""
+    pack = record.pack
+    try:
+        return b"".join([pack(*row) for row in rows])
+    except struct.error as exc:
+        raise OverflowError(f"a packed field is out of range: {exc}") from None
+
+
 def pack_chunks(rows: list[tuple[int, int, int, int]]) -> bytes:
     """``rows`` of (req_no, start, num_tokens, flags) as the packed column."""
-    if not rows:
-        return b""
-    return np.array(rows, dtype=CHUNK_DTYPE).tobytes()
+    return _pack(_CHUNK, rows)
 
 
 def pack_tokens(rows: list[tuple[int, int, int]]) -> bytes:
     """``rows`` of (req_no, k, itl_ns) as the packed column."""
-    if not rows:
-        return b""
-    return np.array(rows, dtype=TOKEN_DTYPE).tobytes()
+    return _pack(_TOKEN, rows)
 
 
 def unpack_chunks(blobs: list[bytes]) -> np.ndarray:
