@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import random
 import statistics
 import time
@@ -181,7 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = setup(args)
     if args.quick:
         args.prefixes, args.tokens = "0,256", 128
-    res: dict[str, Any] = {"contention_before": contention_probe(), "dtypes": []}
+    res: dict[str, Any] = {
+        "contention_before": contention_probe(),
+        # libgomp's default (unset: spin a while at each barrier) makes a thread wait on a
+        # descheduled one when other processes hold the cores: record it beside the threads
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "dtypes": [],
+    }
     for dtype in args.dtypes.split(","):
         res["dtypes"].append(bench_dtype(args, dtype))
     res["contention_after"] = contention_probe()
