@@ -53,6 +53,7 @@ class EngineConfig:
     seed: int = 0
     engine_id: str | None = None
     image_token_cap: int = 1280
+    image_token_cost: float | None = None  # None: estimated from the vision encoder's size
     cpu_threads: int | None = None
 
     def validate(self) -> EngineConfig:
@@ -89,6 +90,10 @@ class EngineConfig:
                 f"got {self.attention_backend!r}"
             )
         _check_int("image_token_cap", self.image_token_cap, 4)
+        if self.image_token_cost is not None and not (
+            isinstance(self.image_token_cost, int | float) and 1.0 <= self.image_token_cost <= 64.0
+        ):
+            raise ValueError(f"image_token_cost must lie in [1, 64], got {self.image_token_cost!r}")
         if self.cpu_threads is not None:
             _check_int("cpu_threads", self.cpu_threads, 1, 1024)
         return self

@@ -18,6 +18,12 @@ Under the ``unchunked`` policy a prompt is never split: it is scheduled whole wh
 what is left of the budget, and the first prompt of a step is scheduled whole even when it does
 not (so none waits forever) - which is exactly what makes long prompts stall decodes.
 
+An image token costs the budget ``image_token_cost`` tokens (default 1; the engine sets it to
+one plus the vision encoder's work per image token over the language model's per token), so a
+chunk holding image tokens is shorter and an image step costs what a text step of the same
+budget costs. The plan's token counts stay tokens; only what a chunk takes from the budget is
+weighted.
+
 When the KV cache runs out, the most recently arrived running request that has no chunk in this
 step yet is preempted (its blocks freed, to be recomputed later). The budget and policy are read
 once at the start of each step; ``set_token_budget`` / ``set_policy`` /
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -107,7 +114,11 @@ class Scheduler:
         max_num_seqs: int = 256,
         max_model_len: int = 1 << 30,
         long_prefill_token_threshold: int = 0,
+        image_token_cost: float = 1.0,
     ) -> None:
+        if not 1.0 <= image_token_cost <= 64.0:
+            raise ValueError(f"image_token_cost must lie in [1, 64], got {image_token_cost}")
+        self.image_token_cost = image_token_cost
         self.block_manager = block_manager
         self.max_token_budget = max_token_budget
         self.max_num_seqs = max_num_seqs
@@ -246,8 +257,9 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING or req.request_id in scheduled:
                 continue
+            start = req.num_computed_tokens
             if chunked:
-                full = min(req.num_remaining, left)
+                full = self._fit(req, start, req.num_remaining, left)
                 n = self._reserve(req, min(full, cap or full), scheduled, plan, shrink=True)
                 if 0 < n == cap < full:
                     capped[len(plan.chunks)] = full
@@ -256,10 +268,10 @@ class Scheduler:
             else:
                 n = 0
             if n > 0:
-                plan.chunks.append(ScheduledChunk(req, "prefill", req.num_computed_tokens, n))
+                plan.chunks.append(ScheduledChunk(req, "prefill", start, n))
                 scheduled.add(req.request_id)
                 prefill_scheduled = True
-                left -= n
+                left -= self._cost(req, start, n)
 
         # 3. waiting requests in arrival order.
         bm = self.block_manager
@@ -267,9 +279,10 @@ class Scheduler:
             req = self.waiting[0]
             hits = bm.find_cached_prefix(req)
             todo = req.num_tokens - len(hits) * bm.block_size
+            start = len(hits) * bm.block_size
             full = 0
             if chunked:
-                n = min(todo, left)
+                n = self._fit(req, start, todo, left)
                 if 0 < cap < n:
                     n, full = cap, n
                 if not bm.can_allocate(req, n, hits):
@@ -291,7 +304,7 @@ class Scheduler:
             plan.chunks.append(ScheduledChunk(req, "prefill", req.num_computed_tokens, n))
             scheduled.add(req.request_id)
             prefill_scheduled = True
-            left -= n
+            left -= self._cost(req, req.num_computed_tokens, n)
 
         # 4. work-conserving: what no other prompt took goes back to the capped chunks, the
         # fewest tokens left first (a short prompt finishes its prefill, and so gets its first
@@ -302,9 +315,11 @@ class Scheduler:
 
         for i in sorted(capped, key=tokens_left):
             if left > 0:
-                before = plan.chunks[i].num_tokens
+                c = plan.chunks[i]
+                before = self._cost(c.request, c.start, c.num_tokens)
                 self._extend(plan, i, left)
-                left -= plan.chunks[i].num_tokens - before
+                c = plan.chunks[i]
+                left -= self._cost(c.request, c.start, c.num_tokens) - before
             plan.chunks[i].capped = plan.chunks[i].num_tokens < capped[i]
         self._check_plan(plan)
 
@@ -313,12 +328,38 @@ class Scheduler:
         and the free KV blocks allow (no preemption for the extra)."""
         c = plan.chunks[i]
         req = c.request
-        n = min(c.num_tokens + left, req.num_tokens - c.start)
+        n = self._fit(
+            req, c.start, req.num_tokens - c.start, self._cost(req, c.start, c.num_tokens) + left
+        )
         if not self.block_manager.can_allocate(req, n):
             n = max(c.num_tokens, min(n, self._tokens_that_fit(req, [])))
         if n > c.num_tokens:
             self.block_manager.allocate(req, n)
             plan.chunks[i] = ScheduledChunk(req, "prefill", c.start, n)
+
+    def _cost(self, req: Request, start: int, n: int) -> int:
+        """What tokens ``[start, start + n)`` of ``req`` take from the budget: one per token,
+        ``image_token_cost`` per image token (rounded up)."""
+        if self.image_token_cost == 1.0 or not req.image_spans:
+            return n
+        end = start + n
+        images = sum(max(0, min(end, s + k) - max(start, s)) for s, k in req.image_spans)
+        return n + math.ceil(images * (self.image_token_cost - 1.0) - 1e-9)
+
+    def _fit(self, req: Request, start: int, most: int, left: int) -> int:
+        """The most tokens from ``start`` (at most ``most``) whose cost fits in ``left``, and
+        never none while any budget is left (an image token costing more than a tiny budget
+        still goes, one a step, so no prompt waits forever)."""
+        if self._cost(req, start, min(most, left)) <= left:
+            return max(0, min(most, left))
+        lo, hi = 0, min(most, left)  # cost(lo) fits, cost(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._cost(req, start, mid) <= left:
+                lo = mid
+            else:
+                hi = mid
+        return lo or (1 if left >= 1 and most >= 1 else 0)
 
     def _tokens_that_fit(self, req: Request, hits: list[int]) -> int:
         bm = self.block_manager

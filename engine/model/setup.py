@@ -108,6 +108,24 @@ class EngineParts:
     limits: RequestLimits
 
 
+def image_token_cost(vision: torch.nn.Module | None, arch: ModelArch) -> float:
+    """What an image token should take from the budget: 1 + the encoder's multiply-adds per
+    image token over the language model's per prompt token, from their weights (each image
+    token is ``MERGE**2`` patches through the patch embedding and the blocks, then one merge;
+    a prompt token goes through every weight but the embeddings and the head): 1.59 on the
+    ``demo`` preset."""
+    if vision is None:
+        return 1.0
+    from engine.model.vision import MERGE
+
+    per_patch = sum(
+        p.numel() for name, p in vision.named_parameters() if not name.startswith("merger")
+    )
+    merge = sum(p.numel() for name, p in vision.named_parameters() if name.startswith("merger"))
+    lm = max(arch.num_params - 2 * arch.vocab_size * arch.hidden_size, arch.num_params // 2)
+    return round(min(64.0, 1.0 + (MERGE * MERGE * per_patch + merge) / lm), 3)
+
+
 def build_parts(config: EngineConfig, engine_id: str) -> EngineParts:
     """Load the model and build everything an engine steps with (``config`` is validated)."""
     device = resolve_device(config.device)
@@ -133,6 +151,7 @@ def build_parts(config: EngineConfig, engine_id: str) -> EngineParts:
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
+        image_token_cost=config.image_token_cost or image_token_cost(vision, arch),
     )
     backend = select_backend(config.attention_backend, device, bs)
     runner = ModelRunner(

@@ -71,6 +71,10 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--image-token-cap", {"type": int, "default": 1280,
                            "help": "most image tokens per image (one per 28x28 pixels after "
                            "resizing)"}),
+    ("--image-token-cost", {"type": float, "default": None,
+                            "help": "what one image token takes from the token budget, in "
+                            "tokens (default: 1 + the vision encoder's work per image token "
+                            "over the language model's per token, from their sizes)"}),
     ("--engine-id", {"default": None,
                      "help": "name of this engine in metrics and events (default: HOST-PID)"}),
     ("--collector-url", {"default": None,
@@ -168,6 +172,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         seed=args.seed,
         engine_id=args.engine_id,
         image_token_cap=args.image_token_cap,
+        image_token_cost=args.image_token_cost,
         cpu_threads=args.cpu_threads,
     ).validate()
 

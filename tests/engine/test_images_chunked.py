@@ -128,3 +128,13 @@ def test_encoder_work_follows_the_chunks(make_engine, monkeypatch: pytest.Monkey
     assert sorted(k for s in chunked for k in s) == list(range(6))  # each band once
     # a chunk of 6 tokens touches at most 3 bands of 4 tokens; most steps encode 1 or 2
     assert len(chunked) >= 4 and max(len(s) for s in chunked) <= 3
+
+
+def test_image_tokens_cost_the_encoder_share_of_the_budget(make_engine) -> None:
+    """By default an image token costs 1 + the encoder's work per token over the language
+    model's (from their sizes); ``image_token_cost`` sets it."""
+    engine = make_engine()
+    assert 1.0 < engine.scheduler.image_token_cost < 8.0
+    assert make_engine(image_token_cost=2.5).scheduler.image_token_cost == 2.5
+    with pytest.raises(ValueError, match="image_token_cost"):
+        make_engine(image_token_cost=0.5)

@@ -213,3 +213,89 @@ def _simulate(arrivals, budgets, blocks, policy, caching, caps=()):
     bm = s.block_manager
     assert bm.num_used_blocks == 0 and all(c == 0 for c in bm.ref_counts)  # no leaks
     return {rid: r.output_token_ids for rid, r in reqs.items()}, prefill_total
+
+
+# --- image tokens weighted in the budget --------------------------------------------------------
+def _image_request(
+    rid: str, text_before: int, image_hw: tuple[int, int], text_after: int
+) -> Request:
+    """A prompt: ``text_before`` text tokens, one image's placeholders (id 9), ``text_after``."""
+    import numpy as np
+
+    from engine.core.request import ImageInput
+
+    image = ImageInput(np.zeros((*image_hw, 3), dtype=np.uint8), f"hash-{rid}")
+    prompt = [1] * text_before + [9] * image.num_tokens + [2] * text_after
+    return Request(
+        rid,
+        prompt,
+        SamplingParams(max_tokens=2, ignore_eos=True),
+        arrival_ns=0,
+        images=[image],
+        image_token_id=9,
+    )
+
+
+def _weighted(budget: int, cost: float, blocks: int = 256) -> Scheduler:
+    bm = BlockManager(blocks, 4, True)
+    return Scheduler(bm, token_budget=budget, max_token_budget=4096, image_token_cost=cost)
+
+
+def test_image_tokens_take_their_cost_from_the_budget() -> None:
+    # 10 text tokens, a 280x280 image (100 tokens), 10 text tokens; budget 40 at cost 2:
+    # step 1 = 10 text + 15 image tokens (10 + 30 = 40), then 20 image tokens a step.
+    s = _weighted(budget=40, cost=2.0)
+    req = _image_request("img", 10, (280, 280), 10)
+    s.add(req)
+    sizes = []
+    while req.is_prefill or req.num_computed_tokens == 0:
+        plan = s.schedule()
+        sizes.append(plan.chunks[0].num_tokens)
+        s.update(plan, fake_sample(plan), now_ns=0)
+    assert sizes == [25, 20, 20, 20, 20, 15]  # the last: 5 image tokens (10) + the 10 text
+    assert sum(sizes) == req.num_prompt_tokens
+
+
+def test_image_cost_one_schedules_as_plain_tokens() -> None:
+    s = _weighted(budget=40, cost=1.0)
+    req = _image_request("img", 10, (280, 280), 10)
+    s.add(req)
+    plan = s.schedule()
+    assert plan.chunks[0].num_tokens == 40
+
+
+def test_image_cost_shares_the_budget_with_decodes_and_text() -> None:
+    # a decode takes 1; a text prompt before the image request takes its 9; the image
+    # request gets what is left at 3 budget tokens per image token
+    s = _weighted(budget=40, cost=3.0)
+    d = make_request("d", [5] * 4, max_tokens=8)
+    s.add(d)
+    plan = s.schedule()
+    s.update(plan, fake_sample(plan), now_ns=0)
+    t = make_request("t", [6] * 9)
+    img = _image_request("img", 0, (280, 280), 0)
+    s.add(t)
+    s.add(img)
+    plan = s.schedule()
+    sizes = {c.request_id: c.num_tokens for c in plan.chunks}
+    assert sizes == {"d": 1, "t": 9, "img": 10}  # 1 + 9 + 10 * 3 = 40
+
+
+def test_image_token_cost_out_of_range_is_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="image_token_cost"):
+        _weighted(budget=40, cost=0.5)
+
+
+def test_an_image_token_dearer_than_the_budget_still_goes_one_a_step() -> None:
+    s = _weighted(budget=1, cost=3.0)
+    req = _image_request("img", 0, (56, 56), 0)  # 4 image tokens
+    s.add(req)
+    steps = 0
+    while req.is_prefill or req.num_computed_tokens == 0:
+        plan = s.schedule()
+        assert [c.num_tokens for c in plan.chunks] == [1]
+        s.update(plan, fake_sample(plan), now_ns=0)
+        steps += 1
+    assert steps == 4
