@@ -590,10 +590,14 @@ class Store:
             )
             self._runs[run_key] = run
         else:
-            # read afresh: another collector of a shared store may have stored this run's
-            # events since this one last held it (the engine failed over and came back)
-            self._runs.pop(int(row[0]), None)
-            run = self._run(int(row[0]))
+            key = int(row[0])
+            if key not in batch.dirty_runs:
+                # read afresh: another collector of a shared store may have stored this run's
+                # events since this one last held it (the engine failed over and came back).
+                # Never a run this batch has changed: its events before this hello are not
+                # flushed yet, and a reread would answer (and store) an older durable seq.
+                self._runs.pop(key, None)
+            run = self._run(key)
             run.connected = True
             run.ended_without_goodbye = False
             run.last_seen = now

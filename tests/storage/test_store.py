@@ -177,3 +177,33 @@ def test_an_event_that_cannot_be_stored_leaves_a_gap_row_with_its_reason(db_url:
     assert num_gap_events == 2
     store.close()
     db.dispose()
+
+
+def test_a_hello_behind_its_runs_events_in_one_batch_answers_their_durable_seq(
+    db_url: str,
+) -> None:
+    """An engine whose connection dropped says hello again while its last frame still waits in
+    the writer's queue: both land in one batch. The hello's answer and the run's row must say
+    the seq those events reached, or the engine resends them and the store refuses them
+    forever (their rows are there, above a durable seq that says they are not)."""
+    db = dbm.connect(db_url)
+    dbm.migrate(db)
+    store = Store(db)
+    store.startup()
+    syn = SyntheticEngine(engine_id="e", run_id="r", seed=1)
+    [info] = store.apply([Hello(syn.hello())])
+    store.apply([Events(info.run_key, syn.steps(3))])
+    last = syn.steps(3)
+    res, again = store.apply([Events(info.run_key, last), Hello(syn.hello())])
+    assert isinstance(res, EventsResult) and res.last_seq == syn.seq
+    assert again.last_seq == syn.seq  # what the collector answers the hello with
+    with db.connect() as c:
+        stored = c.execute(
+            select(schema.runs.c.last_seq).where(schema.runs.c.id == info.run_key)
+        ).scalar()
+    assert stored == syn.seq
+    more = syn.steps(2)  # the engine goes on from there
+    [res] = store.apply([Events(info.run_key, more)])
+    assert isinstance(res, EventsResult) and res.last_seq == syn.seq and not res.bad
+    store.close()
+    db.dispose()
