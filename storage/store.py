@@ -293,7 +293,9 @@ class _Batch:
         self.dirty_runs: dict[int, RunState] = {}
         # run_key -> request ids looked up in this transaction and not in the database
         self.not_stored: dict[int, set[str]] = {}
-        self.fenced: set[int] = set()  # runs whose row this transaction locked (shared store)
+        # a shared store: run key -> its durable seq as locked by this transaction, until
+        # the run's first Events op checked it
+        self.fenced: dict[int, int] = {}
 
     def touch(self, run: RunState, req: RequestState) -> None:
         self.dirty_requests.setdefault(run.run_key, {})[req.req_no] = req
@@ -406,6 +408,8 @@ class Store:
         results: list[Any] = []
         try:
             with self.conn.begin():
+                if self.shared:
+                    self._lock_runs(ops, batch)
                 for op in ops:
                     results.append(self._apply_one(op, batch))
                 self._flush(batch)
@@ -640,7 +644,7 @@ class Store:
 
     def _events(self, op: Events, batch: _Batch) -> EventsResult | SeqHole:
         run = self._run(op.run_key)
-        if self.shared and run.run_key not in batch.fenced:
+        if run.run_key in batch.fenced:
             run = self._fence(run, batch)
         hole = _hole(op.events, run.last_seq + 1)
         if hole is not None:
@@ -696,17 +700,24 @@ class Store:
         res.last_seq = run.last_seq
         return res
 
-    def _fence(self, run: RunState, batch: _Batch) -> RunState:
-        """Lock the run's row for this transaction (another collector writing the same run
-        waits for the commit) and reload the run when its durable seq is not the one in memory:
-        the seqs of this batch are then judged against what is stored, never stored twice."""
-        batch.fenced.add(run.run_key)
+    def _lock_runs(self, ops: list[Any], batch: _Batch) -> None:
+        """A shared store: lock the rows of the runs this batch stores events of, in one query
+        and in key order (another collector writing one of them waits for this commit, and two
+        such batches cannot deadlock), and note each run's durable seq (see ``_fence``)."""
+        keys = sorted({op.run_key for op in ops if isinstance(op, Events)})
+        if not keys:
+            return
         r = schema.runs
-        stored = self.conn.execute(
-            select(r.c.last_seq).where(r.c.id == run.run_key).with_for_update()
-        ).scalar()
-        if stored is None:
-            raise RunGone(f"run {run.engine_id}/{run.run_id} was deleted meanwhile (pruned)")
+        rows = self.conn.execute(
+            select(r.c.id, r.c.last_seq).where(r.c.id.in_(keys)).order_by(r.c.id).with_for_update()
+        )
+        batch.fenced = {int(k): int(seq) for k, seq in rows}
+
+    def _fence(self, run: RunState, batch: _Batch) -> RunState:
+        """Reload the run when its durable seq in the store (locked by ``_lock_runs``) is not
+        the one in memory (another collector stored its events since): the seqs of this batch
+        are then judged against what is stored, never stored twice. Once per run and batch."""
+        stored = batch.fenced.pop(run.run_key)
         if stored == run.last_seq:
             return run
         logger.info(

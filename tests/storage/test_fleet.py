@@ -137,3 +137,42 @@ def test_engines_of_a_gone_collector_are_listed_not_connected(
     (row,) = fleet.fleet_engines(db, now=later)
     assert row["connected"] is False and row["collector"] == a.url
     engine.close()
+
+
+def test_two_writers_of_one_run_store_each_seq_once(pg_server: PostgresServer) -> None:
+    """Collector A still holds a run in memory when the engine moved to B and back: A's next
+    batch finds the durable seq B moved, rereads the run, and skips what B stored."""
+    from sqlalchemy import func, select
+
+    from storage import db as dbm
+    from storage import schema
+    from storage.store import Events, Hello, Store
+
+    db_url = pg_server.create_database()
+    db = dbm.connect(db_url)
+    dbm.migrate(db)
+    a, b = Store(db), Store(db)
+    assert a.shared and b.shared
+    syn = SyntheticEngine(engine_id="eng-2w", run_id="run-2w", seed=3)
+    events = syn.steps(30)
+    (info,) = a.apply([Hello(syn.hello())])
+    (done,) = a.apply([Events(info.run_key, events[:10])])
+    assert done.last_seq == 10
+    (info_b,) = b.apply([Hello(syn.hello())])
+    assert info_b.last_seq == 10
+    (done,) = b.apply([Events(info.run_key, events[10:20])])
+    assert done.last_seq == 20
+    # A never saw B's hello: its memory says 10; the frames it still had queued resend 11-25
+    (done,) = a.apply([Events(info.run_key, events[10:25])])
+    assert (done.last_seq, done.duplicates, done.stored) == (25, 10, 5)
+    (done,) = b.apply([Events(info.run_key, events[20:])])
+    assert (done.last_seq, done.duplicates) == (len(events), 5)
+    with db.connect() as conn:
+        stored = sum(
+            conn.execute(select(func.count()).select_from(t)).scalar_one()
+            for t in (schema.steps, schema.request_events)
+        )
+    assert stored == len(events)
+    a.close()
+    b.close()
+    db.dispose()
