@@ -790,6 +790,15 @@ def audit(
         extra = [s for s in rows if s > upper]
         if extra:
             c["stored_beyond_published"] += len(extra)
+        above = sorted(s for s in rows if s > stored_last)
+        if above:
+            # rows the run's durable seq says are not stored: the collector would answer a
+            # hello with that seq, and the engine's resend of them could never be stored
+            c["stored_above_durable_seq"] += len(above)
+            problems.append(
+                f"run {run['run_id']}: {len(above)} row(s) stored above the run's durable seq "
+                f"{stored_last}, first {above[:5]}"
+            )
         info.update(published=published, **c, lost_with_killed_engine=lost_with_engine)
         if lost_seqs:
             info["silently_lost_seqs"] = lost_seqs[:20]
@@ -871,6 +880,7 @@ def audit(
             "step_order_violations",
             "lost_with_killed_engine_at_least",
             "stored_beyond_published",
+            "stored_above_durable_seq",
         )
     }
     return {

@@ -135,6 +135,12 @@ def test_audit_counts_stored_declared_and_silently_lost(chaos: ModuleType) -> No
         _store(3, [1, 2, 3], [], False), [_slot(chaos, 7, True, 10, 5)], {"engine_kill"}
     )
     assert lost["events"]["silently_lost"] == 2 and lost["problems"]
+    # killed, and rows stored above the run's durable seq (a hello that answered an old one)
+    above = chaos.audit(
+        _store(4, [1, 2, 3, 4, 5, 6], [], False), [_slot(chaos, 7, True, 10, 4)], {"engine_kill"}
+    )
+    assert above["events"]["stored_above_durable_seq"] == 2
+    assert any("above the run's durable seq 4" in p for p in above["problems"])
 
 
 def test_step_order_violations(chaos: ModuleType) -> None:
