@@ -6,9 +6,11 @@ position P (its prefix of P tokens already in the KV cache), so every arm comput
 of linear work and about the same attention work (each query attends to P + its place in its
 chunk keys; the attention pairs of each arm are recorded). Arms run round-robin (1, 2, 4, 8, 1,
 2, ...) so that load from other processes falls on all of them alike; medians and each arm's
-ratio to the one-chunk arm, per dtype, prefix and torch thread count. With ``--threads-list
-1,2`` the thread counts alternate too (``torch.set_num_threads`` between steps) and the ratio
-of each thread count's step to the one-thread step is reported as well.
+ratio to the one-chunk arm, per dtype, prefix and torch thread count; the same for the
+process's CPU time of each step (``time.process_time``: at one thread, the step's work without
+the time other processes held the core, the steadier figure on a shared machine). With
+``--threads-list 1,2`` the thread counts alternate too (``torch.set_num_threads`` between
+steps) and the ratio of each thread count's step to the one-thread step is reported as well.
 
 -> results/multichunk.json
 
@@ -105,19 +107,23 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     if args.quick:
         reps = 2
     times: dict[tuple[int, int, int], list[float]] = {a: [] for a in arms}
+    cpu: dict[tuple[int, int, int], list[float]] = {a: [] for a in arms}
     for _ in range(reps):
         for arm in arms:
             prefix, thr, k = arm
             torch.set_num_threads(thr)
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             runner.execute(plans[(prefix, k)])
             times[arm].append(time.perf_counter() - t0)
+            cpu[arm].append(time.process_time() - c0)
     torch.set_num_threads(threads[0])
     rows = []
     for prefix, thr, k in arms:
         med = statistics.median(times[(prefix, thr, k)])
         one = statistics.median(times[(prefix, thr, ks[0])])
         one_thread = statistics.median(times[(prefix, threads[0], k)])
+        cpu_med = statistics.median(cpu[(prefix, thr, k)])
+        cpu_one = statistics.median(cpu[(prefix, thr, ks[0])])
         rows.append(
             {
                 "prefix_tokens": prefix,
@@ -127,7 +133,9 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
                 "chunk_tokens": args.tokens // k,
                 "attention_pairs": _pairs(k, args.tokens, prefix),
                 "step_time": summarize(times[(prefix, thr, k)]),
+                "step_cpu_time": summarize(cpu[(prefix, thr, k)]),
                 "ratio_to_one_chunk": med / one,
+                "cpu_ratio_to_one_chunk": cpu_med / cpu_one,
                 f"ratio_to_{threads[0]}_threads": med / one_thread,
             }
         )
@@ -154,11 +162,14 @@ def print_rows(res: dict[str, Any]) -> None:
                 r["step_time"]["median_ms"],
                 r["step_time"]["min_ms"],
                 r["ratio_to_one_chunk"],
+                r["step_cpu_time"]["median_ms"],
+                r["cpu_ratio_to_one_chunk"],
                 r[f"ratio_to_{first}_threads"],
             ]
             for r in d["rows"]
         ]
-        header = ["prefix", "threads", "chunks", "median ms", "min ms", "x 1 chunk"]
+        header = ["prefix", "threads", "chunks", "median ms", "min ms", "x 1 chunk", "CPU ms"]
+        header.append("CPU x 1 chunk")
         print(table(rows, [*header, f"x {first} threads"]))
 
 
