@@ -101,8 +101,9 @@ def reset() -> None:
 
 def usable(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the kernel can run this call: bf16, head dim 64, one torch thread (the kernel
-    is single-threaded; torch's kernel parallelizes), kernel built. A bf16 call it cannot take
-    logs why, once."""
+    is single-threaded; at head dim 128 or more threads the split backend gives the step to the
+    AVX-512 kernel, which serves both), kernel built. A bf16 call it cannot take logs why,
+    once."""
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
         return False
     why = None
@@ -113,7 +114,11 @@ def usable(q: torch.Tensor, k: torch.Tensor) -> bool:
     if why is not None:
         if why not in _state:
             _state[why] = True
-            logger.info("AMX bf16 attention kernel not used: %s; torch's flash kernel runs", why)
+            logger.info(
+                "AMX bf16 attention kernel not used: %s; the AVX-512 kernel (attention/vec.py) "
+                "or torch's flash kernel runs",
+                why,
+            )
         return False
     return prefix_kernel() is not None
 
