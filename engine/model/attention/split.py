@@ -23,15 +23,15 @@ reading K/V through the block table (no gather, no mask); the torch path's metad
 built (``SplitMetadata.torch_parts``, built on first use). ``CHUNKSCOPE_AMX_ATTENTION=0`` turns
 the kernel off.
 
-Where AMX does not take the step, on CPUs with AVX-512 (fp32 or bf16, head dim 64, one torch
-thread), the whole step goes to our AVX-512 kernel the same way: one call per layer, each chunk
-causally over its prefix and own keys in one online softmax, each decode's query heads over its
-keys, K/V read through the block table (``vec.attention_paged``; ``CHUNKSCOPE_VEC_ATTENTION=0``
-turns it off).
+Where AMX does not take the step, on CPUs with AVX-512 (fp32 or bf16, head dim 64 or 128, any
+number of torch threads: the kernel shares the step out to them), the whole step goes to our
+AVX-512 kernel the same way: one call per layer, each chunk causally over its prefix and own
+keys in one online softmax, each decode's query heads over its keys, K/V read through the block
+table (``vec.attention_paged``; ``CHUNKSCOPE_VEC_ATTENTION=0`` turns it off).
 
 A chunk at position 0 is one causal call. Decodes (one query each) are served by the paged
 decode kernel (``paged_decode``: C, reads each sequence's K/V in place through its block table,
-fp32 and bf16, one torch thread; ``CHUNKSCOPE_DECODE_KERNEL=0`` turns it off). Where it cannot
+fp32 and bf16, on the torch threads; ``CHUNKSCOPE_DECODE_KERNEL=0`` turns it off). Where it cannot
 run, they are batched in groups of similar context length (padding at most doubles a row's
 keys), the group's query heads stacked the same way (``[B, Hkv, G, D]``), K/V gathered from the
 flat cache by the step's slot table; a group whose lengths differ gets a ``[B, 1, 1, L]``
