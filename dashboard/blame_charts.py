@@ -116,3 +116,14 @@ def class_cost_line(by_class: pd.DataFrame) -> str:
         f"{cls} {100 * share:.0f}%"
         for cls, share in zip(by_class["traffic_class"], by_class["share"], strict=True)
     )
+
+
+def replay_line(gain_ms: float | None, blamed_ms: float | None) -> str:
+    """The simulator's counterfactual beside the ledger's blame, in one sentence."""
+    if gain_ms is None:
+        return "The replay has no figure for this request (it did not finish in both replays)."
+    blamed = "—" if blamed_ms is None else f"{blamed_ms:.0f} ms"
+    return (
+        f"Replayed through the scheduler without it, this request would have finished "
+        f"**{gain_ms:.0f} ms** sooner (predicted); the ledger blamed {blamed} on it."
+    )

@@ -69,3 +69,25 @@ def window_blame(
 
     result: tuple[list[dict[str, Any]], pd.DataFrame, float] = _run(go)
     return result
+
+
+@st.cache_data(ttl=60.0, show_spinner=False)
+def replay_without(
+    db_url: str | None, engine_id: str, run_id: str, request_id: str, culprit: str
+) -> tuple[float | None, float | None]:
+    """The request's window replayed through the simulator with and without ``culprit``:
+    (the request's predicted gain in ms, the ledger's blame on the culprit), None where the
+    replay has no figure for it."""
+    from advisor.blame_counterfactual import counterfactual
+    from advisor.blame_store import blame_request
+
+    db = data.connection(db_url)
+
+    def go() -> tuple[float | None, float | None]:
+        out, blamed = blame_request(db, engine_id=engine_id, request_id=request_id, run_id=run_id)
+        cf = counterfactual(db, blamed.ledger, [culprit], gap_s=blamed.fit.step_gap_s)
+        rid = out.get("stored_request_id", request_id)
+        return cf.gain_by_victim.get(rid), cf.blamed_by_victim.get(rid)
+
+    result: tuple[float | None, float | None] = _run(go)
+    return result

@@ -96,6 +96,16 @@ else:
             f"{top.get('num_prompt_tokens') or '?'} prompt tokens), {top['ms']:.0f} ms over "
             f"{top['gaps']} of its gaps."
         )
+        if st.button(f"Replay without {top['request_id']}", key="replay_without"):
+            try:
+                gain, blamed_ms = blame_data.replay_without(
+                    ctx.db_url, str(row["engine_id"]), str(row["run_id"]), str(rid),
+                    str(top["request_id"]),
+                )  # fmt: skip
+            except (data.StoreUnavailable, blame_data.BlameUnavailable) as exc:
+                st.info(f"No replay: {exc}")
+            else:
+                st.markdown(blame_charts.replay_line(gain, blamed_ms))
     st.plotly_chart(blame_charts.stall_timeline_figure(gaps), key="blame_timeline")
     st.dataframe(
         blame_charts.culprits_frame(blame["culprits"][:10]), hide_index=True, key="culprits"

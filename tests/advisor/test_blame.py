@@ -346,3 +346,18 @@ def test_an_empty_window_is_refused() -> None:
                                  "num_image_tokens", "arrival", "finished"])  # fmt: skip
     with pytest.raises(BlameError, match="no steps"):
         Ledger(Window("e", "r", empty, chunks, reqs), TRUE)
+
+
+def test_the_simulators_counterfactual_agrees_with_the_ledger(recorded: dict[str, Any]) -> None:
+    """Replaying the stored window through the scheduler with and without the long prompts
+    predicts the gain the ledger blamed on them."""
+    from advisor.blame_counterfactual import counterfactual
+
+    blamed = blame_window(recorded["db"], engine_id=ENGINE)
+    rags = ["rag-0", "rag-1", "rag-2"]
+    cf = counterfactual(recorded["db"], blamed.ledger, rags, gap_s=GAP_NS / 1e9)
+    assert cf.victims == 5 and cf.culprits == tuple(rags)
+    assert cf.predicted_gain_ms > 1000
+    assert cf.blamed_ms == pytest.approx(cf.predicted_gain_ms, rel=0.05)
+    with pytest.raises(BlameError, match="not among"):
+        counterfactual(recorded["db"], blamed.ledger, ["cmpl-nobody"])

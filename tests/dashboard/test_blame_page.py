@@ -66,6 +66,13 @@ def test_requests_page_names_the_culprit_of_each_stall(
     assert set(top4["request_id"]) == {"rag-0", "rag-1", "rag-2", "rag-3"}
     assert set(top4["traffic_class"]) == {"rag"} and set(top4["num_prompt_tokens"]) == {2000}
     assert any("caused by rag" in str(c.value) for c in at.caption)
+    # the simulator's counterfactual for the top culprit, beside the ledger's blame
+    at.button(key="replay_without").click().run()
+    assert not at.exception
+    line = next(
+        str(m.value) for m in at.markdown if "Replayed through the scheduler" in str(m.value)
+    )
+    assert "sooner (predicted); the ledger blamed" in line
 
 
 def test_compare_page_says_which_class_caused_the_stalls(
