@@ -351,6 +351,11 @@ class Store:
             )
             .values({name: bindparam(name) for name in _REQ_MUTABLE})
         )
+        self._upd_runs = (
+            update(schema.runs)
+            .where(schema.runs.c.id == bindparam("b_id"))
+            .values({name: bindparam(name) for name in _RUN_MUTABLE})
+        )
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -1011,9 +1016,21 @@ class Store:
         if batch.gaps:
             conn.execute(insert(schema.gaps), batch.gaps)
         r = schema.runs
-        for run in batch.dirty_runs.values():
+        dirty = list(batch.dirty_runs.values())
+        if len(dirty) > 1 and self.db.dialect.supports_sane_multi_rowcount:
+            # one statement for the batch's runs (one round trip on PostgreSQL's pipeline)
+            rows = [{**run.row(), "b_id": run.run_key} for run in dirty]
+            done = conn.execute(self._upd_runs, rows)
+            if done.rowcount == len(rows):
+                return
+            dirty = [run for run in dirty if not self._run_exists(run.run_key)][:1]
+        for run in dirty:
             done = conn.execute(update(r).where(r.c.id == run.run_key).values(**run.row()))
             if done.rowcount == 0:
                 # deleted by a prune since it was read (SQLite reads outside the transaction):
                 # roll the batch back; the retry reads the runs table again
                 raise RunGone(f"run {run.engine_id}/{run.run_id} was deleted meanwhile (pruned)")
+
+    def _run_exists(self, run_key: int) -> bool:
+        r = schema.runs
+        return self.conn.execute(select(r.c.id).where(r.c.id == run_key)).first() is not None

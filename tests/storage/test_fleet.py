@@ -10,6 +10,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from storage import fleet, queries
 from storage.collector_fleet import metrics_url, sd_groups
 from storage.control import list_engines, send_control
@@ -175,4 +177,31 @@ def test_two_writers_of_one_run_store_each_seq_once(pg_server: PostgresServer) -
     assert stored == len(events)
     a.close()
     b.close()
+    db.dispose()
+
+
+def test_a_batch_of_several_runs_with_one_gone_is_rolled_back(tmp_path: Any) -> None:
+    """The runs of a batch are updated in one statement; a run whose row is gone (deleted
+    under the writer) still rolls the whole batch back."""
+    from sqlalchemy import delete, func, select
+
+    from storage import db as dbm
+    from storage import schema
+    from storage.store import Events, Hello, RunGone, Store
+
+    db = dbm.connect(f"sqlite:///{tmp_path / 's.db'}")
+    dbm.migrate(db)
+    store = Store(db)
+    engines = [SyntheticEngine(engine_id=f"e{i}", run_id=f"r{i}", seed=i) for i in range(3)]
+    keys = [info.run_key for info in store.apply([Hello(e.hello()) for e in engines])]
+    results = store.apply([Events(k, e.steps(3)) for k, e in zip(keys, engines, strict=True)])
+    assert [r.last_seq for r in results] == [e.seq for e in engines]
+    with db.begin() as conn:
+        conn.execute(delete(schema.runs).where(schema.runs.c.id == keys[1]))
+        before = conn.execute(select(func.count()).select_from(schema.steps)).scalar_one()
+    with pytest.raises(RunGone):
+        store.apply([Events(k, e.steps(2)) for k, e in zip(keys, engines, strict=True)])
+    with db.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(schema.steps)).scalar_one() == before
+    store.close()
     db.dispose()
