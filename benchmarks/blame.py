@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
 import statistics
 import subprocess
@@ -59,9 +60,9 @@ class Mix:
 
 MIXES = {
     # a long prompt prefilled in one step: every chat waits for all of it at once
-    "one-step": Mix("one-step", 4096, 1500, 2500),
+    "one-step": Mix("one-step", 4096, 1200, 2000),
     # the same prompts in 512-token chunks: many short stalls, and new chats queue behind them
-    "chunked": Mix("chunked", 512, 1500, 2500),
+    "chunked": Mix("chunked", 512, 1200, 2000),
 }
 
 
@@ -229,6 +230,7 @@ def _one_pair(
         "num_culprits": len(culprits),
         "offenders_that_are_culprits": sum(1 for o in offenders if o["request_id"] in culprits),
         "ledger_s": ledger_s,
+        "loadavg_1m": os.getloadavg()[0],
         "fit": {
             "rel_err_p50": m.rel_err_p50,
             "poor": blamed.fit.poor,
@@ -266,7 +268,16 @@ def run_mix(url: str, db: Any, mix: Mix, args: argparse.Namespace, seed: int) ->
             "victims_ms_with": sum(p["with"][i] for i in victims),
             "victims_ms_without": sum(p["without"][i] for i in victims),
             "victims_excess_ms": sum(p["excess"][i] for i in victims),
-            **{k: p[k] for k in ("num_culprits", "offenders_that_are_culprits", "ledger_s", "fit")},
+            **{
+                k: p[k]
+                for k in (
+                    "num_culprits",
+                    "offenders_that_are_culprits",
+                    "ledger_s",
+                    "loadavg_1m",
+                    "fit",
+                )
+            },  # fmt: skip
         }
         for p in pairs
     ]
@@ -412,10 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mixes", default="one-step,chunked", help=f"among {', '.join(MIXES)}")
     ap.add_argument("--duration-s", type=float, default=40.0, help="traffic per run")
     ap.add_argument("--pairs", type=int, default=2, help="runs with and without, per mix")
-    ap.add_argument("--chat-every-s", type=float, default=0.8)
-    ap.add_argument("--chat-output", type=int, default=60)
+    ap.add_argument("--chat-every-s", type=float, default=1.2)
+    ap.add_argument("--chat-output", type=int, default=50)
     ap.add_argument("--rag-first-s", type=float, default=3.0)
-    ap.add_argument("--rag-every-s", type=float, default=6.0)
+    ap.add_argument("--rag-every-s", type=float, default=7.0)
     ap.add_argument("--rag-output", type=int, default=4)
     ap.add_argument("--settle-s", type=float, default=3.0, help="idle before each run")
     ap.add_argument("--seed", type=int, default=7)
