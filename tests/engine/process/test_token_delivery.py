@@ -1,0 +1,55 @@
+"""A step's tokens go to their streams before the step's listeners (telemetry, metrics) run, so
+no observer's work delays a token; a request's last output waits for them, so once a response
+has ended every event of its request has been observed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from engine.core.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.process.client import EngineClient
+from engine.process.streams import ADMITTED
+from wire.events import StepEvent
+
+
+def test_tokens_reach_their_streams_before_the_listeners_see_the_step(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    client = EngineClient.in_thread(make_engine())
+    order: list[tuple[str, Any]] = []
+    dispatch = client.streams.dispatch
+
+    def recording_dispatch(outputs: list[Any]) -> None:
+        order.append(("tokens", tuple(o.finished for o in outputs)))
+        dispatch(outputs)
+
+    client.streams.dispatch = recording_dispatch  # type: ignore[method-assign]
+    client.add_listener(
+        lambda ev: order.append(("step", ev.step)) if isinstance(ev, StepEvent) else None
+    )
+
+    async def run() -> int:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        _, queue = client.submit([1, 5, 6, 7], params)
+        assert await asyncio.wait_for(queue.get(), 30) is ADMITTED
+        n = 0
+        while True:
+            out = await asyncio.wait_for(queue.get(), 30)
+            n += len(out.new_token_ids)
+            if out.finished:
+                return n
+
+    try:
+        assert asyncio.run(run()) == 4
+    finally:
+        client.shutdown()
+    steps = [i for i, (kind, _) in enumerate(order) if kind == "step"]
+    tokens = [i for i, (kind, _) in enumerate(order) if kind == "tokens"]
+    assert len(steps) == 4 and len(tokens) == 4, order
+    # steps 1-3: the tokens first, then the step's event; the last step: the event first
+    for tok, step in zip(tokens[:3], steps[:3], strict=True):
+        assert tok < step and order[tok][1] == (False,), order
+    assert steps[3] < tokens[3] and order[tokens[3]][1] == (True,), order
