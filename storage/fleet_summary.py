@@ -46,8 +46,8 @@ def fleet_summary(db: Engine, *, window_s: float = WINDOW_S) -> pd.DataFrame:
     """One row per engine id (its newest run): the collector holding its connection (from
     the fleet's table; None for a store one collector writes), budget, cap, and over the last
     ``window_s`` seconds of its steps: steps per second, stalls of its chat streams and their
-    worst inter-token gap. Sorted worst first: the longest chat gap, then the most stalls;
-    engines with no recent steps last."""
+    worst inter-token gap. Sorted worst first: the longest chat gap (in whole milliseconds),
+    then the most stalls; engines with no recent steps last."""
     runs = queries.engines(db)
     if runs.empty:
         return pd.DataFrame(columns=COLUMNS)
@@ -90,7 +90,10 @@ def fleet_summary(db: Engine, *, window_s: float = WINDOW_S) -> pd.DataFrame:
         out.append(row)
     frame = pd.DataFrame(out, columns=COLUMNS)
     frame["_recent"] = frame["steps_per_s"] > 0
-    frame["_worst"] = pd.to_numeric(frame["worst_chat_itl_ms"], errors="coerce").fillna(-1.0)
+    # whole milliseconds: a gap a fraction of a millisecond longer is not worse
+    frame["_worst"] = (
+        pd.to_numeric(frame["worst_chat_itl_ms"], errors="coerce").fillna(-1.0).round()
+    )
     frame = frame.sort_values(
         ["_recent", "_worst", "stalls", "engine_id"], ascending=[False, False, False, True]
     )

@@ -60,7 +60,7 @@ shown = pd.DataFrame(
         "worst chat ITL ms": pd.to_numeric(table["worst_chat_itl_ms"], errors="coerce").round(1),
     }
 )
-st.dataframe(shown, hide_index=True, use_container_width=True)
+st.dataframe(shown, hide_index=True, width="stretch")
 
 labels = {(r["engine_id"], r["run_id"]): ui.run_label(r) for r in ctx.engines.to_dict("records")}
 st.markdown("**Open on the Live page**")
@@ -74,5 +74,5 @@ for i, row in enumerate(table.to_dict("records")):
         key=f"fleet-open-{row['engine_id']}",
         on_click=_open,
         args=(label,),
-        use_container_width=True,
+        width="stretch",
     )
