@@ -173,7 +173,14 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 for p in procs:
                     p.stop()
+            mine = [r for r in rows if r["collectors"] == n and r["steps_per_collector_cpu_second"]]
             summary[str(n)] = {
+                # every level, sustained or not: what one collector-CPU-second stores
+                "steps_per_collector_cpu_second_median": statistics.median(
+                    r["steps_per_collector_cpu_second"] for r in mine
+                )
+                if mine
+                else None,
                 "highest_sustained_steps_per_s": best["target_steps_per_s"] if best else None,
                 "collector_cpu_cores": best["collector_cpu_cores"] if best else None,
                 "postgres_cpu_cores": best["postgres_cpu_cores"] if best else None,
