@@ -2,9 +2,11 @@
 
 One engine (``python -m engine``, the CPU ``demo`` preset) reports to a collector on a
 temporary SQLite store. For each traffic mix the same seeded, open-loop traffic is sent twice:
-once with its long RAG prompts (the culprits), once without them. Chat requests are sent at the
-same offsets, with the same prompts and lengths (``ignore_eos``), in both runs; the victims are
-these chat requests, paired by their place in the schedule.
+once with its long RAG prompts (the culprits), once without them, the order alternating from
+pair to pair. Chat requests are sent at the same offsets, with the same prompt and output
+lengths (``ignore_eos``), in both runs; every run draws fresh prompt content, so no run finds
+another's prompts in the prefix cache. The victims are these chat requests, paired by their
+place in the schedule.
 
 - **measured**: the chats' time from arrival to last token summed, with the culprits minus
   without (from the store's token times);
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -48,6 +51,7 @@ from benchmarks._common import (
 logger = logging.getLogger("blame")
 SCRIPT = "blame.py"
 ENGINE_ID = "blame-bench"
+_SALT = itertools.count(1)  # each run's prompt content
 
 
 @dataclass(frozen=True)
@@ -60,9 +64,9 @@ class Mix:
 
 MIXES = {
     # a long prompt prefilled in one step: every chat waits for all of it at once
-    "one-step": Mix("one-step", 4096, 1200, 2000),
+    "one-step": Mix("one-step", 4096, 1000, 1600),
     # the same prompts in 512-token chunks: many short stalls, and new chats queue behind them
-    "chunked": Mix("chunked", 512, 1200, 2000),
+    "chunked": Mix("chunked", 512, 1000, 1600),
 }
 
 
@@ -71,7 +75,7 @@ class Planned:
     index: int
     offset_s: float
     traffic_class: str
-    prompt: list[int]
+    length: int  # prompt tokens (their content is drawn afresh for every run)
     max_tokens: int
 
 
@@ -87,28 +91,30 @@ def plan(mix: Mix, args: argparse.Namespace, seed: int) -> list[Planned]:
     """Chats on a fixed period with seeded prompt lengths, long prompts on their own period."""
     rng = random.Random(seed)
     out: list[Planned] = []
-
-    def prompt(n: int) -> list[int]:
-        return [256] + [rng.randrange(256) for _ in range(n - 1)]
-
     t, i = 0.0, 0
     while t < args.duration_s:
-        out.append(Planned(i, t, "chat", prompt(rng.randint(40, 160)), args.chat_output))
+        out.append(Planned(i, t, "chat", rng.randint(40, 160), args.chat_output))
         i += 1
         t += args.chat_every_s
     t = args.rag_first_s
     while t < args.duration_s:
         n = rng.randint(mix.rag_min, mix.rag_max)
-        out.append(Planned(i, t, "rag", prompt(n), args.rag_output))
+        out.append(Planned(i, t, "rag", n, args.rag_output))
         i += 1
         t += args.rag_every_s
     return sorted(out, key=lambda p: p.offset_s)
 
 
-async def _send(session: Any, url: str, model: str, p: Planned, rec: Sent) -> None:
+def prompt_ids(p: Planned, salt: int) -> list[int]:
+    """BOS and ``p.length - 1`` seeded random bytes, new for each ``salt`` (run)."""
+    rng = random.Random(salt * 1_000_003 + p.index)
+    return [256] + [rng.randrange(256) for _ in range(p.length - 1)]
+
+
+async def _send(session: Any, url: str, model: str, p: Planned, rec: Sent, salt: int) -> None:
     body = {
         "model": model,
-        "prompt": p.prompt,
+        "prompt": prompt_ids(p, salt),
         "max_tokens": p.max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
@@ -131,7 +137,7 @@ async def _send(session: Any, url: str, model: str, p: Planned, rec: Sent) -> No
 
 
 async def _drive(
-    url: str, model: str, planned: list[Planned], with_culprits: bool
+    url: str, model: str, planned: list[Planned], with_culprits: bool, salt: int
 ) -> tuple[list[Sent], float, float]:
     import aiohttp
 
@@ -148,7 +154,7 @@ async def _drive(
             await asyncio.sleep(max(0.0, t0 + p.offset_s - time.monotonic()))
             rec = Sent(p.index, p.traffic_class)
             sent.append(rec)
-            tasks.append(asyncio.ensure_future(_send(session, url, model, p, rec)))
+            tasks.append(asyncio.ensure_future(_send(session, url, model, p, rec, salt)))
         await asyncio.gather(*tasks)
     return sent, start, time.time()
 
@@ -189,16 +195,19 @@ def _wait_stored(db: Any, sent: list[Sent], timeout: float = 30.0) -> None:
 
 
 def _one_pair(
-    url: str, db: Any, planned: list[Planned], args: argparse.Namespace
+    url: str, db: Any, planned: list[Planned], args: argparse.Namespace, k: int
 ) -> dict[str, Any]:
-    """The traffic with its culprits, then without: the victims' times in each, and the
-    ledger's blame (of the run with them) per victim, by place in the schedule."""
+    """The traffic with its culprits and without (pair ``k``: with first when even): the
+    victims' times in each, and the ledger's blame (of the run with them) per victim, by place
+    in the schedule."""
     from advisor.blame_store import blame_window
 
     runs: dict[str, Any] = {}
-    for label, with_culprits in (("with", True), ("without", False)):
+    order = (("with", True), ("without", False))
+    for label, with_culprits in order if k % 2 == 0 else order[::-1]:
         time.sleep(args.settle_s)
-        sent, start, end = asyncio.run(_drive(url, args.preset, planned, with_culprits))
+        salt = next(_SALT)
+        sent, start, end = asyncio.run(_drive(url, args.preset, planned, with_culprits, salt))
         _wait_stored(db, sent)
         runs[label] = {"sent": sent, "start": start, "end": end + 1.0}
         errors = [r.error for r in sent if r.error]
@@ -253,7 +262,7 @@ def run_mix(url: str, db: Any, mix: Mix, args: argparse.Namespace, seed: int) ->
     )
     urllib.request.urlopen(req, timeout=30).read()
     planned = plan(mix, args, seed)
-    pairs = [_one_pair(url, db, planned, args) for _ in range(args.pairs)]
+    pairs = [_one_pair(url, db, planned, args, k) for k in range(args.pairs)]
     victims = sorted(set.intersection(*(set(p["blame"]) for p in pairs)))
 
     def mean(key: str, i: int) -> float:
@@ -423,10 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mixes", default="one-step,chunked", help=f"among {', '.join(MIXES)}")
     ap.add_argument("--duration-s", type=float, default=40.0, help="traffic per run")
     ap.add_argument("--pairs", type=int, default=2, help="runs with and without, per mix")
-    ap.add_argument("--chat-every-s", type=float, default=1.2)
-    ap.add_argument("--chat-output", type=int, default=50)
+    ap.add_argument("--chat-every-s", type=float, default=1.5)
+    ap.add_argument("--chat-output", type=int, default=40)
     ap.add_argument("--rag-first-s", type=float, default=3.0)
-    ap.add_argument("--rag-every-s", type=float, default=7.0)
+    ap.add_argument("--rag-every-s", type=float, default=8.0)
     ap.add_argument("--rag-output", type=int, default=4)
     ap.add_argument("--settle-s", type=float, default=3.0, help="idle before each run")
     ap.add_argument("--seed", type=int, default=7)
