@@ -150,12 +150,22 @@ ALWAYS_INLINE void accumulate(const int nq, int q0, int nk, const float *const *
         for (int c = 0; c < NV; c++) a[i][c] = _mm512_load_ps(o[q0 + i] + 16 * c);
     for (int j = 0; j < nk; j++) {
         const float *vr = v[j];
+#if NV == 4 /* head dim 64: a key's value row in 4 registers, then each query's P broadcast */
         __m512 vv[NV];
         for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(vr + 16 * c);
         for (int i = 0; i < nq; i++) {
             __m512 pj = _mm512_set1_ps(p[j][q0 + i]);
             for (int c = 0; c < NV; c++) a[i][c] = _mm512_fmadd_ps(pj, vv[c], a[i][c]);
         }
+#else /* head dim 128: the QB broadcasts first, then the value row one vector at a time
+       * (24 sums + 3 broadcasts + 1 value: within 32 registers) */
+        __m512 pj[QB];
+        for (int i = 0; i < nq; i++) pj[i] = _mm512_set1_ps(p[j][q0 + i]);
+        for (int c = 0; c < NV; c++) {
+            __m512 vc = _mm512_loadu_ps(vr + 16 * c);
+            for (int i = 0; i < nq; i++) a[i][c] = _mm512_fmadd_ps(pj[i], vc, a[i][c]);
+        }
+#endif
     }
     for (int i = 0; i < nq; i++)
         for (int c = 0; c < NV; c++) _mm512_store_ps(o[q0 + i] + 16 * c, a[i][c]);
