@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
-from advisor.blame import BlameError, Ledger, Window, window_works
+from advisor.blame import BlameError, Ledger, Window
 from advisor.fit import FitError, FitReport, fit_steps, load_steps
 from storage import queries
 
@@ -73,6 +73,48 @@ def read_window(
     )
     reqs = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     return Window(engine_id, run_id, steps, chunks, reqs)
+
+
+def window_works(window: Window) -> pd.DataFrame:
+    """The window's steps with their work as ``advisor.fit.load_steps`` gives it
+    (``prefill_tokens``, ``decode_tokens``, ``attention_pairs``, ``decode_pairs``,
+    ``image_tokens``, ``image_prefill_tokens``), counted with numpy over the chunks already
+    read: what the fit needs, without reading the store again."""
+    steps = window.steps.sort_values("step", kind="stable").reset_index(drop=True)
+    chunks = window.chunks
+    no = steps["step"].to_numpy(dtype=np.int64)
+    idx = np.searchsorted(no, chunks["step"].to_numpy(dtype=np.int64))
+    ok = (idx < len(no)) & (no[np.minimum(idx, max(len(no) - 1, 0))] == chunks["step"].to_numpy())
+    idx = idx[ok]
+    c = chunks[ok]
+    n = c["num_tokens"].to_numpy(dtype=np.float64)
+    s = c["start"].to_numpy(dtype=np.float64)
+    decode = (c["kind"] == "decode").to_numpy()
+    pairs = n * s + n * (n + 1) / 2
+    reqs = window.requests
+    img = pd.to_numeric(reqs["num_image_tokens"], errors="coerce").fillna(0)
+    share = np.zeros(len(c))
+    image_prefill = np.zeros(len(c))
+    if (img > 0).any():
+        prompt = pd.to_numeric(reqs["num_prompt_tokens"], errors="coerce").fillna(0)
+        with_img = reqs[(img > 0) & (prompt > 0)]
+        ratio = (img / prompt.where(prompt > 0, 1)).clip(upper=1.0)[with_img.index]
+        by_id = dict(zip(with_img["request_id"].astype(str), ratio, strict=True))
+        share = c["request_id"].astype(str).map(by_id).fillna(0.0).to_numpy(dtype=np.float64)
+        image_prefill = np.where(~decode & (share > 0), n, 0.0)
+    ns = len(no)
+
+    def per_step(values: np.ndarray) -> np.ndarray:
+        return np.bincount(idx, values, minlength=ns)
+
+    out = steps.copy()
+    out["prefill_tokens"] = per_step(np.where(decode, 0.0, n)).astype(np.int64)
+    out["decode_tokens"] = per_step(np.where(decode, n, 0.0)).astype(np.int64)
+    out["attention_pairs"] = per_step(pairs).astype(np.int64)
+    out["decode_pairs"] = per_step(np.where(decode, pairs, 0.0)).astype(np.int64)
+    out["image_prefill_tokens"] = per_step(image_prefill).astype(np.int64)
+    out["image_tokens"] = np.round(per_step(np.where(decode, 0.0, n * share))).astype(np.int64)
+    return out
 
 
 def fit_window(db: Engine, window: Window) -> FitReport:
