@@ -4,7 +4,7 @@ connection presents in its handshake."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from websockets.http11 import Request
 
@@ -172,6 +172,17 @@ class CollectorConfig:
             raise ValueError(f"retention_interval must be positive, got {self.retention_interval}")
         if self.prune_max_rows < 1:
             raise ValueError(f"prune_max_rows must be at least 1, got {self.prune_max_rows}")
+        if self.advertise_url is not None:
+            parts = urlsplit(self.advertise_url)
+            try:
+                port = parts.port
+            except ValueError:
+                port = None
+            if parts.scheme not in ("ws", "wss") or not parts.hostname or port is None:
+                raise ValueError(
+                    "advertise_url must look like ws://HOST:PORT (how engines and other "
+                    f"collectors reach this one), got {self.advertise_url!r}"
+                )
 
     @property
     def reserved(self) -> int:

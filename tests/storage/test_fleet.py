@@ -205,3 +205,12 @@ def test_a_batch_of_several_runs_with_one_gone_is_rolled_back(tmp_path: Any) -> 
         assert conn.execute(select(func.count()).select_from(schema.steps)).scalar_one() == before
     store.close()
     db.dispose()
+
+
+@pytest.mark.parametrize("url", ["http://a:1", "ws://a", "ws://:1", "ws://a:port", "a:1"])
+def test_a_malformed_advertise_url_is_refused(url: str) -> None:
+    from storage.collector_config import CollectorConfig
+
+    with pytest.raises(ValueError, match="advertise_url"):
+        CollectorConfig(db_url="sqlite://", advertise_url=url)
+    assert CollectorConfig(db_url="sqlite://", advertise_url="wss://h:1").advertise_url
