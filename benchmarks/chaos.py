@@ -141,13 +141,25 @@ def _copy_to(stream: Any, path: Path) -> None:
             f.flush()
 
 
+def _log_count(path: Path, text: str) -> int:
+    """Lines of the log at ``path`` that contain ``text`` (0 when there is no log)."""
+    try:
+        with path.open(errors="replace") as f:
+            return sum(text in line for line in f)
+    except OSError:
+        return 0
+
+
 # --- the collector ------------------------------------------------------------------------------
 class Collector:
     """``python -m storage`` (through testkit.disk_full) on one port, killed and restarted."""
 
-    def __init__(self, db_url: str, workdir: Path, busy_timeout_ms: int) -> None:
+    def __init__(
+        self, db_url: str, workdir: Path, busy_timeout_ms: int, extra: list[str] | None = None
+    ) -> None:
         self.db_url = db_url
         self.workdir = workdir
+        self.extra = extra or []  # more collector flags
         self.busy_timeout_ms = busy_timeout_ms
         self.log = workdir / "collector.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -173,6 +185,7 @@ class Collector:
                     self.db_url,
                     "--log-level",
                     "WARNING",
+                    *self.extra,
                 ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -933,7 +946,17 @@ def run_store(store: str, args: argparse.Namespace, pg: Any) -> dict[str, Any]:
         sqlite_path = None
         db_url = pg.create_database()
         kinds = POSTGRES_KINDS
-    collector = Collector(db_url, workdir, args.busy_timeout_ms)
+    extra = []
+    if args.max_pending_bytes is not None:
+        # a frame must fit the bound: the frame limit no larger (the publisher sends <= 1 MiB)
+        frame = min(args.max_pending_bytes, 4 * 1024 * 1024)
+        extra = [
+            "--max-pending-bytes",
+            str(args.max_pending_bytes),
+            "--max-frame-bytes",
+            str(frame),
+        ]
+    collector = Collector(db_url, workdir, args.busy_timeout_ms, extra)
     proxy: TcpProxy | None = None
     slots: list[EngineSlot] = []
     records: list[RequestRecord] = []
@@ -1026,6 +1049,8 @@ def run_store(store: str, args: argparse.Namespace, pg: Any) -> dict[str, Any]:
                 "connections_cut": proxy.connections_cut,
             },
             "collector_starts": collector.starts,
+            # frames refused by the collector's --max-pending-bytes (close 1013), from its log
+            "frames_refused_busy": _log_count(collector.log, "closing 1013"),
             "collector_exit_code": collector_rc,
             "problems": problems,
             "ok": not problems,
@@ -1096,6 +1121,13 @@ def main(argv: list[str] | None = None) -> int:
         "--quick 1000); a store_lock holds the lock longer than it",
     )
     ap.add_argument(
+        "--max-pending-bytes",
+        type=int,
+        default=None,
+        help="the collector's --max-pending-bytes (default: its own, 128 MiB); a small one "
+        "makes outages fill it, so refused frames (close 1013) and their resends are audited too",
+    )
+    ap.add_argument(
         "--overlap",
         type=float,
         default=0.3,
@@ -1139,7 +1171,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"[{store}] faults {r['faults_injected']} events {r['events']} "
                 f"requests ok {r['requests']['ok']} failed {r['requests']['failed']} "
-                f"ok={r['ok']}",
+                f"frames refused busy {r['frames_refused_busy']} ok={r['ok']}",
                 flush=True,
             )
             for p in r["problems"]:
