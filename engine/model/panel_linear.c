@@ -10,10 +10,12 @@
  * Plain C with GCC's vector extension (8 floats; -O3 -march=native picks the host's ISA), so it
  * builds wherever GCC or clang does.
  *
- * Threads: with OpenMP (-fopenmp) the panels (16 outputs each) are shared out to `threads`
- * threads; the rows are packed once by the calling thread and read by all. Each output is
- * computed alike on any thread (the same sum in the same order): the bits do not depend on the
- * thread count.
+ * Threads: with OpenMP (-fopenmp), a call of many rows (two groups or more) gives each of
+ * `threads` threads a range of rows, each thread running the one-thread kernel on its rows
+ * (its own packed rows, every panel): no barrier, the weights streamed as on one thread per
+ * group. Fewer rows share the panels (16 outputs each) out instead, the rows packed once by the
+ * calling thread. Each output is computed alike on any thread (the same sum in the same
+ * order): the bits do not depend on the thread count.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -116,6 +118,22 @@ int panel_linear(const float *x, long xs, int rows, const float *p, int n, int k
     /* rows in groups of ~MB_BYTES of x, packed per 6-row block as xt[k][6] (zero past the
      * last row); every panel (k x 16 floats, L1/L2) then passes over the group's blocks */
     const int np = (n + NR - 1) / NR;
+    long group = MB_BYTES / ((long)k * (long)sizeof(float));
+    group = group < MR ? MR : group / MR * MR;
+    if (threads > 1 && rows >= 2 * group) { /* a range of rows per thread */
+        int nthr = rows / group < threads ? (int)(rows / group) : threads, rc = 0;
+#pragma omp parallel for schedule(static) num_threads(nthr)
+        for (int t = 0; t < nthr; t++) {
+            long r0 = (long)rows * t / nthr / MR * MR;
+            long r1 = t + 1 == nthr ? rows : (long)rows * (t + 1) / nthr / MR * MR;
+            if (r1 > r0 && panel_linear(x + r0 * xs, xs, (int)(r1 - r0), p, n, k, bias,
+                                        out + r0 * os, os, 1)) {
+#pragma omp atomic write
+                rc = -1;
+            }
+        }
+        return rc;
+    }
     if (threads > np / 2) threads = np / 2 > 1 ? np / 2 : 1;
     if (rows < MR) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -126,8 +144,6 @@ int panel_linear(const float *x, long xs, int rows, const float *p, int n, int k
         }
         return 0;
     }
-    long group = MB_BYTES / ((long)k * (long)sizeof(float));
-    group = group < MR ? MR : group / MR * MR;
     long gmax = rows < group ? (rows + MR - 1) / MR * MR : group;
     size_t need = sizeof(float) * (size_t)gmax * (size_t)k;
     if (need > scratch_cap) { /* grown once per thread, kept: no allocation per call */
