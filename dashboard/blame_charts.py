@@ -13,7 +13,7 @@ from dashboard.charts import DECODE_COLOR, LAYOUT, STALL_COLOR, _empty
 
 OWN_COLOR = DECODE_COLOR
 PAUSE_COLOR = "#c7c7c7"
-MAX_LABELS = 12  # stalls labelled with their culprit on the timeline (the largest)
+MAX_LABELS = 12  # stalls labelled with their culprit on the timeline (the largest ones)
 
 
 def stall_timeline_figure(gaps: pd.DataFrame) -> go.Figure:
@@ -47,6 +47,8 @@ def stall_timeline_figure(gaps: pd.DataFrame) -> go.Figure:
             )
         )
     stalls = gaps[gaps["stall"].astype(bool)].nlargest(MAX_LABELS, "excess_ms")
+    if not stalls.empty:  # the tall ones: many short stalls side by side would pile up labels
+        stalls = stalls[stalls["excess_ms"] >= 0.5 * stalls["excess_ms"].max()]
     for row in stalls.itertuples():
         fig.add_annotation(
             x=row.k,
