@@ -317,7 +317,7 @@ def windows(draw: st.DrawFn) -> Window:
     return Window("e", "r", sdf, cdf, rdf)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(windows())
 def test_parts_always_add_up(window: Window) -> None:
     model = CostModel(const=1e-3, prefill=40e-6, decode=200e-6, attn=1e-9, multi_row=5e-4)
