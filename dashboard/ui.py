@@ -88,8 +88,9 @@ def collector_engines(url: str | None) -> tuple[list[dict[str, Any]] | None, str
         return None, str(exc)
 
 
-# The collector's /healthz turns 503 within 3 s of a store that stops answering; polled at most
-# this often (shared by every fragment and session), the dashboard says so within 2 s more
+# The collector's /healthz turns 503 within 2 s of a store that stops answering; polled at most
+# this often (shared by every fragment and session), the dashboard says so within 2.5 s more
+# (the Live page redraws every 2 s): under 5 s from the outage to the banner
 HEALTH_TTL_S = 0.5
 
 

@@ -42,7 +42,7 @@ _STOP = object()
 CommitCallback = Callable[[list[Any], list[Any], float], None]
 
 DEFAULT_RETRY_DEADLINE = 5.0  # seconds for the op-by-op retries of one failed batch, in all
-DEFAULT_STALL_AFTER = 3.0  # a batch waiting on the store this long is reported
+DEFAULT_STALL_AFTER = 2.0  # a batch waiting on the store this long is reported
 
 
 class Writer:
