@@ -10,6 +10,7 @@ at install time; the caller loads it with ctypes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -41,6 +42,12 @@ def _host_identity() -> bytes:
     return "\n".join(keep).encode()
 
 
+@functools.cache
+def _cpuinfo() -> str:
+    """``/proc/cpuinfo``, read once (the kernels' checks run on every step)."""
+    return Path("/proc/cpuinfo").read_text()
+
+
 def x86_unavailable(switch: str, features: tuple[str, ...]) -> str | None:
     """Why an x86-64 kernel needing CPU ``features`` (``/proc/cpuinfo`` flag names) cannot run
     here, or None: the ``switch`` environment variable set to 0, not x86-64 Linux, or a flag
@@ -50,7 +57,7 @@ def x86_unavailable(switch: str, features: tuple[str, ...]) -> str | None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"not x86-64 Linux ({platform.system()} {platform.machine()})"
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        flags = _cpuinfo()
     except OSError as e:
         return f"cannot read /proc/cpuinfo ({e})"
     missing = [f for f in features if f" {f}" not in flags]
