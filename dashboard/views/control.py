@@ -32,6 +32,15 @@ if not engine_ids:
         st.info("No engine is connected to the collector, so there is nothing to control.")
     if ctx.empty:
         ui.empty_store_help(ctx)
+
+    @st.fragment(run_every=2.0)
+    def _wait_for_an_engine() -> None:
+        """The page draws itself again as soon as an engine connects (one starting up)."""
+        again, _ = ui.collector_engines(ctx.collector_url)
+        if any(e.get("connected") for e in again or []):
+            st.rerun()
+
+    _wait_for_an_engine()
     st.stop()
 default = engine_ids.index(ctx.engine_id) if ctx.engine_id in engine_ids else 0
 engine_id = st.selectbox("Engine to control", engine_ids, index=default)
