@@ -49,12 +49,15 @@ PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 5.0
 
 
-def _die_with_parent(parent: int, nice: int = 0) -> None:  # in the child, between fork and exec
-    if nice > 0:
+def _die_with_parent(parent: int, priority: int | None = None) -> None:  # in the child, before exec
+    # The forking thread may run nicer than the dashboard (a page run that yielded the CPU
+    # started the spawner): the child takes the priority it was meant to have, not its thread's.
+    if priority is not None:
         try:
-            os.nice(nice)
+            if os.getpriority(os.PRIO_PROCESS, 0) != priority:
+                os.setpriority(os.PRIO_PROCESS, 0, priority)
         except OSError:
-            pass
+            pass  # lowering nice needs CAP_SYS_NICE: the spawner is made at import to avoid it
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -63,6 +66,11 @@ def _die_with_parent(parent: int, nice: int = 0) -> None:  # in the child, betwe
     if os.getppid() != parent:  # the parent died before the signal was armed
         os._exit(1)
     os.setsid()
+
+
+def base_priority() -> int:
+    """The dashboard's own nice value: its main thread's (page runs may run nicer)."""
+    return os.getpriority(os.PRIO_PROCESS, os.getpid()) if hasattr(os, "getpriority") else 0
 
 
 PAGE_NICE = 5  # how much nicer than the engine the dashboard's page runs are
@@ -175,6 +183,7 @@ class ManagedProcess:
         full_env = {k: v for k, v in merged.items() if v is not None}
 
         parent = os.getpid()
+        priority = min(base_priority() + self.nice, 19)
 
         def spawn() -> subprocess.Popen[bytes]:
             return subprocess.Popen(
@@ -184,7 +193,7 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 env=full_env,
                 # spawner thread only
-                preexec_fn=functools.partial(_die_with_parent, parent, self.nice),
+                preexec_fn=functools.partial(_die_with_parent, parent, priority),
                 close_fds=True,
             )
 
@@ -273,3 +282,9 @@ def stop_all() -> None:
 
 def python_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
+
+
+# Made at import, before any page run can call yield_cpu: a thread inherits its creator's nice
+# value, and a spawner made by a page run that yielded would start the engine nicer than the
+# browser drawing it (the child could not take it back without CAP_SYS_NICE).
+_get_spawner()

@@ -180,3 +180,42 @@ def test_a_page_run_yields_the_cpu_in_its_own_thread_only() -> None:
     t.join(10)
     assert seen["page"] == base + PAGE_NICE
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # this one kept
+
+
+# A fresh dashboard process: imports the module as a page's script thread would, then a page run
+# yields the CPU and starts the engine (nice 0) and the collector (nice 5); prints their pids.
+YIELDING_PARENT = textwrap.dedent(
+    """
+    import sys, threading, time
+    from pathlib import Path
+    from dashboard.processes import ManagedProcess, yield_cpu
+    code = "import time; time.sleep(60)"
+    out = {}
+    def page_run():
+        yield_cpu()
+        for name, nice in (("engine", 0), ("collector", 5)):
+            out[name] = ManagedProcess(
+                name, [sys.executable, "-c", code], Path(sys.argv[1]) / (name + ".log"), nice=nice
+            ).start()
+    t = threading.Thread(target=page_run); t.start(); t.join()
+    print(out["engine"].pid, out["collector"].pid, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_child_started_from_a_page_run_that_yielded_is_not_niced(tmp_path: Path) -> None:
+    """The page run that starts the engine has yielded the CPU (its thread runs 5 nicer): the
+    engine still runs at the dashboard's own priority, the collector at that + 5."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", YIELDING_PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        engine, collector = (int(x) for x in parent.stdout.readline().split())
+        base = os.getpriority(os.PRIO_PROCESS, parent.pid)
+        assert os.getpriority(os.PRIO_PROCESS, engine) == base
+        assert os.getpriority(os.PRIO_PROCESS, collector) == base + 5
+    finally:
+        parent.kill()
+        parent.wait(10)
