@@ -473,6 +473,57 @@ class Ledger:
         out["share"] = out["ms"] / out["ms"].sum()
         return out
 
+    def stall_links(self, min_share: float = 0.1) -> pd.DataFrame:
+        """The chunks behind every stall in the window (a gap ended by one of the request's
+        tokens whose excess makes it a stall): one row per (stall, culprit chunk) taking at
+        least ``min_share`` of the stall's excess. ``victim``, ``k`` (the token that ended the
+        gap), ``victim_step`` (the step that produced it), ``culprit``, ``culprit_step`` (the
+        step its chunk ran in) and ``ms`` (what that chunk cost the victim there); largest
+        first."""
+        cols = ["victim", "k", "victim_step", "culprit", "culprit_step", "ms"]
+        n = len(self.p_req)
+        if n == 0:
+            return pd.DataFrame(columns=cols)
+        # pairs are sorted by (request, step): a gap is a run of pairs with the same (req, k)
+        new = np.ones(n, dtype=bool)
+        new[1:] = (self.p_req[1:] != self.p_req[:-1]) | (self.p_k[1:] != self.p_k[:-1])
+        gid = np.cumsum(new) - 1
+        first = np.flatnonzero(new)
+        last = np.append(first[1:] - 1, n - 1)
+        excess = np.bincount(gid, self.p_excess)
+        g_req = self.p_req[first]
+        end_ns = self.end[self.p_step[last]].astype(np.float64)
+        begin_ns = np.empty(len(first))
+        begin_ns[1:] = end_ns[:-1]
+        first_of_req = np.ones(len(first), dtype=bool)
+        first_of_req[1:] = g_req[1:] != g_req[:-1]
+        begin_ns[first_of_req] = self.arrival[g_req[first_of_req]]
+        gap_ms = (end_ns - begin_ns) / 1e6
+        stall = (
+            self.p_prod[last]  # closed by a token within the window
+            & (excess >= STALL_SHARE * gap_ms)
+            & (excess >= STALL_MIN_MS)
+        )
+        rows = self._culprit_rows(stall[gid])
+        if rows.empty:
+            return pd.DataFrame(columns=cols)
+        rows["gid"] = gid[rows["pair"].to_numpy()]
+        per = rows.groupby(["gid", "culprit", "step"], as_index=False)["ms"].sum()
+        g = per["gid"].to_numpy()
+        per = per[per["ms"].to_numpy() >= min_share * excess[g]]
+        g = per["gid"].to_numpy()
+        out = pd.DataFrame(
+            {
+                "victim": self.ids[g_req[g]].astype(str),
+                "k": self.p_k[last[g]],
+                "victim_step": self.step_no[self.p_step[last[g]]],
+                "culprit": self.ids[per["culprit"].to_numpy()].astype(str),
+                "culprit_step": self.step_no[per["step"].to_numpy()],
+                "ms": per["ms"].to_numpy(),
+            }
+        )
+        return out.sort_values("ms", ascending=False, kind="stable").reset_index(drop=True)
+
     def totals(self) -> dict[str, float]:
         """Every pair's parts summed: ``own_ms``, ``excess_ms`` and the time of the steps inside
         gaps (``steps_ms`` = own + excess)."""

@@ -84,9 +84,11 @@ def _control(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
+    from advisor.blame_trace import trace_links
     from storage.export import main
 
-    return main(argv, prog=f"{PROG} export")
+    # the Chrome trace with the blame ledger's arrows from each culprit to each stall
+    return main(argv, prog=f"{PROG} export", links=trace_links)
 
 
 def _blame(argv: list[str]) -> int:

@@ -18,6 +18,10 @@ the engine never overlap in the trace. One process per run (``engine <id> / run 
   request's chunks as slices of the steps that carried them (``prefill 512``, ``decode 1``;
   one that produced a token has its index ``args.token`` and, from the second token on, the
   gap to the previous one ``args.itl_ms``) and an instant ``first token``;
+- blame arrows, when the caller passes the ledger's stall links (``chunkscope export`` does):
+  a flow (``"ph": "s"`` on the culprit's chunk, ``"ph": "f"`` on the victim's chunk that
+  produced the token the stall delayed, category ``blame``, the blamed ms in ``args``) from
+  each culprit chunk to each stall it caused;
 - counters (``"ph": "C"``, sampled at each step start): ``tokens`` (budget), ``tokens scheduled``
   (prefill, decode), ``KV blocks`` (used) and ``requests`` (running, waiting);
 - names and order through metadata events (``"ph": "M"``).
@@ -78,6 +82,7 @@ class _Trace:
         self.origin = origin
         self.events: list[dict[str, Any]] = []
         self._last_tid = 0
+        self._last_flow = 0
 
     def new_tid(self) -> int:
         """A thread id unique in the whole trace (Perfetto keys threads by tid alone)."""
@@ -123,6 +128,17 @@ class _Trace:
                 "args": args,
             }
         )
+
+    def flow(
+        self, pid: int, src: tuple[int, float], dst: tuple[int, float], args: dict[str, Any]
+    ) -> None:
+        """An arrow from the slice around ``src`` (tid, time) to the one around ``dst``."""
+        self._last_flow += 1
+        common = {"name": "blame", "cat": "blame", "id": self._last_flow, "pid": pid}
+        self.events.append({**common, "ph": "s", "tid": src[0], "ts": self.us(src[1]),
+                            "args": args})  # fmt: skip
+        self.events.append({**common, "ph": "f", "bp": "e", "tid": dst[0], "ts": self.us(dst[1]),
+                            "args": args})  # fmt: skip
 
     def counter(self, name: str, pid: int, t: float, values: dict[str, Any]) -> None:
         """A process counter sample (written on the process's main thread, tid = pid)."""
@@ -172,8 +188,12 @@ def _of_run(df: pd.DataFrame, engine_id: str, run_id: str) -> pd.DataFrame:
     return df[(df["engine_id"] == engine_id) & (df["run_id"] == run_id)]
 
 
-def chrome_trace(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
-    """The selection as a trace-event JSON object (see the module docstring)."""
+def chrome_trace(
+    tables: dict[str, pd.DataFrame], links: pd.DataFrame | None = None
+) -> dict[str, Any]:
+    """The selection as a trace-event JSON object (see the module docstring). ``links``: the
+    blame arrows (``engine_id``, ``run_id``, ``culprit``, ``culprit_step``, ``victim``,
+    ``victim_step``, ``k``, ``ms``), none when None."""
     origin = _origin(tables)
     trace = _Trace(origin)
     for engine_id, run_id in _runs(tables):
@@ -186,6 +206,7 @@ def chrome_trace(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
             _of_run(tables["requests"], engine_id, run_id),
             _of_run(tables["tokens"], engine_id, run_id),
             _of_run(tables["controls"], engine_id, run_id),
+            None if links is None else _of_run(links, engine_id, run_id),
         )
     # traceEvents last: Perfetto reads displayTimeUnit only before the events
     return {
@@ -217,6 +238,7 @@ def _run_events(
     requests: pd.DataFrame,
     tokens: pd.DataFrame,
     controls: pd.DataFrame,
+    links: pd.DataFrame | None = None,
 ) -> None:
     # the steps thread is the run's main thread: pid = its tid
     pid = steps_tid = trace.new_tid()
@@ -314,6 +336,8 @@ def _run_events(
         if int(tok["k"]) == 1:
             firsts.setdefault(rid, []).append(tok)
 
+    # (request id, step) -> the middle of the request's chunk slice in that step
+    chunk_at: dict[tuple[str, int], float] = {}
     for rid, tid in tids.items():
         req = info.get(rid)
         cls = req["traffic_class"] if req is not None else None
@@ -321,12 +345,35 @@ def _run_events(
         trace.meta("thread_name", pid, tid, {"name": label})
         trace.meta("thread_sort_index", pid, tid, {"sort_index": tid})
         spans = [step_times[int(c["step"])] for c in req_chunks.get(rid, [])]
-        _request_events(trace, pid, tid, rid, req, req_chunks.get(rid, []), spans, token_of)
+        drawn = _request_events(trace, pid, tid, rid, req, req_chunks.get(rid, []), spans, token_of)
+        chunk_at.update(((rid, step), t) for step, t in drawn.items())
         for tok in firsts.get(rid, []):
             t = _finite(tok["time"])
             if t is not None:
                 args = {"request_id": rid, "k": 1, "step": _num(tok["step"])}
                 trace.instant("first token", pid, tid, t, args)
+    if links is not None and not links.empty:
+        _blame_arrows(trace, pid, tids, chunk_at, links)
+
+
+def _blame_arrows(
+    trace: _Trace,
+    pid: int,
+    tids: dict[str, int],
+    chunk_at: dict[tuple[str, int], float],
+    links: pd.DataFrame,
+) -> None:
+    """A flow from each culprit chunk to the victim's token of the stall it caused (a link
+    whose chunks are not in the selection is left out)."""
+    for link in _records(links):
+        culprit, victim = str(link["culprit"]), str(link["victim"])
+        src = chunk_at.get((culprit, int(link["culprit_step"])))
+        dst = chunk_at.get((victim, int(link["victim_step"])))
+        if src is None or dst is None:
+            continue
+        args = {"culprit": culprit, "victim": victim, "token": int(link["k"]),
+                "blamed_ms": round(float(link["ms"]), 3)}  # fmt: skip
+        trace.flow(pid, (tids[culprit], src), (tids[victim], dst), args)
 
 
 def _request_events(
@@ -338,8 +385,10 @@ def _request_events(
     chunks: list[dict[str, Any]],
     spans: list[tuple[float, float]],
     token_of: dict[tuple[str, int], tuple[int, Any]],
-) -> None:
-    """The request's slice, its phases and its chunks, properly nested on its thread."""
+) -> dict[int, float]:
+    """The request's slice, its phases and its chunks, properly nested on its thread; returns
+    the middle of each chunk slice drawn, by step."""
+    drawn: dict[int, float] = {}
     known = [t for span in spans for t in span]
     arrival = first_scheduled = first_token = finished = None
     if r is not None:
@@ -349,7 +398,7 @@ def _request_events(
         finished = _finite(r["finished"])
         known += [t for t in (arrival, first_scheduled, first_token, finished) if t is not None]
     if not known:
-        return
+        return drawn
     lo, hi = min(known), max(known)
     begin = arrival if arrival is not None else lo
     end = finished if finished is not None else hi
@@ -402,6 +451,8 @@ def _request_events(
             if token[0] > 1:
                 args["itl_ms"] = token[1]
         trace.slice(f"{c['kind']} {int(c['num_tokens'])}", pid, tid, t0, t1, args)
+        drawn[step] = (t0 + t1) / 2
+    return drawn
 
 
 def _phases(
@@ -422,11 +473,13 @@ def _phases(
     return out
 
 
-def write_chrome_trace(tables: dict[str, pd.DataFrame], out: Path) -> Path:
+def write_chrome_trace(
+    tables: dict[str, pd.DataFrame], out: Path, links: pd.DataFrame | None = None
+) -> Path:
     """The trace as JSON (gzip when ``out`` ends in ``.gz``), written atomically."""
     if out.exists() and out.is_dir():
         raise ExportError(f"--out {out} is a folder; for --format chrome-trace it names a file")
-    doc = chrome_trace(tables)
+    doc = chrome_trace(tables, links)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     try:

@@ -37,9 +37,11 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -120,9 +122,16 @@ def _requests_in_window(requests: pd.DataFrame, selection: Selection) -> bool:
     return False
 
 
-def export(url: str, selection: Selection, fmt: str, out: str | Path) -> ExportResult:
+# what draws the Chrome trace's blame arrows: (store, tables) -> links (see chrome_trace)
+LinksFn = Callable[[Any, dict[str, pd.DataFrame]], pd.DataFrame]
+
+
+def export(
+    url: str, selection: Selection, fmt: str, out: str | Path, *, links: LinksFn | None = None
+) -> ExportResult:
     """Export the selection of the store at ``url`` as ``fmt`` to ``out``. Raises
-    ``ExportError`` (nothing written) for an unknown format, a bad URL or an empty selection."""
+    ``ExportError`` (nothing written) for an unknown format, a bad URL or an empty selection.
+    ``links``: for a Chrome trace, what gives its blame arrows (none without it)."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     if selection.since is not None and selection.until is not None:
@@ -134,15 +143,18 @@ def export(url: str, selection: Selection, fmt: str, out: str | Path) -> ExportR
     if fmt != "chrome-trace" and out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; for --format {fmt} it names a folder")
     db = open_store(url)
+    arrows = None
     try:
         tables = load_tables(db, selection)
+        if links is not None and fmt == "chrome-trace" and not tables["steps"].empty:
+            arrows = links(db, tables)
     finally:
         db.dispose()
     counts = {name: len(df) for name, df in tables.items()}
     if counts["steps"] == 0 and not _requests_in_window(tables["requests"], selection):
         raise ExportError(f"nothing to export: no steps and no requests for {selection.describe()}")
     if fmt == "chrome-trace":
-        paths = [write_chrome_trace(tables, out)]
+        paths = [write_chrome_trace(tables, out, arrows)]
     else:
         paths = write_tables(tables, out, fmt)
     logger.info("exported %s as %s to %s: %s", selection.describe(), fmt, out, counts)
@@ -214,14 +226,18 @@ def build_parser(prog: str = "chunkscope export") -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None, prog: str = "chunkscope export") -> int:
+def main(
+    argv: list[str] | None = None, prog: str = "chunkscope export", links: LinksFn | None = None
+) -> int:
     args = build_parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     selection = Selection(args.engine, args.run, args.since, args.until)
     try:
-        result = export(args.db or default_url(args.data_dir), selection, args.format, args.out)
+        result = export(
+            args.db or default_url(args.data_dir), selection, args.format, args.out, links=links
+        )
     except ExportError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

@@ -89,7 +89,7 @@ def validate_trace(doc: Any) -> list[dict[str, Any]]:
             assert key in ev, (key, ev)
         assert isinstance(ev["ts"], (int, float)) and not isinstance(ev["ts"], bool)
         assert isinstance(ev["pid"], int) and isinstance(ev["tid"], int)
-        assert ev["ph"] in ("X", "i", "C", "M"), ev
+        assert ev["ph"] in ("X", "i", "C", "M", "s", "f"), ev
         assert isinstance(ev.get("name"), str) and ev["name"], ev
         if ev["ph"] == "X":
             assert isinstance(ev["dur"], (int, float)) and ev["dur"] >= 0, ev
@@ -100,6 +100,9 @@ def validate_trace(doc: Any) -> list[dict[str, Any]]:
                 assert isinstance(value, (int, float)) and not isinstance(value, bool), ev
         elif ev["ph"] == "i":
             assert ev.get("s", "t") in ("g", "p", "t"), ev
+        elif ev["ph"] in ("s", "f"):  # a blame arrow: its two ends share cat and id
+            assert ev["cat"] == "blame" and isinstance(ev["id"], int), ev
+            assert ev["ph"] == "s" or ev["bp"] == "e", ev
         elif ev["ph"] == "M":
             assert ev["name"] in (
                 "process_name",
