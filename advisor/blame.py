@@ -281,7 +281,7 @@ class Ledger:
             }
         )
 
-    def _request_info(self, i: int) -> dict[str, Any]:
+    def request_info(self, i: int) -> dict[str, Any]:
         prompt = self.prompt[i]
         return {
             "request_id": str(self.ids[i]),
@@ -292,12 +292,14 @@ class Ledger:
     def gaps(self, request_id: str) -> pd.DataFrame:
         """One row per gap of the request: ``k`` (the token it led to; 1 is the TTFT), wall
         ``begin`` / ``end``, ``gap_ms`` = ``own_ms`` + ``pause_ms`` + ``excess_ms``,
-        ``queue_ms`` (the part of the excess spent without a chunk), ``stall``, and the
-        ``culprit`` who took most of the excess with its ``culprit_ms``."""
+        ``queue_ms`` (the part of the excess spent without a chunk), ``stall``, the
+        ``culprit`` who took most of the excess with its ``culprit_ms``, ``steps`` (how many
+        steps the gap spans), ``step`` (the engine's number of the step that ended it) and
+        ``culprits`` (the largest three: a list of (request id, ms))."""
         i = self._victim(request_id)
         sel = self.p_req == i
         cols = ["k", "begin", "end", "gap_ms", "own_ms", "pause_ms", "excess_ms", "queue_ms",
-                "stall", "culprit", "culprit_ms", "steps"]  # fmt: skip
+                "stall", "culprit", "culprit_ms", "steps", "step", "culprits"]  # fmt: skip
         if not sel.any():
             return pd.DataFrame(columns=cols)
         df = pd.DataFrame(
@@ -329,15 +331,23 @@ class Ledger:
         out["pause_ms"] = np.maximum(gap - out["wall_ms"], 0.0)
         out["begin"] = self.wall(begin_ns)
         out["end"] = self.wall(end_ns)
+        out["step"] = self.step_no[out["last"].to_numpy()]
         out["stall"] = (out["excess_ms"] >= STALL_SHARE * out["gap_ms"]) & (
             out["excess_ms"] >= STALL_MIN_MS
         )
         rows = self._culprit_rows(sel)
         out["culprit"] = None
         out["culprit_ms"] = 0.0
+        out["culprits"] = [[] for _ in range(len(out))]
         if not rows.empty:
             rows["k"] = self.p_k[rows["pair"].to_numpy()]
             per = rows.groupby(["k", "culprit"], as_index=False)["ms"].sum()
+            ranked = per.sort_values(["k", "ms"], ascending=[True, False], kind="stable")
+            three: dict[int, list[tuple[str, float]]] = {}
+            head = ranked.groupby("k", sort=False).head(3)
+            for k, c, ms in zip(head["k"], head["culprit"], head["ms"], strict=True):
+                three.setdefault(int(k), []).append((str(self.ids[int(c)]), float(ms)))
+            out["culprits"] = [three.get(k, []) for k in out["k"]]
             top = per.sort_values("ms", ascending=False).drop_duplicates("k").set_index("k")
             out["culprit"] = [
                 str(self.ids[int(top.loc[k, "culprit"])]) if k in top.index else None
@@ -375,7 +385,7 @@ class Ledger:
             for q, row in per.iterrows():
                 culprits.append(
                     {
-                        **self._request_info(int(q)),  # type: ignore[arg-type]
+                        **self.request_info(int(q)),  # type: ignore[arg-type]
                         "ms": float(row["ms"]),
                         "queue_ms": float(row["queue_ms"]),
                         "gaps": int(row["gaps"]),
@@ -384,7 +394,7 @@ class Ledger:
         measured = float(gaps["gap_ms"].sum()) if not gaps.empty else 0.0
         ttft = gaps[gaps["k"] == 1] if not gaps.empty else gaps
         return {
-            **self._request_info(i),
+            **self.request_info(i),
             "engine_id": self.window.engine_id,
             "run_id": self.window.run_id,
             "arrival": _f(self.wall(self.arrival[i])),
@@ -452,7 +462,7 @@ class Ledger:
         for rec, i in zip(costs.to_dict("records"), ids, strict=True):
             out.append(
                 {
-                    **self._request_info(i),
+                    **self.request_info(i),
                     "cost_to_others_ms": float(rec["cost_to_others_ms"]),
                     "queue_ms": float(rec["queue_ms"]),
                     "victims": int(victims.get(i, 0)),

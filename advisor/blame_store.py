@@ -13,6 +13,7 @@ from sqlalchemy import Engine
 
 from advisor.blame import BlameError, Ledger, Window
 from advisor.fit import FitError, FitReport, fit_steps, load_steps
+from engine.core.cost_model import CostModel
 from storage import queries
 
 logger = logging.getLogger(__name__)
@@ -236,3 +237,55 @@ def _first(row: dict[str, Any], *names: str) -> float | None:
         if v is not None and not pd.isna(v):
             return float(v)
     return None
+
+
+def fit_recent(db: Engine, *, engine_id: str, run_id: str, until: float) -> FitReport:
+    """The step-cost model of the ``FIT_S`` seconds of one run ending at ``until`` (for the
+    ledger of a few gaps, too few steps to fit on)."""
+    steps = thin(
+        load_steps(db, engine_id=engine_id, run_id=run_id, since=until - FIT_S, until=until),
+        MAX_FIT_STEPS,
+    )
+    try:
+        return fit_steps(steps, {"engine_id": engine_id, "run_id": run_id}, resamples=0)
+    except FitError as exc:
+        raise BlameError(f"cannot fit the step-cost model: {exc}") from exc
+
+
+def blame_tokens(
+    db: Engine, *, engine_id: str, run_id: str, tokens: pd.DataFrame, model: CostModel
+) -> pd.DataFrame:
+    """The ledger of the gaps before some tokens of one run (``tokens``: ``request_id``,
+    ``step``, ``time`` and ``itl_ms``, as ``queries.token_itl`` gives them), read from the
+    store over those gaps only: per token, ``gap_ms``, ``excess_ms`` and ``culprits`` (the
+    largest three, (request id, ms) each), with the culprits' ``classes`` and ``prompts``
+    (request id -> traffic class, prompt tokens). A token whose gap the window does not hold
+    is left out."""
+    cols = ["request_id", "step", "gap_ms", "excess_ms", "culprits", "classes", "prompts"]
+    if tokens.empty:
+        return pd.DataFrame(columns=cols)
+    begin = tokens["time"].to_numpy(dtype=np.float64) - tokens["itl_ms"].to_numpy() / 1e3
+    lo, hi = float(begin.min()), float(tokens["time"].max())
+    ledger = Ledger(read_window(db, engine_id, run_id, lo, hi), model)
+    rows = []
+    for rid, group in tokens.groupby("request_id", sort=False):
+        if str(rid) not in ledger.index:
+            continue
+        gaps = ledger.gaps(str(rid)).set_index("step")
+        for step in group["step"]:
+            if int(step) not in gaps.index:
+                continue
+            g = gaps.loc[int(step)]
+            info = {c: ledger.request_info(ledger.index[c]) for c, _ in g["culprits"]}
+            rows.append(
+                {
+                    "request_id": str(rid),
+                    "step": int(step),
+                    "gap_ms": float(g["gap_ms"]),
+                    "excess_ms": float(g["excess_ms"]),
+                    "culprits": list(g["culprits"]),
+                    "classes": {c: v["traffic_class"] for c, v in info.items()},
+                    "prompts": {c: v["num_prompt_tokens"] for c, v in info.items()},
+                }
+            )
+    return pd.DataFrame(rows, columns=cols)

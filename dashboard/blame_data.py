@@ -91,3 +91,36 @@ def replay_without(
 
     result: tuple[float | None, float | None] = _run(go)
     return result
+
+
+# the Live page's model is refitted at most this often (seconds of the run's time)
+LIVE_FIT_S = 60.0
+
+
+@st.cache_data(ttl=2 * LIVE_FIT_S, show_spinner=False)
+def _live_model(db_url: str | None, engine_id: str, run_id: str, bucket: int) -> Any:
+    """The step-cost model of the run's last ``FIT_S`` seconds up to ``bucket`` (a multiple
+    of ``LIVE_FIT_S``): one fit per minute of the run, shared by every redraw."""
+    from advisor.blame_store import fit_recent
+
+    db = data.connection(db_url)
+    return _run(
+        fit_recent, db=db, engine_id=engine_id, run_id=run_id, until=(bucket + 1) * LIVE_FIT_S
+    ).model
+
+
+def live_stall_blame(
+    db_url: str | None, engine_id: str, run_id: str, tokens: pd.DataFrame
+) -> pd.DataFrame:
+    """``advisor.blame_store.blame_tokens`` for the Live page's stalls (not cached here: the
+    page keeps what it blamed). ``BlameUnavailable`` while the model cannot be fitted (too
+    few steps yet), ``data.StoreUnavailable`` when the store cannot be read."""
+    from advisor.blame_store import blame_tokens
+
+    latest = float(tokens["time"].max())
+    model = _live_model(db_url, engine_id, run_id, int(latest // LIVE_FIT_S))
+    db = data.connection(db_url)
+    out: pd.DataFrame = _run(
+        blame_tokens, db=db, engine_id=engine_id, run_id=run_id, tokens=tokens, model=model
+    )
+    return out

@@ -262,10 +262,12 @@ def itl_figure(
     factor: float = 3.0,
     floor_ms: float = 0.0,
     max_points: int = 10_000,
+    stall_notes: pd.Series | None = None,
 ) -> go.Figure:
     """Every streamed token's inter-token latency over time, one colour per traffic class; stalls
     (see :func:`stall_mask`, over all tokens) ringed in red and counted in the title. Beyond
-    ``max_points`` tokens the ordinary ones are thinned evenly; stalls are always drawn."""
+    ``max_points`` tokens the ordinary ones are thinned evenly; stalls are always drawn.
+    ``stall_notes`` (by ``itl``'s index): each stall's hover text (who caused it)."""
     fig = go.Figure()
     fig.update_layout(**LAYOUT)
     if itl is None or itl.empty:
@@ -312,7 +314,16 @@ def itl_figure(
                     "color": STALL_COLOR,
                     "line": {"width": 2, "color": STALL_COLOR},
                 },
-                hoverinfo="skip",
+                **(
+                    {"hoverinfo": "skip"}
+                    if stall_notes is None
+                    else {
+                        "text": stall_notes.reindex(itl.index[stalls.to_numpy()])
+                        .fillna("")
+                        .tolist(),
+                        "hovertemplate": "%{text}<extra>stall</extra>",
+                    }
+                ),
             )
         )
     rule = f"> {factor:g}x median" + (f" and > {floor_ms:g} ms" if floor_ms else "")

@@ -7,14 +7,17 @@ import time
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data, story, ui
+from dashboard import blame_data, charts, data, story, ui
 from dashboard.autopilot import autopilot_events, latest_status
 from dashboard.live import SUMMARY_GRID_S, LiveWindow, RefreshPace, coarsen_steps
+from dashboard.live_blame import StallBlame, stall_choices
 from dashboard.processes import yield_cpu
 
 REFRESH_S = 2.0
 SUMMARY_REFRESH_S = 5.0
 ITL_POINTS = 1500  # drawn at most; every stall is always drawn
+REQUESTS_PAGE = "views/requests.py"
+FOCUS_KEY = "requests_focus"  # the request the Requests page opens on
 
 st.header("Live")
 c1, c2, c3 = st.columns(3)
@@ -70,11 +73,22 @@ def _live_view() -> None:
     fig = charts.step_tokens_figure(steps, ctrl)
     fig.update_layout(uirevision="live-steps", height=360)
     st.plotly_chart(fig, key="live_steps")
+    stalls, blame = _blame_stalls(ctx, lw.itl)
+    notes = None
+    if stalls is not None:
+        notes = pd.Series([blame.note(r) for r in stalls.itertuples()], index=stalls.index)
     fig = charts.itl_figure(
-        lw.itl, ctrl, factor=float(factor), floor_ms=float(floor), max_points=ITL_POINTS
+        lw.itl,
+        ctrl,
+        factor=float(factor),
+        floor_ms=float(floor),
+        max_points=ITL_POINTS,
+        stall_notes=notes,
     )
     fig.update_layout(uirevision="live-itl", height=360)
     st.plotly_chart(fig, key="live_itl")
+    if stalls is not None:
+        _stall_picker(stalls, blame)
     ap = autopilot_events(ctrl)
     if not ap.empty:
         st.caption(f"Autopilot · {latest_status(ctrl)}")
@@ -88,6 +102,46 @@ def _live_view() -> None:
     fig = charts.kv_queue_figure(steps, ctrl)
     fig.update_layout(uirevision="live-kv", height=380)
     st.plotly_chart(fig, key="live_kv")
+
+
+def _blame_stalls(
+    ctx: ui.Context, itl: pd.DataFrame | None
+) -> tuple[pd.DataFrame | None, StallBlame]:
+    """The ringed tokens, and who caused each: the ledger of the gaps before them, read only
+    for stalls not blamed at an earlier redraw (``StallBlame``, kept in the session)."""
+    held = st.session_state.get("live_stall_blame")
+    blame = held if isinstance(held, StallBlame) else StallBlame()
+    st.session_state["live_stall_blame"] = blame
+    if itl is None or itl.empty:
+        return None, blame
+    stalls = itl[charts.stall_mask(itl, factor=float(factor), floor_ms=float(floor))]
+    if stalls.empty:
+        return None, blame
+    blame.update(
+        stalls, lambda eid, rid, tokens: blame_data.live_stall_blame(ctx.db_url, eid, rid, tokens)
+    )
+    return stalls, blame
+
+
+def _stall_picker(stalls: pd.DataFrame, blame: StallBlame) -> None:
+    """A stall, picked by time, request and culprit, opens the Requests page on the stalled
+    request or on its culprit."""
+    choices = stall_choices(stalls, blame)
+    if not choices:
+        return
+    c1, c2, c3 = st.columns([4, 1, 1], vertical_alignment="bottom")
+    pick = c1.selectbox("Who caused a stall (newest first)", list(choices), key="live_stall_pick")
+    if pick is None:
+        return
+    victim, culprit = choices[pick]
+    target = None
+    if c2.button("Open the stalled request", key="live_open_victim", width="stretch"):
+        target = victim
+    if c3.button("Open its culprit", key="live_open_culprit", width="stretch"):
+        target = culprit
+    if target is not None:
+        st.session_state[FOCUS_KEY] = target
+        st.switch_page(REQUESTS_PAGE)
 
 
 @st.fragment(run_every=SUMMARY_REFRESH_S)

@@ -25,8 +25,12 @@ ctx = ui.context()
 if ctx.empty:
     ui.empty_store_help(ctx)
     st.stop()
+# a request to open on (the Live page's stall picker): shown whatever its class
+focus = st.session_state.pop("requests_focus", None)
+if focus is not None:
+    st.session_state["requests_class"] = "all"
 c1, c2 = st.columns(2)
-cls = c1.selectbox("Traffic class", ["all", "chat", "rag", "vlm"])
+cls = c1.selectbox("Traffic class", ["all", "chat", "rag", "vlm"], key="requests_class")
 minutes = c2.select_slider("Last minutes", options=[1, 5, 15, 60, 24 * 60], value=15)
 latest = ctx.latest
 since = None if latest is None else latest - 60 * minutes
@@ -45,6 +49,11 @@ st.dataframe(reqs[[c for c in COLUMNS if c in reqs]].round(1), hide_index=True, 
 
 worst = reqs.sort_values("max_itl_ms", ascending=False, na_position="last")
 ids = worst["request_id"].tolist()
+if focus is not None:
+    if focus in ids:
+        st.session_state["request_pick"] = focus
+    else:
+        st.info(f"{focus} is not among the requests of the last {minutes} minutes.")
 rid = st.selectbox("Request (worst stall first)", ids, key="request_pick")
 row = worst[worst["request_id"] == rid].iloc[0]
 try:

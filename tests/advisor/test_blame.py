@@ -361,3 +361,31 @@ def test_the_simulators_counterfactual_agrees_with_the_ledger(recorded: dict[str
     assert cf.blamed_ms == pytest.approx(cf.predicted_gain_ms, rel=0.05)
     with pytest.raises(BlameError, match="not among"):
         counterfactual(recorded["db"], blamed.ledger, ["cmpl-nobody"])
+
+
+def test_the_ledger_of_a_few_gaps_agrees_with_the_windows(recorded: dict[str, Any]) -> None:
+    """``blame_tokens`` (the Live page's stalls) reads only the gaps before the tokens asked
+    for: their excess and culprits are the whole window's."""
+    from advisor.blame_store import blame_tokens, fit_recent
+    from storage import queries
+
+    db = recorded["db"]
+    blamed = blame_window(db, engine_id=ENGINE)
+    itl = queries.token_itl(db, engine_id=ENGINE)
+    run_id = str(itl["run_id"].iloc[0])
+    whole = blamed.ledger.gaps("chat-0").set_index("step")
+    stalls = whole[whole["stall"]]
+    tokens = itl[(itl["request_id"] == "chat-0") & itl["step"].isin(stalls.index)]
+    assert len(tokens) == len(stalls) >= 3
+    out = blame_tokens(
+        db, engine_id=ENGINE, run_id=run_id, tokens=tokens, model=blamed.fit.model
+    ).set_index("step")
+    assert sorted(out.index) == sorted(stalls.index)
+    np.testing.assert_allclose(out["excess_ms"], stalls.loc[out.index, "excess_ms"], rtol=1e-9)
+    for step, row in out.iterrows():
+        assert row["culprits"][0] == (stalls.loc[step, "culprit"], stalls.loc[step, "culprit_ms"])
+        assert row["classes"][row["culprits"][0][0]] == "rag"
+        assert row["prompts"][row["culprits"][0][0]] == 2000
+    # the model of the run's last minutes, for a window too short to fit on
+    model = fit_recent(db, engine_id=ENGINE, run_id=run_id, until=float(itl["time"].max()))
+    assert model.model.prefill == pytest.approx(TRUE.prefill, rel=0.2)
