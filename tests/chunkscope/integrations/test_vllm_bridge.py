@@ -8,6 +8,7 @@ Without the vLLM venv these tests skip, or fail saying how to make it when
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import math
 import time
 from collections.abc import Iterator
@@ -312,6 +313,65 @@ def test_a_relayed_long_prefill_cap_is_in_force_by_vllms_own_rule(rig: Rig) -> N
     # a request alone is not capped: it gets the whole budget or the rest of its prompt
     rest = alone.request_id.map(got.num_prompt_tokens) - alone.start
     assert (alone.num_tokens == rest.clip(upper=BUDGET)).all(), alone
+
+
+def test_the_blame_ledger_names_the_long_prompt_that_stalled_the_chats(
+    rig: Rig, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The ledger on what the bridge stored: three chat streams decoding while a long prompt
+    is prefilled in budget-sized chunks beside them. Each chat's gaps add up to its stored
+    time, the long prompt is its top culprit and the window's top offender, and
+    ``chunkscope blame`` finds it by the id the OpenAI client saw."""
+    from advisor.blame_cli import main as blame_main
+    from advisor.blame_store import blame_request, blame_window
+
+    before = rig.last_step()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        chats = [pool.submit(rig.stream, f"cat sleeps {i} " + _prompt(10), 80, "chat")
+                 for i in range(3)]  # fmt: skip
+        deadline = time.monotonic() + WAIT_S
+        while rig.last_step() < before + 4:  # the chats are decoding
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # a first word no earlier prompt had: no prefix-cache hit shortens the prefill
+        long = rig.stream("warm mat " + _prompt(850), 2, "rag")
+        outs = [c.result() for c in chats]
+    got = rig.wait_finished([long["id"], *(o["id"] for o in outs)])
+    chunks = rig.chunks(before + 1)
+    prefill = chunks[(chunks.request_id == long["id"]) & (chunks.kind == "prefill")]
+    assert len(prefill) >= 3  # chunked by the budget
+    # the chats were decoding in the long prompt's prefill steps
+    shared = chunks[
+        chunks.step.isin(prefill.step) & chunks.request_id.isin([o["id"] for o in outs])
+    ]
+    assert shared.request_id.nunique() == 3
+    db = connect(rig.db_url, readonly=True)
+    try:
+        for o in outs:
+            out, _ = blame_request(db, engine_id=ENGINE_ID, request_id=o["id"])
+            row = got.loc[o["id"]]
+            tokens = queries.token_times(rig.db, engine_id=ENGINE_ID, request_id=o["id"])
+            life_ms = (float(tokens["time"].max()) - float(row.arrival)) * 1e3
+            assert out["measured_ms"] == pytest.approx(life_ms, abs=1.0)
+            assert out["own_ms"] + out["pause_ms"] + out["excess_ms"] == pytest.approx(
+                out["measured_ms"], abs=1e-3
+            )
+            assert sum(c["ms"] for c in out["culprits"]) == pytest.approx(out["excess_ms"])
+            top = out["culprits"][0]
+            assert top["request_id"] == long["id"], out["culprits"][:3]
+            assert top["traffic_class"] == "rag" and top["gaps"] >= 1
+        lo, hi = float(got.arrival.min()) - 0.5, float(got.finished.max()) + 0.5
+        ledger = blame_window(db, engine_id=ENGINE_ID, since=lo, until=hi).ledger
+        (offender,) = ledger.offenders(1)
+        assert offender["request_id"] == long["id"] and offender["victims"] >= 3
+    finally:
+        db.dispose()
+    code = blame_main(["--db", rig.db_url, "--engine", ENGINE_ID, "--request", outs[0]["id"],
+                       "--json"])  # fmt: skip
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["request_id"] == outs[0]["id"]
+    assert printed["culprits"][0]["request_id"] == long["id"]
 
 
 def test_sigterm_ends_the_run_with_a_goodbye_and_nothing_unsent(rig: Rig) -> None:
