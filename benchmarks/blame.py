@@ -1,17 +1,28 @@
 """The blame ledger checked against the counterfactual, on the served engine.
 
 One engine (``python -m engine``, the CPU ``demo`` preset) reports to a collector on a
-temporary SQLite store. For each traffic mix the same seeded, open-loop traffic is sent twice:
-once with its long RAG prompts (the culprits), once without them, the order alternating from
-pair to pair. Chat requests are sent at the same offsets, with the same prompt and output
-lengths (``ignore_eos``), in both runs; every run draws fresh prompt content, so no run finds
-another's prompts in the prefix cache. The victims are these chat requests, paired by their
-place in the schedule.
+temporary SQLite store. For each traffic mix one seeded, open-loop schedule is sent twice, as a
+crossover: chat requests on a fixed period in both runs, and long RAG prompts (the culprits)
+every few seconds, the even-numbered ones in one run and the odd-numbered ones in the other
+(which run comes first alternates from pair to pair). Chats are sent at the same offsets, with
+the same prompt and output lengths (``ignore_eos``), in both runs; every run draws fresh prompt
+content, so no run finds another's prompts in the prefix cache.
 
-- **measured**: the chats' time from arrival to last token summed, with the culprits minus
-  without (from the store's token times);
-- **blamed**: what the ledger (``chunkscope blame``'s, fitted on the run with the culprits)
-  attributes to the culprits in those chats' gaps.
+The victims of a culprit are the chats the schedule sends from ``--victims-before-s`` before
+it until that long before the next culprit (chosen from the schedule, not from any run's
+outcome: every chat sent after the first culprit is the victim of exactly one):
+
+- **measured**: each victim's time from arrival to last token (from the store's token times)
+  in the run with its culprit minus in the run without it, summed;
+- **blamed**: what the ledger (``chunkscope blame``'s, fitted on each run) attributes to the
+  culprits in those victims' gaps in the run with their culprit, minus what it attributes to
+  the culprits in the run without it (a neighbouring culprit, present there, whose cost
+  reached them: the difference between the runs the ledger predicts), summed.
+
+Each run holds half the culprits, so a machine slower during one run than the other adds to
+both sides of the comparison alike (a plain "all culprits / none" pair puts all of that
+difference into the measured figure). The chats before the first culprit are reported as
+``controls``: their difference between the runs is the kind of noise the pairing removes.
 
 The target: blamed within 20% of measured on each mix. Besides, the ledger's speed: a
 one-minute window of a simulated busy engine (64 chat streams and long prompts, written into a
@@ -77,6 +88,9 @@ class Planned:
     traffic_class: str
     length: int  # prompt tokens (their content is drawn afresh for every run)
     max_tokens: int
+    # a culprit: its number among the culprits; a chat: the culprit whose victim it is (None:
+    # a control, sent before the first culprit)
+    episode: int | None = None
 
 
 @dataclass
@@ -88,21 +102,31 @@ class Sent:
 
 
 def plan(mix: Mix, args: argparse.Namespace, seed: int) -> list[Planned]:
-    """Chats on a fixed period with seeded prompt lengths, long prompts on their own period."""
+    """Chats on a fixed period with seeded prompt lengths, long prompts on their own period;
+    each chat from ``victims_before_s`` before a long prompt until that long before the next
+    one is that prompt's victim."""
     rng = random.Random(seed)
-    out: list[Planned] = []
-    t, i = 0.0, 0
-    while t < args.duration_s:
-        out.append(Planned(i, t, "chat", rng.randint(40, 160), args.chat_output))
-        i += 1
-        t += args.chat_every_s
-    t = args.rag_first_s
+    rags: list[Planned] = []
+    t, i = args.rag_first_s, 10_000
     while t < args.duration_s:
         n = rng.randint(mix.rag_min, mix.rag_max)
-        out.append(Planned(i, t, "rag", n, args.rag_output))
+        rags.append(Planned(i, t, "rag", n, args.rag_output, len(rags)))
         i += 1
         t += args.rag_every_s
-    return sorted(out, key=lambda p: p.offset_s)
+    chats: list[Planned] = []
+    t, i = 0.0, 0
+    while t < args.duration_s:
+        after = [r.episode for r in rags if r.offset_s - args.victims_before_s <= t]
+        chats.append(Planned(i, t, "chat", rng.randint(40, 160), args.chat_output,
+                             after[-1] if after else None))  # fmt: skip
+        i += 1
+        t += args.chat_every_s
+    return sorted(chats + rags, key=lambda p: (p.offset_s, p.traffic_class))
+
+
+def in_run(p: Planned, parity: int) -> bool:
+    """Whether run ``parity`` (0 or 1) sends ``p``: every chat, the culprits of its parity."""
+    return p.traffic_class != "rag" or (p.episode or 0) % 2 == parity
 
 
 def prompt_ids(p: Planned, salt: int) -> list[int]:
@@ -137,7 +161,7 @@ async def _send(session: Any, url: str, model: str, p: Planned, rec: Sent, salt:
 
 
 async def _drive(
-    url: str, model: str, planned: list[Planned], with_culprits: bool, salt: int
+    url: str, model: str, planned: list[Planned], parity: int, salt: int
 ) -> tuple[list[Sent], float, float]:
     import aiohttp
 
@@ -149,7 +173,7 @@ async def _drive(
         t0 = time.monotonic()
         start = time.time()
         for p in planned:
-            if p.traffic_class == "rag" and not with_culprits:
+            if not in_run(p, parity):
                 continue
             await asyncio.sleep(max(0.0, t0 + p.offset_s - time.monotonic()))
             rec = Sent(p.index, p.traffic_class)
@@ -194,52 +218,31 @@ def _wait_stored(db: Any, sent: list[Sent], timeout: float = 30.0) -> None:
     logger.warning("%d requests never reached the store", len(ids - done))
 
 
-def _one_pair(
-    url: str, db: Any, planned: list[Planned], args: argparse.Namespace, k: int
-) -> dict[str, Any]:
-    """The traffic with its culprits and without (pair ``k``: with first when even): the
-    victims' times in each, and the ledger's blame (of the run with them) per victim, by place
-    in the schedule."""
+def _blame_run(db: Any, run: dict[str, Any]) -> dict[str, Any]:
+    """The ledger of one run: per chat, what it blames on the run's culprits, and its fit."""
     from advisor.blame_store import blame_window
 
-    runs: dict[str, Any] = {}
-    order = (("with", True), ("without", False))
-    for label, with_culprits in order if k % 2 == 0 else order[::-1]:
-        time.sleep(args.settle_s)
-        salt = next(_SALT)
-        sent, start, end = asyncio.run(_drive(url, args.preset, planned, with_culprits, salt))
-        _wait_stored(db, sent)
-        runs[label] = {"sent": sent, "start": start, "end": end + 1.0}
-        errors = [r.error for r in sent if r.error]
-        if errors:
-            logger.warning("%s: %d errors, e.g. %s", label, len(errors), errors[0])
     t = time.perf_counter()
-    blamed = blame_window(
-        db, engine_id=ENGINE_ID, since=runs["with"]["start"] - 1.0, until=runs["with"]["end"]
-    )
+    blamed = blame_window(db, engine_id=ENGINE_ID, since=run["start"] - 1.0, until=run["end"])
     ledger_s = time.perf_counter() - t
-    sent = runs["with"]["sent"]
+    sent: list[Sent] = run["sent"]
     culprits = {r.request_id for r in sent if r.traffic_class == "rag"}
-    by_index = {r.index: r.request_id for r in sent}
-    with_t = _victim_times(db, sent)
-    without_t = _victim_times(db, runs["without"]["sent"])
     blame: dict[int, float] = {}
-    excess: dict[int, float] = {}
-    for i in set(with_t) & set(without_t):
-        out = blamed.ledger.request(str(by_index[i]))
-        blame[i] = sum(c["ms"] for c in out["culprits"] if c["request_id"] in culprits)
-        excess[i] = out["excess_ms"]
-    offenders = blamed.ledger.offenders(len(culprits))
+    for r in sent:
+        if r.traffic_class != "chat" or r.request_id is None:
+            continue
+        try:
+            out = blamed.ledger.request(str(r.request_id))
+        except ValueError:  # no step in the window
+            continue
+        blame[r.index] = sum(c["ms"] for c in out["culprits"] if c["request_id"] in culprits)
+    offenders = blamed.ledger.offenders(len(culprits)) if culprits else []
     m = blamed.fit.model
     return {
-        "with": with_t,
-        "without": without_t,
         "blame": blame,
-        "excess": excess,
         "num_culprits": len(culprits),
         "offenders_that_are_culprits": sum(1 for o in offenders if o["request_id"] in culprits),
         "ledger_s": ledger_s,
-        "loadavg_1m": os.getloadavg()[0],
         "fit": {
             "rel_err_p50": m.rel_err_p50,
             "poor": blamed.fit.poor,
@@ -249,9 +252,109 @@ def _one_pair(
     }
 
 
+def _one_pair(
+    url: str, db: Any, planned: list[Planned], args: argparse.Namespace, k: int
+) -> dict[str, Any]:
+    """Both runs of the crossover (pair ``k``: the even culprits first when ``k`` is even):
+    per chat, its time in each run and what each run's ledger blames on the culprits."""
+    runs: dict[int, dict[str, Any]] = {}
+    for parity in (0, 1) if k % 2 == 0 else (1, 0):
+        time.sleep(args.settle_s)
+        salt = next(_SALT)
+        sent, start, end = asyncio.run(_drive(url, args.preset, planned, parity, salt))
+        _wait_stored(db, sent)
+        runs[parity] = {"sent": sent, "start": start, "end": end + 1.0,
+                        "loadavg_1m": os.getloadavg()[0]}  # fmt: skip
+        errors = [r.error for r in sent if r.error]
+        if errors:
+            logger.warning("run %d: %d errors, e.g. %s", parity, len(errors), errors[0])
+    out: dict[str, Any] = {"first": 0 if k % 2 == 0 else 1}
+    for parity, run in runs.items():
+        out[f"run{parity}"] = {
+            "times": _victim_times(db, run["sent"]),
+            "loadavg_1m": run["loadavg_1m"],
+            **_blame_run(db, run),
+        }
+    return out
+
+
+def summarize_pairs(planned: list[Planned], pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per victim, its time in the run with its culprit minus in the run without it
+    (measured), and the ledger's blame on the culprits in the run with it minus in the run
+    without it (blamed); per control (a chat before the first culprit), its time in run 1
+    minus in run 0. Summed per pair and over pairs."""
+    chats = [p for p in planned if p.traffic_class == "chat"]
+
+    def complete(p: Planned, pair: dict[str, Any]) -> bool:
+        return all(p.index in pair[f"run{q}"]["times"] for q in (0, 1)) and all(
+            p.index in pair[f"run{q}"]["blame"] for q in (0, 1)
+        )
+
+    # the same chats in every pair: those every run served and stored
+    kept = [p for p in chats if all(complete(p, pair) for pair in pairs)]
+    victims = [p for p in kept if p.episode is not None]
+    controls = [p for p in kept if p.episode is None]
+    per_pair = []
+    per_victim: dict[str, dict[str, Any]] = {
+        str(p.index): {
+            "episode": p.episode,
+            "with": [],
+            "without": [],
+            "blamed_with": [],
+            "blamed_without": [],
+        }  # fmt: skip
+        for p in victims
+    }
+    for pair in pairs:
+        measured = blamed = stray = 0.0
+        for p in victims:
+            with_run = pair[f"run{(p.episode or 0) % 2}"]
+            without_run = pair[f"run{1 - (p.episode or 0) % 2}"]
+            row = per_victim[str(p.index)]
+            row["with"].append(with_run["times"][p.index])
+            row["without"].append(without_run["times"][p.index])
+            row["blamed_with"].append(with_run["blame"][p.index])
+            row["blamed_without"].append(without_run["blame"][p.index])
+            measured += with_run["times"][p.index] - without_run["times"][p.index]
+            blamed += with_run["blame"][p.index] - without_run["blame"][p.index]
+            # a neighbouring culprit (the other run's) that reached this one's victims
+            stray += without_run["blame"][p.index]
+        drift = sum(pair["run1"]["times"][p.index] - pair["run0"]["times"][p.index]
+                    for p in controls)  # fmt: skip
+        per_pair.append(
+            {
+                "first_run": pair["first"],
+                "measured_ms": measured,
+                "blamed_ms": blamed,
+                "blamed_over_measured": blamed / measured if measured > 0 else None,
+                "blamed_in_runs_without_ms": stray,
+                "controls_run1_minus_run0_ms": drift,
+                **{
+                    f"run{q}": {
+                        k: v for k, v in pair[f"run{q}"].items() if k not in ("times", "blame")
+                    }
+                    for q in (0, 1)
+                },  # fmt: skip
+            }
+        )
+    measured = sum(p["measured_ms"] for p in per_pair)
+    blamed = sum(p["blamed_ms"] for p in per_pair)
+    ratio = blamed / measured if measured > 0 else None
+    return {
+        "num_victims": len(victims),
+        "num_controls": len(controls),
+        "num_chats_dropped": len(chats) - len(kept),
+        "measured_ms": measured,
+        "blamed_ms": blamed,
+        "blamed_over_measured": ratio,
+        "within_20pct": ratio is not None and abs(ratio - 1) <= 0.2,
+        "per_pair": per_pair,
+        "per_victim_ms": per_victim,
+    }
+
+
 def run_mix(url: str, db: Any, mix: Mix, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """``args.pairs`` pairs of runs (with, without) of the same traffic at the mix's budget;
-    per victim, its times and its blame averaged over the pairs."""
+    """``args.pairs`` crossover pairs of the same schedule at the mix's budget."""
     import urllib.request
 
     req = urllib.request.Request(
@@ -263,51 +366,12 @@ def run_mix(url: str, db: Any, mix: Mix, args: argparse.Namespace, seed: int) ->
     urllib.request.urlopen(req, timeout=30).read()
     planned = plan(mix, args, seed)
     pairs = [_one_pair(url, db, planned, args, k) for k in range(args.pairs)]
-    victims = sorted(set.intersection(*(set(p["blame"]) for p in pairs)))
-
-    def mean(key: str, i: int) -> float:
-        return statistics.fmean(p[key][i] for p in pairs)
-
-    measured = sum(mean("with", i) - mean("without", i) for i in victims)
-    blamed = sum(mean("blame", i) for i in victims)
-    per_pair = [
-        {
-            "measured_ms": sum(p["with"][i] - p["without"][i] for i in victims),
-            "blamed_ms": sum(p["blame"][i] for i in victims),
-            "victims_ms_with": sum(p["with"][i] for i in victims),
-            "victims_ms_without": sum(p["without"][i] for i in victims),
-            "victims_excess_ms": sum(p["excess"][i] for i in victims),
-            **{
-                k: p[k]
-                for k in (
-                    "num_culprits",
-                    "offenders_that_are_culprits",
-                    "ledger_s",
-                    "loadavg_1m",
-                    "fit",
-                )
-            },  # fmt: skip
-        }
-        for p in pairs
-    ]
     return {
         "mix": mix.__dict__,
         "seed": seed,
         "pairs": args.pairs,
-        "num_victims": len(victims),
-        "measured_ms": measured,
-        "blamed_ms": blamed,
-        "blamed_over_measured": blamed / measured if measured > 0 else None,
-        "within_20pct": measured > 0 and abs(blamed / measured - 1) <= 0.2,
-        "per_pair": per_pair,
-        "per_victim_ms": {
-            str(i): {
-                "with": mean("with", i),
-                "without": mean("without", i),
-                "blamed": mean("blame", i),
-            }  # fmt: skip
-            for i in victims
-        },
+        "num_culprits": sum(1 for p in planned if p.traffic_class == "rag"),
+        **summarize_pairs(planned, pairs),
     }
 
 
@@ -431,12 +495,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mixes", default="one-step,chunked", help=f"among {', '.join(MIXES)}")
     ap.add_argument("--duration-s", type=float, default=40.0, help="traffic per run")
-    ap.add_argument("--pairs", type=int, default=2, help="runs with and without, per mix")
+    ap.add_argument("--pairs", type=int, default=4, help="crossover pairs of runs, per mix")
     ap.add_argument("--chat-every-s", type=float, default=1.5)
     ap.add_argument("--chat-output", type=int, default=40)
     ap.add_argument("--rag-first-s", type=float, default=3.0)
     ap.add_argument("--rag-every-s", type=float, default=8.0)
     ap.add_argument("--rag-output", type=int, default=4)
+    ap.add_argument(
+        "--victims-before-s",
+        type=float,
+        default=1.0,
+        help="a culprit's victims: the chats sent from this long before it (until this long "
+        "before the next culprit)",
+    )
     ap.add_argument("--settle-s", type=float, default=3.0, help="idle before each run")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--core-threads", type=int, default=None, help="the engine's --cpu-threads")
@@ -481,14 +552,11 @@ def main(argv: list[str] | None = None) -> int:
                 for k, mix in enumerate(mixes):
                     res = run_mix(url, db, mix, args, args.seed + k)
                     results["mixes"].append(res)
-                    keys = (
-                        "mix",
-                        "num_victims",
-                        "measured_ms",
-                        "blamed_ms",
-                        "blamed_over_measured",
-                    )
+                    keys = ("mix", "num_victims", "measured_ms", "blamed_ms",
+                            "blamed_over_measured")  # fmt: skip
                     print(json.dumps({x: res[x] for x in keys}), flush=True)
+                    for p in res["per_pair"]:
+                        print(json.dumps({x: p[x] for x in list(p)[:6]}), flush=True)
             finally:
                 stop_engine_server(proc)
                 db.dispose()
