@@ -495,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mixes", default="one-step,chunked", help=f"among {', '.join(MIXES)}")
     ap.add_argument("--duration-s", type=float, default=40.0, help="traffic per run")
-    ap.add_argument("--pairs", type=int, default=4, help="crossover pairs of runs, per mix")
+    ap.add_argument("--pairs", type=int, default=6, help="crossover pairs of runs, per mix")
     ap.add_argument("--chat-every-s", type=float, default=1.5)
     ap.add_argument("--chat-output", type=int, default=40)
     ap.add_argument("--rag-first-s", type=float, default=3.0)
