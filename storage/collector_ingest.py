@@ -13,7 +13,7 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from storage import ingest
+from storage import frames, ingest
 from storage.collector_admission import Admission
 from storage.collector_config import (
     CLOSE_AUTH,
@@ -296,10 +296,12 @@ class IngestHandling(ControlRelay, Admission):
         if conn.failed:
             await conn.ws.close(CLOSE_STORE_ERROR, "store error; resend")
             return False
-        msg, why = ingest.parse(raw)
+        msg = frames.decode_plain(raw)  # the common frame, typed; any other as JSON
         if msg is None:
-            await self._close(conn.ws, CLOSE_BAD_INPUT, why)
-            return False
+            msg, why = ingest.parse(raw)
+            if msg is None:
+                await self._close(conn.ws, CLOSE_BAD_INPUT, why)
+                return False
         verdict = ingest.frame(
             msg, engine_id=conn.engine_id, run_id=conn.run_id, expected=conn.expected
         )

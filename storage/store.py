@@ -21,19 +21,22 @@ carry the count across batches and restarts), and ``itl_ns = end_ns - time of to
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import Connection, Engine, bindparam, exists, func, insert, select, true, update
 from sqlalchemy.sql.elements import ColumnElement
 
-from storage import ingest, schema
+from storage import ingest, schema, stamping
 from storage.fleet import STALE_AFTER_S
+from storage.frames import CheckedEvent, Chunk
 from storage.packing import FLAG_CAPPED, FLAG_DECODE, FLAG_PRODUCED, pack_chunks, pack_tokens
+from storage.stamping import PlainStep
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,9 @@ MAX_REQUESTS_IN_MEMORY = 8192
 DEFAULT_MAX_RUNS_PER_ENGINE = 300
 DEFAULT_RUNS_WINDOW = 3600.0
 _req_mutable = operator.attrgetter(*_REQ_MUTABLE)  # all of them in one C call
+_REQUEST_ID = operator.attrgetter("request_id")
+_GAP_PAST_INT64 = stamping.GAP_PAST_INT64
+_REQ_COUNTS = ("num_prompt_tokens", "num_image_tokens", "num_cached_tokens", "num_output_tokens")
 _STEP_INTS = (
     "forward_ns",
     "num_decode_tokens",
@@ -95,6 +101,34 @@ _RUN_MUTABLE = (
     "num_gap_events",
     "next_req_no",
 )
+
+
+def _update_requests_pg() -> str:
+    """One UPDATE of many requests on PostgreSQL, from one array per column (``unnest``)."""
+    from sqlalchemy.dialects import postgresql
+
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+    c = schema.requests.c
+    names = ["run_key", "req_no", *_REQ_MUTABLE]
+    arrays = ", ".join(f"%s::{c[name].type.compile(dialect=dialect)}[]" for name in names)
+    return (
+        f"UPDATE {schema.requests.name} AS r SET "
+        + ", ".join(f"{name} = v.{name}" for name in _REQ_MUTABLE)
+        + f" FROM unnest({arrays}) AS v({', '.join(names)})"
+        + " WHERE r.run_key = v.run_key AND r.req_no = v.req_no"
+    )
+
+
+_UPDATE_REQUESTS_PG = _update_requests_pg()
+
+
+@functools.cache
+def _pg_type(table: Any, name: str) -> str:
+    """The PostgreSQL type of ``table``'s column ``name`` ("integer", "bytea", ...)."""
+    from sqlalchemy.dialects import postgresql
+
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+    return str(table.c[name].type.compile(dialect=dialect)).lower()
 
 
 def _int(value: Any, name: str) -> int:
@@ -661,20 +695,30 @@ class Store:
         if run.partial:
             self._look_up_requests(run, op.events, batch)
         res = EventsResult(run.run_key, run.last_seq, 0, 0, [], [], {})
+        plain: list[PlainStep] = []  # steps of storage.frames, stamped together at the end
         for ev in op.events:
             seq = ev["seq"]
             if seq <= run.last_seq:
                 res.duplicates += 1
                 continue
             kind = ev.get("type")
-            why = ingest.integer_refusal(ev)
+            checked = type(ev) is CheckedEvent  # storage.frames checked its values
+            why = "" if checked else ingest.integer_refusal(ev)
             try:
                 if why:
                     raise ValueError(why)
                 if kind == "step":
-                    batch.steps.append(self._step(run, ev, batch))
+                    if checked:
+                        ps = self._plain_step(run, ev, batch)
+                        batch.steps.append(ps.row)
+                        plain.append(ps)
+                    else:
+                        if plain:  # never so from storage.frames (a frame is plain or not)
+                            self._stamp_plain(run, plain, res, batch)
+                            plain = []
+                        batch.steps.append(self._step(run, ev, batch))
                 elif kind == "request":
-                    batch.request_events.append(self._request(run, ev, batch))
+                    batch.request_events.append(self._request(run, ev, batch, checked))
                 elif kind == "control":
                     batch.controls.append(self._control(run, ev))
                 elif kind == "gap":
@@ -700,6 +744,8 @@ class Store:
                 res.stored += 1
             run.last_seq = seq
             run.num_events += 1
+        if plain:
+            self._stamp_plain(run, plain, res, batch)
         run.last_seen = time.time()
         batch.dirty_runs[run.run_key] = run
         res.last_seq = run.last_seq
@@ -787,14 +833,11 @@ class Store:
         return state
 
     def _step(self, run: RunState, ev: dict[str, Any], batch: _Batch) -> dict[str, Any]:
-        step = _int(ev["step"], "step")
-        start_ns = _int(ev["start_ns"], "start_ns")
-        end_ns = _int(ev["end_ns"], "end_ns")
         raw_chunks = ev.get("chunks") or []
         if not isinstance(raw_chunks, list):
             raise TypeError("chunks must be a list")
         parsed: list[tuple[str, int, int, int]] = []
-        for c in raw_chunks:  # the hot loop of ingest: one pass per chunk, checks inline
+        for c in raw_chunks:  # one pass per chunk, checks inline
             rid = c["request_id"]
             if not isinstance(rid, str):
                 raise TypeError(f"chunk request_id must be a string, got {rid!r}")
@@ -810,13 +853,19 @@ class Store:
             if type(n) is not int or not -INT64_MAX <= n <= INT64_MAX:
                 n = _int(n, "num_tokens")
             parsed.append((rid, start, n, flags))
+        row = self._step_row(run, ev)
+        self._step_chunks(run, row, parsed, batch)
+        return row
+
+    def _step_row(self, run: RunState, ev: dict[str, Any]) -> dict[str, Any]:
+        """A step event's row but for its packed columns (nothing is changed yet)."""
         g = ev.get
         row: dict[str, Any] = {
             "run_key": run.run_key,
             "seq": ev["seq"],
-            "step": step,
-            "start_ns": start_ns,
-            "end_ns": end_ns,
+            "step": _int(ev["step"], "step"),
+            "start_ns": _int(ev["start_ns"], "start_ns"),
+            "end_ns": _int(ev["end_ns"], "end_ns"),
             "token_budget": _opt_int(g("token_budget"), "token_budget"),
             "policy": _opt_str(g("policy")),
             "long_prefill_token_threshold": _opt_int(
@@ -825,11 +874,24 @@ class Store:
         }
         for name in _STEP_INTS:
             row[name] = _opt_int(g(name), name)
+        return row
+
+    def _step_chunks(
+        self,
+        run: RunState,
+        row: dict[str, Any],
+        parsed: list[tuple[str, int, int, int]],
+        batch: _Batch,
+    ) -> None:
+        """The step's chunks, one by one: their requests (made when new), their tokens' times,
+        the run's step counters, and the row's packed columns (OverflowError for a value out of
+        its packed field, after the rest)."""
+        step, end_ns = row["step"], row["end_ns"]
         chunk_rows: list[tuple[int, int, int, int]] = []
         token_rows: list[tuple[int, int, int]] = []
         known = run.requests
         dirty: dict[int, RequestState] | None = None  # batch.touch's dict for this run
-        for rid, start, n, flags in parsed:
+        for rid, start, n, flags in parsed:  # the hot loop of ingest's general path
             req = known.get(rid)
             if req is None:
                 req = self._request_state(run, rid, batch)
@@ -842,6 +904,8 @@ class Store:
                     req.first_token_step = step
                 else:
                     itl = end_ns - req.last_token_ns
+                    if not -INT64_MAX - 1 <= itl <= INT64_MAX:  # never into the request's row
+                        raise OverflowError(_GAP_PAST_INT64)
                     if req.max_itl_ns is None or itl > req.max_itl_ns:
                         req.max_itl_ns = itl
                 req.num_tokens = k
@@ -851,38 +915,111 @@ class Store:
                 if dirty is None:
                     dirty = batch.dirty_requests.setdefault(run.run_key, {})
                 dirty[req.req_no] = req
-        run.num_steps += 1
-        if run.last_step is None or step >= run.last_step:
-            run.last_step = step
-            run.last_step_end_ns = end_ns
-        if row["token_budget"] is not None:
-            run.token_budget = row["token_budget"]
-        if row["policy"] is not None:
-            run.policy = row["policy"]
+        self._step_counted(run, row)
         row["num_chunks"] = len(chunk_rows)
         row["num_tokens_out"] = len(token_rows)
         row["chunks"] = pack_chunks(chunk_rows)
         row["tokens"] = pack_tokens(token_rows)
-        return row
 
-    def _request(self, run: RunState, ev: dict[str, Any], batch: _Batch) -> dict[str, Any]:
+    @staticmethod
+    def _step_counted(run: RunState, row: dict[str, Any]) -> None:
+        run.num_steps += 1
+        step = row["step"]
+        if run.last_step is None or step >= run.last_step:
+            run.last_step = step
+            run.last_step_end_ns = row["end_ns"]
+        if row["token_budget"] is not None:
+            run.token_budget = row["token_budget"]
+        if row["policy"] is not None:
+            run.policy = row["policy"]
+
+    def _plain_step(self, run: RunState, ev: dict[str, Any], batch: _Batch) -> PlainStep:
+        """A step event ``storage.frames`` decoded (checked): its row, and its chunks' requests
+        (made when new, in chunk order as ``_step_chunks`` makes them); the rest waits for
+        ``_stamp_plain``, once for all such steps of the op."""
+        g = ev.get  # checked: its ints fit their columns, its policy is a string
+        row: dict[str, Any] = {
+            "run_key": run.run_key,
+            "seq": ev["seq"],
+            "step": ev["step"],
+            "start_ns": ev["start_ns"],
+            "end_ns": ev["end_ns"],
+            "token_budget": g("token_budget"),
+            "policy": g("policy"),
+            "long_prefill_token_threshold": g("long_prefill_token_threshold"),
+        }
+        for name in _STEP_INTS:
+            row[name] = g(name)
+        chunks: list[Chunk] = ev["chunks"]
+        known = run.requests
+        rids: list[str] = list(map(_REQUEST_ID, chunks))
+        reqs: list[RequestState | None] = list(map(known.get, rids))
+        if None in reqs:
+            for i, rid in enumerate(rids):
+                req = reqs[i] or known.get(rid)  # a request new in this step may come again
+                reqs[i] = req if req is not None else self._request_state(run, rid, batch)
+        done = cast("list[RequestState]", reqs)
+        return PlainStep(ev, row, chunks, done, row["step"], row["end_ns"])
+
+    def _stamp_plain(
+        self, run: RunState, plain: list[PlainStep], res: EventsResult, batch: _Batch
+    ) -> None:
+        """The packed columns and token times of the op's plain steps, all at once; when a value
+        does not fit its packed field, one by one as ``_step`` does (the step whose value does
+        not fit becomes an unreadable event, as there)."""
+        dirty = batch.dirty_requests.setdefault(run.run_key, {})
+        try:
+            stamping.stamp(plain, dirty)
+        except OverflowError:
+            pass
+        else:
+            for ps in plain:
+                self._step_counted(run, ps.row)
+            return
+        for ps in plain:
+            parsed = [
+                (
+                    c.request_id,
+                    c.start,
+                    c.num_tokens,
+                    (FLAG_DECODE if c.kind == "decode" else 0)
+                    | (FLAG_PRODUCED if c.produced_token else 0)
+                    | (FLAG_CAPPED if c.capped else 0),
+                )
+                for c in ps.chunks
+            ]
+            try:
+                self._step_chunks(run, ps.row, parsed, batch)
+            except OverflowError as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                batch.steps[:] = [r for r in batch.steps if r is not ps.row]
+                res.counts["step"] -= 1
+                if not res.counts["step"]:
+                    del res.counts["step"]
+                res.stored -= 1
+                res.bad.append((ps.row["seq"], why))
+                batch.gaps.append(self._not_stored(run, ps.event, f"unreadable event: {why}"))
+        res.bad.sort()
+
+    def _request(
+        self, run: RunState, ev: dict[str, Any], batch: _Batch, checked: bool = False
+    ) -> dict[str, Any]:
+        """``checked``: storage.frames decoded it (its ints fit, its texts are strings)."""
         rid = ev["request_id"]
         if not isinstance(rid, str):
             raise TypeError(f"request_id must be a string, got {rid!r}")
         kind = str(ev["kind"])
-        time_ns = _opt_int(ev.get("time_ns"), "time_ns")
-        step = _opt_int(ev.get("step"), "step")
-        counts = {
-            name: _opt_int(ev.get(name), name)
-            for name in (
-                "num_prompt_tokens",
-                "num_image_tokens",
-                "num_cached_tokens",
-                "num_output_tokens",
-            )
-        }
-        traffic_class = _opt_str(ev.get("traffic_class"))
-        finish_reason = _opt_str(ev.get("finish_reason"))
+        g = ev.get
+        if checked:
+            time_ns, step = g("time_ns"), g("step")
+            counts = {name: g(name) for name in _REQ_COUNTS}
+            traffic_class, finish_reason = g("traffic_class"), g("finish_reason")
+        else:
+            time_ns = _opt_int(g("time_ns"), "time_ns")
+            step = _opt_int(g("step"), "step")
+            counts = {name: _opt_int(g(name), name) for name in _REQ_COUNTS}
+            traffic_class = _opt_str(g("traffic_class"))
+            finish_reason = _opt_str(g("finish_reason"))
         req = self._request_state(run, rid, batch)
         if traffic_class is not None:
             req.traffic_class = traffic_class
@@ -984,10 +1121,22 @@ class Store:
         assert dbapi is not None
         with (
             dbapi.cursor() as cur,
-            cur.copy(f"COPY {table.name} ({', '.join(cols)}) FROM STDIN") as copy,
+            cur.copy(f"COPY {table.name} ({', '.join(cols)}) FROM STDIN (FORMAT BINARY)") as copy,
         ):
+            # binary: a step's packed columns go as they are (text would write them in hex)
+            copy.set_types([_pg_type(table, name) for name in cols])
             for row in rows:
                 copy.write_row(get(row))
+
+    def _update_requests(self, rows: list[dict[str, Any]]) -> None:
+        """PostgreSQL: update the requests of ``rows`` in one statement (their values as one
+        array per column), not one statement per request."""
+        cols = ["b_run_key", "b_req_no", *_REQ_MUTABLE]
+        arrays = [list(col) for col in zip(*map(operator.itemgetter(*cols), rows), strict=True)]
+        dbapi = self.conn.connection.driver_connection
+        assert dbapi is not None
+        with dbapi.cursor() as cur:
+            cur.execute(_UPDATE_REQUESTS_PG, arrays)
 
     def _flush(self, batch: _Batch) -> None:
         conn = self.conn
@@ -1004,9 +1153,15 @@ class Store:
                 else:
                     new_rows.append(row)
         if new_rows:
-            conn.execute(insert(schema.requests), new_rows)
+            if self.copy:
+                self._append(schema.requests, new_rows)
+            else:
+                conn.execute(insert(schema.requests), new_rows)
         if upd_rows:
-            conn.execute(self._upd_requests, upd_rows)
+            if self.copy:
+                self._update_requests(upd_rows)
+            else:
+                conn.execute(self._upd_requests, upd_rows)
         if batch.steps:
             self._append(schema.steps, batch.steps)
         if batch.request_events:
