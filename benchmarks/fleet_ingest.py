@@ -7,10 +7,12 @@ pre-encoded frames of a steady 64-request decode batch with its request events, 
 a total rate of step events per second for ``--seconds``; every frame's ack is timed (the ack
 follows the commit). A total rate is *sustained* when every engine kept the pace (>= 97%), every
 frame was acked and the p99 ack lag stayed under ``--max-lag`` s. Rates double from
-``--start-rate`` until one is not sustained in ``--tries`` tries. Reported per collector count:
-the highest sustained total rate, the CPU seconds each collector and the PostgreSQL server used
-at that rate (cores = CPU seconds / wall seconds), and steps per collector-CPU-second, the figure
-that predicts a machine with more cores.
+``--start-rate`` until one is not sustained in ``--tries`` tries; then rates between the last
+sustained one and that one are tried (a quarter of the gap up each time) until the step is under
+``--resolution``. Reported per collector count: the highest sustained total rate, the CPU each
+collector, the PostgreSQL server and the synthetic engines (this process) used at that rate
+(cores = CPU seconds / wall seconds), and steps per collector-CPU-second, the figure that
+predicts a machine with more cores.
 
 The clients, the collectors and PostgreSQL share this machine's cores: with few cores, more
 collectors compete for the same CPUs (the CPU use says where the time went).
@@ -92,9 +94,11 @@ def _level(
         n_steps += steps
     cpu0 = [_cpu_seconds(p.process.pid) for p in procs]
     pg0 = _postgres_cpu(pg)
+    client0 = time.process_time()
     t0 = time.perf_counter()
     levels = asyncio.run(_all([p.url for p in procs], per_engine))
     wall = time.perf_counter() - t0
+    client_cpu = time.process_time() - client0
     cpu = [_cpu_seconds(p.process.pid) - c for p, c in zip(procs, cpu0, strict=True)]
     pg_cpu = _postgres_cpu(pg) - pg0
     lags = sorted(x for lv in levels for x in lv["lags"])
@@ -118,6 +122,7 @@ def _level(
         "collector_cpu_seconds": [round(c, 2) for c in cpu],
         "collector_cpu_cores": [round(c / wall, 3) for c in cpu],
         "postgres_cpu_cores": round(pg_cpu / wall, 3),
+        "clients_cpu_cores": round(client_cpu / wall, 3),  # the synthetic engines (this process)
         "steps_per_collector_cpu_second": round(n_steps / sum(cpu), 1) if sum(cpu) else None,
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
@@ -127,11 +132,29 @@ def _level(
     print(
         f"collectors={len(procs)} rate={rate:6.0f}/s achieved={achieved:6.0f}/s "
         f"p99={p99 or 0:.3f}s cpu={row['collector_cpu_cores']} pg={row['postgres_cpu_cores']} "
+        f"clients={row['clients_cpu_cores']} "
         f"acked={acked}/{frames_total} {'OK' if row['sustained'] else 'NOT sustained'} "
         f"(try {attempt + 1}, load {row['loadavg_1m']})",
         flush=True,
     )
     return row
+
+
+def _sustained(
+    procs: list[CollectorProcess],
+    pg: PostgresServer,
+    rate: float,
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+) -> dict[str, Any] | None:
+    """The first of ``args.tries`` tries of ``rate`` that was sustained (None: none was); every
+    try is added to ``rows``."""
+    for attempt in range(args.tries):
+        row = _level(procs, pg, rate, args, attempt)
+        rows.append(row)
+        if row["sustained"]:
+            return row
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frame-ms", type=float, default=20.0, help="publisher batching interval")
     ap.add_argument("--max-lag", type=float, default=1.0, help="p99 lag bound for 'sustained'")
     ap.add_argument("--tries", type=int, default=2, help="tries of a level (shared machine)")
+    ap.add_argument(
+        "--resolution",
+        type=float,
+        default=500.0,
+        help="once a doubled rate is not sustained, rates between it and the last sustained one "
+        "are tried until the step is below this many steps/s",
+    )
     ap.add_argument("--seed", type=int, default=0)
     add_common_args(ap)
     args = ap.parse_args(argv)
@@ -158,18 +188,27 @@ def main(argv: list[str] | None = None) -> int:
             db_url = pg.create_database(f"fleet{n}")
             procs = [start_collector(db_url, args=["--log-level", "WARNING"]) for _ in range(n)]
             best: dict[str, Any] | None = None
+
             try:
-                rate = args.start_rate
+                rate, failed = args.start_rate, None
                 while rate <= args.max_rate:
-                    for attempt in range(args.tries):
-                        row = _level(procs, pg, rate, args, attempt)
-                        rows.append(row)
-                        if row["sustained"]:
-                            break
-                    if not row["sustained"]:
+                    row = _sustained(procs, pg, rate, args, rows)
+                    if row is None:
+                        failed = rate
                         break
                     best = row
                     rate *= 2
+                # between the highest sustained rate and the first one that was not, in steps
+                # of a quarter of the gap (the doubling alone says only "at least half of it")
+                while best is not None and failed is not None:
+                    rate = best["target_steps_per_s"] + 0.25 * (failed - best["target_steps_per_s"])
+                    if rate - best["target_steps_per_s"] < args.resolution:
+                        break
+                    row = _sustained(procs, pg, rate, args, rows)
+                    if row is None:
+                        failed = rate
+                    else:
+                        best = row
             finally:
                 for p in procs:
                     p.stop()
@@ -184,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 "highest_sustained_steps_per_s": best["target_steps_per_s"] if best else None,
                 "collector_cpu_cores": best["collector_cpu_cores"] if best else None,
                 "postgres_cpu_cores": best["postgres_cpu_cores"] if best else None,
+                "clients_cpu_cores": best["clients_cpu_cores"] if best else None,
                 "steps_per_collector_cpu_second": best["steps_per_collector_cpu_second"]
                 if best
                 else None,
