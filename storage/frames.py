@@ -14,8 +14,8 @@ refusals stay in one place.
 What this decoder accepts is exactly what the general path would accept unchanged: the JSON
 is valid (so neither NaN nor Infinity), nests five levels, every string is printable ASCII
 (JSON escapes every control character, so a frame without a backslash or DEL holds none), at
-most :data:`storage.ingest.MAX_TEXT_CHARS` long for a chunk's request id (the events' own
-strings go through :func:`storage.ingest.clean_events` as before), and every int fits the
+most :data:`storage.ingest.MAX_TEXT_CHARS` long (so :func:`storage.ingest.clean_events` would
+leave it as it is, and skips these events), and every int fits the
 column the store keeps it in (:data:`storage.ingest.INT_RANGES`; a chunk's, its packed
 field): the store takes such an event without checking each value again.
 """
@@ -29,14 +29,14 @@ import msgspec
 from storage.ingest import INT_RANGES, MAX_TEXT_CHARS
 
 Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]  # a packed chunk field
-RequestId = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]  # as clean_text leaves it
 
 
 class Chunk(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """One chunk of a step (``wire.events.ChunkRecord``)."""
 
-    request_id: RequestId
-    kind: str
+    request_id: Text
+    kind: Text
     start: Int32
     num_tokens: Int32
     produced_token: bool
@@ -45,7 +45,8 @@ class Chunk(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
 class CheckedEvent(dict[str, Any]):
     """An event as :func:`decode_plain` read it: a step or request event whose ints fit their
-    columns and whose texts are strings (the store takes it without checking them again); a
+    columns and whose texts are clean strings (the store takes it without checking them
+    again, :func:`storage.ingest.clean_events` leaves it alone); a
     step's ``chunks`` are :class:`Chunk` objects whose request ids are printable ASCII of at
     most ``MAX_TEXT_CHARS`` and whose ints fit their packed fields (the store packs them
     without per-chunk checks)."""
@@ -97,11 +98,11 @@ _Step = _event(
         **{name: _bounded("step", name) for name in ("seq", "step", "start_ns", "end_ns")},
         "chunks": list[Chunk],
     },
-    {**{name: _bounded("step", name) for name in _STEP_INTS}, "policy": str},
+    {**{name: _bounded("step", name) for name in _STEP_INTS}, "policy": Text},
 )
 _Request = _event(
     "request",
-    {"seq": _bounded("request", "seq"), "kind": str, "request_id": str},
+    {"seq": _bounded("request", "seq"), "kind": Text, "request_id": Text},
     {
         **{
             name: _bounded("request", name)
@@ -114,8 +115,8 @@ _Request = _event(
                 "step",
             )
         },
-        "traffic_class": str,
-        "finish_reason": str,
+        "traffic_class": Text,
+        "finish_reason": Text,
     },
 )
 

@@ -80,6 +80,8 @@ def clean_events(events: list[dict[str, Any]]) -> None:
     event's string fields and its chunks' (a step's request ids)."""
     limit = MAX_TEXT_CHARS
     for ev in events:  # inline, no call per event or chunk: this runs on every frame
+        if type(ev) is not dict:
+            continue  # a storage.frames.CheckedEvent: clean as decoded
         dirty = [
             k for k, v in ev.items() if type(v) is str and (len(v) > limit or not v.isprintable())
         ]

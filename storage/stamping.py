@@ -1,5 +1,5 @@
 """The packed chunk and token columns of many steps at once, with numpy: what
-``Store._step`` does chunk by chunk, for the steps of one ``Events`` op whose chunks
+``Store._step`` does chunk by chunk, for one run's steps of one transaction whose chunks
 ``storage.frames`` decoded (their values are checked already: string ids, int32 fields).
 
 Token times follow the store's rule (``storage.store``): a produced chunk gives its request
@@ -47,6 +47,7 @@ class PlainStep:
     reqs: list[RequestState]
     step: int
     end_ns: int
+    result: Any  # the store's EventsResult of the op it came in
 
 
 def stamp(steps: list[PlainStep], dirty: dict[int, RequestState]) -> None:
@@ -67,9 +68,16 @@ def stamp(steps: list[PlainStep], dirty: dict[int, RequestState]) -> None:
     rec["req"] = req_no
     rec["start"] = np.fromiter(map(_START, chunks), np.int32, total)
     rec["n"] = np.fromiter(map(_NUM_TOKENS, chunks), np.int32, total)
-    flags = np.fromiter(map(_IS_DECODE, map(_KIND, chunks)), np.uint8, total) * FLAG_DECODE
-    flags |= produced.astype(np.uint8) * FLAG_PRODUCED
-    flags |= np.fromiter(map(_CAPPED, chunks), np.uint8, total) * FLAG_CAPPED
+    flags = produced.astype(np.uint8) * FLAG_PRODUCED
+    kinds = list(map(_KIND, chunks))
+    decode = kinds.count("decode")  # all or none, most often: no array of them
+    if decode == total:
+        flags |= FLAG_DECODE
+    elif decode:
+        flags |= np.fromiter(map(_IS_DECODE, kinds), np.uint8, total) * FLAG_DECODE
+    capped = list(map(_CAPPED, chunks))
+    if capped.count(True):
+        flags |= np.array(capped, np.uint8) * FLAG_CAPPED
     rec["flags"] = flags
     tok = _tokens(steps, sizes, produced, req_no, reqs, dirty)
     chunk_end = np.cumsum(sizes)
@@ -133,19 +141,28 @@ def _tokens(
     # the largest gap of each request among its tokens that have one
     gaps = np.where(fresh, np.iinfo(np.int64).min, itl)
     top = np.maximum.reduceat(gaps, heads)
-    steps_sorted = step_no[order]
+    # one request at a time from here: Python ints (a numpy scalar costs more to read)
+    step_of = [s.step for s in steps]
+    sorted_step = step_no[order]
+    head_fresh = fresh[heads].tolist()
+    head_end = ends[heads].tolist()
+    head_step = sorted_step[heads].tolist()
+    tail_k = k[tails].tolist()
+    tail_end = ends[tails].tolist()
+    tail_step = sorted_step[tails].tolist()
+    gapped = ((counts > 1) | ~fresh[heads]).tolist()
+    tops = top.tolist()
     for i, q in enumerate(owners):
-        h, t = int(heads[i]), int(tails[i])
-        if fresh[h]:
-            q.first_token_ns = int(ends[h])
-            q.first_token_step = steps[int(steps_sorted[h])].step
-        if counts[i] > 1 or not fresh[h]:
-            m = int(top[i])
+        if head_fresh[i]:
+            q.first_token_ns = head_end[i]
+            q.first_token_step = step_of[head_step[i]]
+        if gapped[i]:
+            m = tops[i]
             if q.max_itl_ns is None or m > q.max_itl_ns:
                 q.max_itl_ns = m
-        q.num_tokens = int(k[t])
-        q.last_token_ns = int(ends[t])
-        q.last_token_step = steps[int(steps_sorted[t])].step
+        q.num_tokens = tail_k[i]
+        q.last_token_ns = tail_end[i]
+        q.last_token_step = step_of[tail_step[i]]
         dirty[q.req_no] = q
     out_k = np.empty(n, np.int64)
     out_k[order] = k

@@ -330,6 +330,9 @@ class _Batch:
         # a shared store: run key -> its durable seq as locked by this transaction, until
         # the run's first Events op checked it
         self.fenced: dict[int, int] = {}
+        # run key -> the run and its steps from storage.frames whose chunks and token times
+        # are not stamped yet (Store._stamp_plain, all of a run's at once)
+        self.plain: dict[int, tuple[RunState, list[PlainStep]]] = {}
 
     def touch(self, run: RunState, req: RequestState) -> None:
         self.dirty_requests.setdefault(run.run_key, {})[req.req_no] = req
@@ -449,8 +452,12 @@ class Store:
             with self.conn.begin():
                 if self.shared:
                     self._lock_runs(ops, batch)
+                self._look_up_batch(ops, batch)
                 for op in ops:
+                    if batch.plain and not isinstance(op, Events):
+                        self._stamp_pending(batch)  # a hello reads a run's settings
                     results.append(self._apply_one(op, batch))
+                self._stamp_pending(batch)
                 self._flush(batch)
         except BaseException:
             self._runs.clear()
@@ -695,7 +702,6 @@ class Store:
         if run.partial:
             self._look_up_requests(run, op.events, batch)
         res = EventsResult(run.run_key, run.last_seq, 0, 0, [], [], {})
-        plain: list[PlainStep] = []  # steps of storage.frames, stamped together at the end
         for ev in op.events:
             seq = ev["seq"]
             if seq <= run.last_seq:
@@ -709,13 +715,12 @@ class Store:
                     raise ValueError(why)
                 if kind == "step":
                     if checked:
-                        ps = self._plain_step(run, ev, batch)
+                        ps = self._plain_step(run, ev, res, batch)
                         batch.steps.append(ps.row)
-                        plain.append(ps)
+                        batch.plain.setdefault(run.run_key, (run, []))[1].append(ps)
                     else:
-                        if plain:  # never so from storage.frames (a frame is plain or not)
-                            self._stamp_plain(run, plain, res, batch)
-                            plain = []
+                        if run.run_key in batch.plain:  # its token times come first
+                            self._stamp_plain(*batch.plain.pop(run.run_key), batch)
                         batch.steps.append(self._step(run, ev, batch))
                 elif kind == "request":
                     batch.request_events.append(self._request(run, ev, batch, checked))
@@ -744,8 +749,6 @@ class Store:
                 res.stored += 1
             run.last_seq = seq
             run.num_events += 1
-        if plain:
-            self._stamp_plain(run, plain, res, batch)
         run.last_seen = time.time()
         batch.dirty_runs[run.run_key] = run
         res.last_seq = run.last_seq
@@ -784,6 +787,20 @@ class Store:
         batch.dirty_requests.pop(run.run_key, None)
         return fresh
 
+    def _look_up_batch(self, ops: list[Any], batch: _Batch) -> None:
+        """``_look_up_requests`` for every ``Events`` op of the batch whose run is in memory,
+        one query per run (not one per op: a frame of an engine at a high rate names new
+        requests most times). After ``_lock_runs``: no other collector stores these runs'
+        requests until the commit."""
+        wanted: dict[int, list[dict[str, Any]]] = {}
+        for op in ops:
+            if isinstance(op, Events):
+                run = self._runs.get(op.run_key)
+                if run is not None and run.partial:
+                    wanted.setdefault(op.run_key, []).extend(op.events)
+        for run_key, events in wanted.items():
+            self._look_up_requests(self._runs[run_key], events, batch)
+
     def _look_up_requests(self, run: RunState, events: list[dict[str, Any]], batch: _Batch) -> None:
         """Load, in one query per ``_LOOKUP_IDS`` ids, the requests that ``events``' request
         events name and memory does not hold (a new request's first event, most often), and
@@ -791,17 +808,18 @@ class Store:
         for them. A run with finished requests evicted would otherwise cost one query per new
         request."""
         known = run.requests
+        absent = batch.not_stored.setdefault(run.run_key, set())
         ids = {
             rid
             for ev in events
             if ev.get("type") == "request"
             and type(rid := ev.get("request_id")) is str
             and rid not in known
+            and rid not in absent
         }
         if not ids:
             return
         req = schema.requests
-        absent = batch.not_stored.setdefault(run.run_key, set())
         wanted = sorted(ids)
         for i in range(0, len(wanted), _LOOKUP_IDS):
             part = wanted[i : i + _LOOKUP_IDS]
@@ -933,10 +951,12 @@ class Store:
         if row["policy"] is not None:
             run.policy = row["policy"]
 
-    def _plain_step(self, run: RunState, ev: dict[str, Any], batch: _Batch) -> PlainStep:
+    def _plain_step(
+        self, run: RunState, ev: dict[str, Any], res: EventsResult, batch: _Batch
+    ) -> PlainStep:
         """A step event ``storage.frames`` decoded (checked): its row, and its chunks' requests
         (made when new, in chunk order as ``_step_chunks`` makes them); the rest waits for
-        ``_stamp_plain``, once for all such steps of the op."""
+        ``_stamp_plain``, once for all such steps of the run in the batch."""
         g = ev.get  # checked: its ints fit their columns, its policy is a string
         row: dict[str, Any] = {
             "run_key": run.run_key,
@@ -959,14 +979,19 @@ class Store:
                 req = reqs[i] or known.get(rid)  # a request new in this step may come again
                 reqs[i] = req if req is not None else self._request_state(run, rid, batch)
         done = cast("list[RequestState]", reqs)
-        return PlainStep(ev, row, chunks, done, row["step"], row["end_ns"])
+        return PlainStep(ev, row, chunks, done, row["step"], row["end_ns"], res)
 
-    def _stamp_plain(
-        self, run: RunState, plain: list[PlainStep], res: EventsResult, batch: _Batch
-    ) -> None:
-        """The packed columns and token times of the op's plain steps, all at once; when a value
-        does not fit its packed field, one by one as ``_step`` does (the step whose value does
-        not fit becomes an unreadable event, as there)."""
+    def _stamp_pending(self, batch: _Batch) -> None:
+        for run, plain in batch.plain.values():
+            self._stamp_plain(run, plain, batch)
+        batch.plain.clear()
+
+    def _stamp_plain(self, run: RunState, plain: list[PlainStep], batch: _Batch) -> None:
+        """The packed columns and token times of a run's steps from ``storage.frames`` (in seq
+        order, up to now in the batch), all at once; when a value does not fit its packed
+        field, one by one as ``_step`` does (the step whose value does not fit becomes an
+        unreadable event, as there). Nothing reads the token times of the run's requests
+        before: a step of another kind, a hello or the end of the batch stamps them first."""
         dirty = batch.dirty_requests.setdefault(run.run_key, {})
         try:
             stamping.stamp(plain, dirty)
@@ -993,13 +1018,14 @@ class Store:
             except OverflowError as exc:
                 why = f"{type(exc).__name__}: {exc}"
                 batch.steps[:] = [r for r in batch.steps if r is not ps.row]
+                res = ps.result
                 res.counts["step"] -= 1
                 if not res.counts["step"]:
                     del res.counts["step"]
                 res.stored -= 1
                 res.bad.append((ps.row["seq"], why))
+                res.bad.sort()
                 batch.gaps.append(self._not_stored(run, ps.event, f"unreadable event: {why}"))
-        res.bad.sort()
 
     def _request(
         self, run: RunState, ev: dict[str, Any], batch: _Batch, checked: bool = False

@@ -93,6 +93,7 @@ def _one_step_frame(**change: Any) -> dict[str, Any]:
         {"step": 1.0},
         {"num_running": True},
         {"policy": 3},
+        {"policy": "p" * (ingest.MAX_TEXT_CHARS + 1)},
         {"extra": {"deep": [1]}},
         {"frame_engine_id": None},  # a null id is the general path's to refuse
         {"frame_extra": 1},
@@ -129,14 +130,19 @@ def _rows(url: str) -> dict[str, list[tuple[Any, ...]]]:
         db.dispose()
 
 
-def _store(url: str, texts: list[str], *, plain: bool, hello: dict[str, Any]) -> Store:
-    """Every frame through the verdict into a store, each op alone: with ``plain``, as the
-    collector reads them (the typed decoder, else the general parser), else all general."""
+def _store(
+    url: str, texts: list[str], *, plain: bool, hello: dict[str, Any], per_batch: int = 1
+) -> Store:
+    """Every frame through the verdict into a store: with ``plain``, as the collector reads
+    them (the typed decoder, else the general parser), else all general; ``per_batch`` frames
+    in each transaction (more than one: with a hello of the run among them, as when an engine
+    reconnects while its frames wait for the writer)."""
     db = dbm.connect(url)
     dbm.migrate(db)
     store = Store(db)
     info = store.apply([Hello(dict(hello))])[0]
     expected = 1
+    ops: list[Any] = []
     for raw in texts:
         msg = frames.decode_plain(raw) if plain else None
         if msg is None:
@@ -146,13 +152,21 @@ def _store(url: str, texts: list[str], *, plain: bool, hello: dict[str, Any]) ->
             msg, engine_id=hello["engine_id"], run_id=hello["run_id"], expected=expected
         )
         expected = verdict.expected
-        store.apply([Events(info.run_key, verdict.accepted)])
+        ops.append(Events(info.run_key, verdict.accepted))
+        if len(ops) == per_batch:
+            if per_batch > 1:
+                ops.insert(per_batch // 2, Hello(dict(hello)))
+            results = store.apply(ops)
+            assert not any(isinstance(r, BaseException) for r in results)
+            ops = []
+    if ops:
+        store.apply(ops)
     store.close()
     db.dispose()
     return store
 
 
-def test_plain_frames_store_the_rows_the_general_path_stores(
+def test_plain_frames_store_the_rows_the_general_path_stores_one_frame_at_a_time(
     db_url: str, tmp_path: Any, request: pytest.FixtureRequest
 ) -> None:
     eng = _engine(seed=5)
@@ -163,7 +177,7 @@ def test_plain_frames_store_the_rows_the_general_path_stores(
         other = f"sqlite:///{tmp_path / 'general.db'}"
     else:
         other = request.getfixturevalue("pg_server").create_database()
-    _store(db_url, texts, plain=True, hello=hello)
+    _store(db_url, texts, plain=True, hello=hello, per_batch=3)
     _store(other, texts, plain=False, hello=hello)
     fast, general = _rows(db_url), _rows(other)
     assert fast["steps"] and fast["requests"]
