@@ -181,3 +181,42 @@ def test_an_outage_fails_a_batch_within_the_retry_deadline_and_shows_at_once(
     assert writer.last_error is not None
     writer.store.close()
     db.dispose()
+
+
+def test_ops_that_come_within_the_commit_interval_of_a_write_join_the_next_one(
+    sqlite_url: str,
+) -> None:
+    """Group commit: the first op after a quiet spell is written at once; ops that come while
+    less than ``min_commit_interval`` has passed since that write start wait for one write
+    together, and each still gets its own result after it."""
+    db = dbm.connect(sqlite_url)
+    dbm.migrate(db)
+    commits: list[tuple[list[Any], list[Any]]] = []
+    done = threading.Event()
+
+    def on_commit(ops: list[Any], results: list[Any], _s: float) -> None:
+        commits.append((ops, results))
+        done.set()
+
+    writer = Writer(db, on_commit, min_commit_interval=3.0)
+    eng = SyntheticEngine(engine_id="g", run_id="rg", seed=4)
+    writer.start()
+    try:
+        writer.submit(Hello(eng.hello()))
+        assert done.wait(10.0)
+        [info] = commits[0][1]
+        assert isinstance(info, RunInfo)
+        events = eng.steps(9)
+        parts = [events[: len(events) // 3], events[len(events) // 3 :]]
+        done.clear()
+        writer.submit(Events(info.run_key, parts[0]))
+        time.sleep(0.3)  # the writer has long taken the first: without the interval, alone
+        writer.submit(Events(info.run_key, parts[1]))
+        assert done.wait(10.0)
+    finally:
+        writer.stop()
+        db.dispose()
+    assert len(commits) == 2  # the hello alone, then both frames in one transaction
+    ops, results = commits[1]
+    assert len(ops) == 2
+    assert [r.last_seq for r in results] == [parts[0][-1]["seq"], parts[1][-1]["seq"]]
