@@ -23,6 +23,9 @@ Each run holds half the culprits, so a machine slower during one run than the ot
 both sides of the comparison alike (a plain "all culprits / none" pair puts all of that
 difference into the measured figure). The chats before the first culprit are reported as
 ``controls``: their difference between the runs is the kind of noise the pairing removes.
+``where_it_went`` splits the victims' measured difference by the ledger's parts of their time
+in both runs (the culprits' blame, their own work, pauses, the other requests' shares), for the
+victims their culprit reached and the others: what the ledger's first-order cost leaves out.
 
 The target: blamed within 20% of measured on each mix. Besides, the ledger's speed: a
 one-minute window of a simulated busy engine (64 chat streams and long prompts, written into a
@@ -219,7 +222,8 @@ def _wait_stored(db: Any, sent: list[Sent], timeout: float = 30.0) -> None:
 
 
 def _blame_run(db: Any, run: dict[str, Any]) -> dict[str, Any]:
-    """The ledger of one run: per chat, what it blames on the run's culprits, and its fit."""
+    """The ledger of one run: per chat, what it blames on the run's culprits and the parts of
+    its time (``own``, ``pause``, ``excess``), and its fit."""
     from advisor.blame_store import blame_window
 
     t = time.perf_counter()
@@ -228,6 +232,7 @@ def _blame_run(db: Any, run: dict[str, Any]) -> dict[str, Any]:
     sent: list[Sent] = run["sent"]
     culprits = {r.request_id for r in sent if r.traffic_class == "rag"}
     blame: dict[int, float] = {}
+    parts: dict[int, dict[str, float]] = {}
     for r in sent:
         if r.traffic_class != "chat" or r.request_id is None:
             continue
@@ -236,10 +241,12 @@ def _blame_run(db: Any, run: dict[str, Any]) -> dict[str, Any]:
         except ValueError:  # no step in the window
             continue
         blame[r.index] = sum(c["ms"] for c in out["culprits"] if c["request_id"] in culprits)
+        parts[r.index] = {k: out[f"{k}_ms"] for k in ("own", "pause", "excess")}
     offenders = blamed.ledger.offenders(len(culprits)) if culprits else []
     m = blamed.fit.model
     return {
         "blame": blame,
+        "parts": parts,
         "num_culprits": len(culprits),
         "offenders_that_are_culprits": sum(1 for o in offenders if o["request_id"] in culprits),
         "ledger_s": ledger_s,
@@ -305,6 +312,11 @@ def summarize_pairs(planned: list[Planned], pairs: list[dict[str, Any]]) -> dict
         }  # fmt: skip
         for p in victims
     }
+    split: dict[str, dict[str, float]] = {
+        side: dict.fromkeys(("victims", "measured_ms", "blamed_ms", "own_ms", "pause_ms",
+                             "others_ms"), 0.0)
+        for side in ("reached", "not_reached")
+    }  # fmt: skip
     for pair in pairs:
         measured = blamed = stray = 0.0
         for p in victims:
@@ -319,6 +331,7 @@ def summarize_pairs(planned: list[Planned], pairs: list[dict[str, Any]]) -> dict
             blamed += with_run["blame"][p.index] - without_run["blame"][p.index]
             # a neighbouring culprit (the other run's) that reached this one's victims
             stray += without_run["blame"][p.index]
+            _split(split, p.index, with_run, without_run)
         drift = sum(pair["run1"]["times"][p.index] - pair["run0"]["times"][p.index]
                     for p in controls)  # fmt: skip
         per_pair.append(
@@ -331,7 +344,9 @@ def summarize_pairs(planned: list[Planned], pairs: list[dict[str, Any]]) -> dict
                 "controls_run1_minus_run0_ms": drift,
                 **{
                     f"run{q}": {
-                        k: v for k, v in pair[f"run{q}"].items() if k not in ("times", "blame")
+                        k: v
+                        for k, v in pair[f"run{q}"].items()
+                        if k not in ("times", "blame", "parts")
                     }
                     for q in (0, 1)
                 },  # fmt: skip
@@ -349,8 +364,29 @@ def summarize_pairs(planned: list[Planned], pairs: list[dict[str, Any]]) -> dict
         "blamed_over_measured": ratio,
         "within_20pct": ratio is not None and abs(ratio - 1) <= 0.2,
         "per_pair": per_pair,
+        "where_it_went": split,
         "per_victim_ms": per_victim,
     }
+
+
+def _split(
+    split: dict[str, dict[str, float]],
+    i: int,
+    with_run: dict[str, Any],
+    without_run: dict[str, Any],
+) -> None:
+    """Add one victim's difference between its runs, part by part (the ledger's own work,
+    pauses, the culprits' blame and the other requests' shares), to the victims its culprit
+    reached (some blame on it) or to the others."""
+    w, wo = with_run["parts"][i], without_run["parts"][i]
+    bw, bwo = with_run["blame"][i], without_run["blame"][i]
+    side = split["reached" if bw >= 1.0 else "not_reached"]
+    side["victims"] += 1
+    side["measured_ms"] += with_run["times"][i] - without_run["times"][i]
+    side["blamed_ms"] += bw - bwo
+    side["own_ms"] += w["own"] - wo["own"]
+    side["pause_ms"] += w["pause"] - wo["pause"]
+    side["others_ms"] += (w["excess"] - bw) - (wo["excess"] - bwo)
 
 
 def run_mix(url: str, db: Any, mix: Mix, args: argparse.Namespace, seed: int) -> dict[str, Any]:

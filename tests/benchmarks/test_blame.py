@@ -83,14 +83,22 @@ def test_the_sums_compare_each_victim_with_and_without_its_culprit() -> None:
     control, v0, v1 = chats[0.0].index, chats[3.0].index, chats[6.0].index
     assert (chats[0.0].episode, chats[3.0].episode, chats[6.0].episode) == (None, 0, 1)
     fit = {"num_culprits": 1}
+
+    def parts(own: float, pause: float, excess: float) -> dict[str, float]:
+        return {"own": own, "pause": pause, "excess": excess}
+
     pair = {
         "first": 0,
         # run 0: culprit 0 present (v0 slowed by 500 ms, v1 by 100 ms of spill-over)
         "run0": {"times": {control: 400.0, v0: 900.0, v1: 500.0},
-                 "blame": {control: 0.0, v0: 450.0, v1: 90.0}, **fit},
+                 "blame": {control: 0.0, v0: 450.0, v1: 90.0},
+                 "parts": {control: parts(380, 10, 10), v0: parts(390, 20, 490),
+                           v1: parts(380, 10, 110)}, **fit},
         # run 1: culprit 1 present (v1 slowed by 300 ms)
         "run1": {"times": {control: 420.0, v0: 400.0, v1: 700.0},
-                 "blame": {control: 0.0, v0: 0.0, v1: 310.0}, **fit},
+                 "blame": {control: 0.0, v0: 0.0, v1: 310.0},
+                 "parts": {control: parts(400, 10, 10), v0: parts(380, 10, 10),
+                           v1: parts(370, 10, 320)}, **fit},
     }  # fmt: skip
     out = summarize_pairs(planned, [pair])
     assert (out["num_victims"], out["num_controls"]) == (2, 1)
@@ -100,3 +108,9 @@ def test_the_sums_compare_each_victim_with_and_without_its_culprit() -> None:
     (p,) = out["per_pair"]
     assert p["blamed_in_runs_without_ms"] == 90.0 and p["controls_run1_minus_run0_ms"] == 20.0
     assert out["per_victim_ms"][str(v1)]["blamed_without"] == [90.0]
+    # where the measured difference went, by the ledger's parts: v0 500 = 450 blamed + 10 own
+    # + 10 pause + 30 others; v1 200 = 220 blamed - 10 own + 0 pause - 10 others
+    reached = out["where_it_went"]["reached"]
+    assert reached == {"victims": 2, "measured_ms": 700.0, "blamed_ms": 670.0, "own_ms": 0.0,
+                       "pause_ms": 10.0, "others_ms": 20.0}  # fmt: skip
+    assert out["where_it_went"]["not_reached"]["victims"] == 0
