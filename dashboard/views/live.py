@@ -135,9 +135,9 @@ def _stall_picker(stalls: pd.DataFrame, blame: StallBlame) -> None:
         return
     victim, culprit = choices[pick]
     target = None
-    if c2.button("Open the stalled request", key="live_open_victim", width="stretch"):
+    if c2.button("Open the victim", key="live_open_victim", width="stretch"):
         target = victim
-    if c3.button("Open its culprit", key="live_open_culprit", width="stretch"):
+    if c3.button("Open the culprit", key="live_open_culprit", width="stretch"):
         target = culprit
     if target is not None:
         st.session_state[FOCUS_KEY] = target
