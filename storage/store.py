@@ -1154,11 +1154,12 @@ class Store:
             for row in rows:
                 copy.write_row(get(row))
 
-    def _update_requests(self, rows: list[dict[str, Any]]) -> None:
-        """PostgreSQL: update the requests of ``rows`` in one statement (their values as one
-        array per column), not one statement per request."""
-        cols = ["b_run_key", "b_req_no", *_REQ_MUTABLE]
-        arrays = [list(col) for col in zip(*map(operator.itemgetter(*cols), rows), strict=True)]
+    def _update_requests(self, changed: list[tuple[int, RequestState]]) -> None:
+        """PostgreSQL: update the ``(run_key, request)`` rows in one statement (their values
+        as one array per column), not one statement per request."""
+        reqs = [req for _, req in changed]
+        arrays = [[key for key, _ in changed], [req.req_no for req in reqs]]
+        arrays += [list(col) for col in zip(*map(_req_mutable, reqs), strict=True)]
         dbapi = self.conn.connection.driver_connection
         assert dbapi is not None
         with dbapi.cursor() as cur:
@@ -1167,27 +1168,27 @@ class Store:
     def _flush(self, batch: _Batch) -> None:
         conn = self.conn
         new_rows: list[dict[str, Any]] = []
-        upd_rows: list[dict[str, Any]] = []
+        changed: list[tuple[int, RequestState]] = []
         for run_key, reqs in batch.dirty_requests.items():
             for req in reqs.values():
-                row = req.row(run_key)
                 if req.persisted:
-                    row["b_run_key"] = row.pop("run_key")
-                    row["b_req_no"] = row.pop("req_no")
-                    del row["request_id"]
-                    upd_rows.append(row)
+                    changed.append((run_key, req))
                 else:
-                    new_rows.append(row)
+                    new_rows.append(req.row(run_key))
         if new_rows:
             if self.copy:
                 self._append(schema.requests, new_rows)
             else:
                 conn.execute(insert(schema.requests), new_rows)
-        if upd_rows:
-            if self.copy:
-                self._update_requests(upd_rows)
-            else:
-                conn.execute(self._upd_requests, upd_rows)
+        if changed and self.copy:
+            self._update_requests(changed)
+        elif changed:
+            upd_rows = []
+            for run_key, req in changed:
+                row = dict(zip(_REQ_MUTABLE, _req_mutable(req), strict=True))
+                row.update(b_run_key=run_key, b_req_no=req.req_no)
+                upd_rows.append(row)
+            conn.execute(self._upd_requests, upd_rows)
         if batch.steps:
             self._append(schema.steps, batch.steps)
         if batch.request_events:
