@@ -315,26 +315,25 @@ def _traffic_panel() -> None:
         url = st.text_input(
             "Engine URL", value=s.engine_url or "http://127.0.0.1:8000", key="traffic_url"
         )
-    # One widget per field whatever the profile (stable keys): choosing a profile loads its
-    # preset into them by callback, so a redraw never swaps the element a user is typing into.
-    state = st.session_state
-    profile = str(state.get("traffic_profile") or next(iter(PROFILES)))
-    if "traffic_rate" not in state or "traffic_users" not in state:
-        _load_preset(profile)
-    st.selectbox("Profile", list(PROFILES), key="traffic_profile", on_change=_profile_changed)
+    profile = st.selectbox("Profile", list(PROFILES), key="traffic_profile")
+    # Each profile has its own fields (keys name it), drawn with its preset. One field for all
+    # profiles, reloaded with a preset on a profile change, loses that change whenever a timed
+    # redraw leaves the browser before it arrives: the browser sends the old value back.
     st.number_input(
         "Rate (req/s)",
         min_value=0.01,
         max_value=100.0,
+        value=float(PROFILES[profile].rate),
         step=0.1,
-        key="traffic_rate",
+        key=f"traffic_rate_{profile}",
     )
     st.number_input(
         "Chat users",
         min_value=0,
         max_value=MAX_CHAT_USERS,
+        value=int(PROFILES[profile].users),
         step=1,
-        key="traffic_users",
+        key=f"traffic_users_{profile}",
         help="chat users beside the profile's requests, each sending its next turn a moment "
         "after its answer ends: about this many chat streams are in flight whenever a long "
         "prompt or image arrives (the streams it stalls; 0 = none)",
@@ -372,17 +371,6 @@ def _traffic_panel() -> None:
         _served_load(stk, lch)
 
 
-def _load_preset(profile: str) -> None:
-    """Put a profile's preset rate and chat users into the sidebar's fields."""
-    preset = PROFILES[profile]
-    st.session_state["traffic_rate"] = float(preset.rate)
-    st.session_state["traffic_users"] = int(preset.users)
-
-
-def _profile_changed() -> None:
-    _load_preset(str(st.session_state.get("traffic_profile") or next(iter(PROFILES))))
-
-
 def _start_traffic(lch: TrafficLauncher, url: str, shapes: str, api_key: str | None) -> None:
     """The Start button: the launcher with the values the sidebar's widgets hold now."""
     state = st.session_state
@@ -392,10 +380,10 @@ def _start_traffic(lch: TrafficLauncher, url: str, shapes: str, api_key: str | N
         lch.start(
             url,
             profile,
-            rate=float(state.get("traffic_rate", preset.rate)),
+            rate=float(state.get(f"traffic_rate_{profile}", preset.rate)),
             duration=float(state.get("traffic_duration", DEFAULT_DURATION_S)),
             seed=int(time.time()) % 10_000,
-            users=int(state.get("traffic_users", preset.users)),
+            users=int(state.get(f"traffic_users_{profile}", preset.users)),
             shapes=shapes,
             api_key=api_key,
         )

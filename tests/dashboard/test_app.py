@@ -420,22 +420,23 @@ def test_a_run_without_steps_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_the_traffic_fields_take_the_profiles_preset_and_keep_a_typed_value(
     seeded: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Choosing a profile loads its preset rate and chat users; a value typed after that is
-    kept through redraws until the profile changes again."""
+    """Each profile has its own rate and chat-users fields, drawn with its preset; a value typed
+    is kept through redraws. The fields are the profile's own (their keys name it): a value the
+    browser still holds for another profile's field can never overwrite this one's."""
     from dashboard.services import PROFILES
 
     at = _app(monkeypatch, *seeded).run()
     assert not at.exception
-    users = at.sidebar.number_input(key="traffic_users")
-    rate = at.sidebar.number_input(key="traffic_rate")
     first = at.sidebar.selectbox(key="traffic_profile").value
+    rate = at.sidebar.number_input(key=f"traffic_rate_{first}")
+    users = at.sidebar.number_input(key=f"traffic_users_{first}")
     assert (rate.value, users.value) == (PROFILES[first].rate, PROFILES[first].users)
     at.sidebar.selectbox(key="traffic_profile").set_value("vlm").run()
-    assert at.sidebar.number_input(key="traffic_rate").value == PROFILES["vlm"].rate
-    assert at.sidebar.number_input(key="traffic_users").value == PROFILES["vlm"].users
-    at.sidebar.number_input(key="traffic_users").set_value(PROFILES["vlm"].users + 7).run()
+    assert at.sidebar.number_input(key="traffic_rate_vlm").value == PROFILES["vlm"].rate
+    assert at.sidebar.number_input(key="traffic_users_vlm").value == PROFILES["vlm"].users
+    at.sidebar.number_input(key="traffic_users_vlm").set_value(PROFILES["vlm"].users + 7).run()
     at.run()  # a redraw keeps what was typed
-    assert at.sidebar.number_input(key="traffic_users").value == PROFILES["vlm"].users + 7
+    assert at.sidebar.number_input(key="traffic_users_vlm").value == PROFILES["vlm"].users + 7
     at.sidebar.selectbox(key="traffic_profile").set_value("rag").run()
-    assert at.sidebar.number_input(key="traffic_users").value == PROFILES["rag"].users
-    assert at.sidebar.number_input(key="traffic_rate").value == PROFILES["rag"].rate
+    assert at.sidebar.number_input(key="traffic_users_rag").value == PROFILES["rag"].users
+    assert at.sidebar.number_input(key="traffic_rate_rag").value == PROFILES["rag"].rate
