@@ -52,7 +52,8 @@ def test_engine_and_vllm_launcher_refuse_a_malformed_list(
     assert "collector URL 2 of 2" in capsys.readouterr().err
     with pytest.raises(ValueError, match="2 of 2"):
         build_command(["--collector-url", "ws://a:1,wss://b:c", "--", "--model", "m"])
-    _, env = build_command(["--collector-url", "ws://a:1, ws://b:2", "--", "--model", "m"])
+    given = ["--python", "/bin/true", "--collector-url", "ws://a:1, ws://b:2"]
+    _, env = build_command([*given, "--", "--model", "m"])
     assert env["CHUNKSCOPE_COLLECTOR_URL"] == "ws://a:1/ingest,ws://b:2/ingest"
 
 

@@ -32,7 +32,9 @@ def test_the_command_sets_the_bridge_and_the_collector(tmp_path: Path) -> None:
 
 
 def test_the_metrics_url_follows_vllms_host_and_port() -> None:
-    _, env = build_command(["--", "--model", "m", "--host", "127.0.0.1", "--port=8123"])
+    _, env = build_command(
+        ["--python", "/bin/true", "--", "--model", "m", "--host", "127.0.0.1", "--port=8123"]
+    )
     assert env["CHUNKSCOPE_METRICS_URL"] == "http://127.0.0.1:8123/metrics"
 
 
