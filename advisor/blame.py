@@ -483,17 +483,11 @@ class Ledger:
         out["share"] = out["ms"] / out["ms"].sum()
         return out
 
-    def stall_links(self, min_share: float = 0.1) -> pd.DataFrame:
-        """The chunks behind every stall in the window (a gap ended by one of the request's
-        tokens whose excess makes it a stall): one row per (stall, culprit chunk) taking at
-        least ``min_share`` of the stall's excess. ``victim``, ``k`` (the token that ended the
-        gap), ``victim_step`` (the step that produced it), ``culprit``, ``culprit_step`` (the
-        step its chunk ran in) and ``ms`` (what that chunk cost the victim there); largest
-        first."""
-        cols = ["victim", "k", "victim_step", "culprit", "culprit_step", "ms"]
+    def _gap_index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every gap of every request at once: each pair's gap number, and per gap its last
+        pair, its excess and its length in ms (as ``gaps`` computes them one request at a
+        time)."""
         n = len(self.p_req)
-        if n == 0:
-            return pd.DataFrame(columns=cols)
         # pairs are sorted by (request, step): a gap is a run of pairs with the same (req, k)
         new = np.ones(n, dtype=bool)
         new[1:] = (self.p_req[1:] != self.p_req[:-1]) | (self.p_k[1:] != self.p_k[:-1])
@@ -508,12 +502,67 @@ class Ledger:
         first_of_req = np.ones(len(first), dtype=bool)
         first_of_req[1:] = g_req[1:] != g_req[:-1]
         begin_ns[first_of_req] = self.arrival[g_req[first_of_req]]
-        gap_ms = (end_ns - begin_ns) / 1e6
+        return gid, last, excess, (end_ns - begin_ns) / 1e6
+
+    def token_gaps(self, tokens: pd.DataFrame, top: int = 3) -> pd.DataFrame:
+        """The gaps ended by some tokens (``tokens``: ``request_id`` and ``step``, the step
+        that produced the token), in one pass: per token found, ``gap_ms``, ``excess_ms`` and
+        ``culprits`` (the ``top`` largest, (request id, ms) each)."""
+        cols = ["request_id", "step", "gap_ms", "excess_ms", "culprits"]
+        if len(self.p_req) == 0 or tokens.empty:
+            return pd.DataFrame(columns=cols)
+        gid, last, excess, gap_ms = self._gap_index()
+        ns = len(self.step_no)
+        # gap -> (request, step index of its end); the tokens' keys the same way
+        g_key = self.p_req[last] * ns + self.p_step[last]
+        req = np.array([self.index.get(str(r), -1) for r in tokens["request_id"]], dtype=np.int64)
+        pos = np.searchsorted(self.step_no, tokens["step"].to_numpy(dtype=np.int64))
+        ok = (req >= 0) & (pos < ns)
+        ok[ok] &= self.step_no[pos[ok]] == tokens["step"].to_numpy(dtype=np.int64)[ok]
+        order = np.argsort(g_key, kind="stable")
+        hit, at = _lookup(g_key[order], np.where(ok, req * ns + pos, -1))
+        hit &= ok & self.p_prod[last[order[at]]]
+        wanted = order[at[hit]]  # the gaps asked for
+        if wanted.size == 0:
+            return pd.DataFrame(columns=cols)
+        sel = np.zeros(len(last), dtype=bool)
+        sel[wanted] = True
+        rows = self._culprit_rows(sel[gid])
+        three: dict[int, list[tuple[str, float]]] = {}
+        if not rows.empty:
+            rows["gid"] = gid[rows["pair"].to_numpy()]
+            per = rows.groupby(["gid", "culprit"], as_index=False)["ms"].sum()
+            per = per.sort_values(["gid", "ms"], ascending=[True, False], kind="stable")
+            per = per.groupby("gid", sort=False).head(top)
+            for g, c, ms in zip(per["gid"], per["culprit"], per["ms"], strict=True):
+                three.setdefault(int(g), []).append((str(self.ids[int(c)]), float(ms)))
+        return pd.DataFrame(
+            {
+                "request_id": self.ids[self.p_req[last[wanted]]].astype(str),
+                "step": self.step_no[self.p_step[last[wanted]]],
+                "gap_ms": gap_ms[wanted],
+                "excess_ms": excess[wanted],
+                "culprits": [three.get(int(g), []) for g in wanted],
+            }
+        )
+
+    def stall_links(self, min_share: float = 0.1) -> pd.DataFrame:
+        """The chunks behind every stall in the window (a gap ended by one of the request's
+        tokens whose excess makes it a stall): one row per (stall, culprit chunk) taking at
+        least ``min_share`` of the stall's excess. ``victim``, ``k`` (the token that ended the
+        gap), ``victim_step`` (the step that produced it), ``culprit``, ``culprit_step`` (the
+        step its chunk ran in) and ``ms`` (what that chunk cost the victim there); largest
+        first."""
+        cols = ["victim", "k", "victim_step", "culprit", "culprit_step", "ms"]
+        if len(self.p_req) == 0:
+            return pd.DataFrame(columns=cols)
+        gid, last, excess, gap_ms = self._gap_index()
         stall = (
             self.p_prod[last]  # closed by a token within the window
             & (excess >= STALL_SHARE * gap_ms)
             & (excess >= STALL_MIN_MS)
         )
+        g_req = self.p_req[last]
         rows = self._culprit_rows(stall[gid])
         if rows.empty:
             return pd.DataFrame(columns=cols)

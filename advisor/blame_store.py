@@ -239,11 +239,13 @@ def _first(row: dict[str, Any], *names: str) -> float | None:
     return None
 
 
-def fit_recent(db: Engine, *, engine_id: str, run_id: str, until: float) -> FitReport:
-    """The step-cost model of the ``FIT_S`` seconds of one run ending at ``until`` (for the
+def fit_recent(
+    db: Engine, *, engine_id: str, run_id: str, until: float, span_s: float = FIT_S
+) -> FitReport:
+    """The step-cost model of the ``span_s`` seconds of one run ending at ``until`` (for the
     ledger of a few gaps, too few steps to fit on)."""
     steps = thin(
-        load_steps(db, engine_id=engine_id, run_id=run_id, since=until - FIT_S, until=until),
+        load_steps(db, engine_id=engine_id, run_id=run_id, since=until - span_s, until=until),
         MAX_FIT_STEPS,
     )
     try:
@@ -267,25 +269,8 @@ def blame_tokens(
     begin = tokens["time"].to_numpy(dtype=np.float64) - tokens["itl_ms"].to_numpy() / 1e3
     lo, hi = float(begin.min()), float(tokens["time"].max())
     ledger = Ledger(read_window(db, engine_id, run_id, lo, hi), model)
-    rows = []
-    for rid, group in tokens.groupby("request_id", sort=False):
-        if str(rid) not in ledger.index:
-            continue
-        gaps = ledger.gaps(str(rid)).set_index("step")
-        for step in group["step"]:
-            if int(step) not in gaps.index:
-                continue
-            g = gaps.loc[int(step)]
-            info = {c: ledger.request_info(ledger.index[c]) for c, _ in g["culprits"]}
-            rows.append(
-                {
-                    "request_id": str(rid),
-                    "step": int(step),
-                    "gap_ms": float(g["gap_ms"]),
-                    "excess_ms": float(g["excess_ms"]),
-                    "culprits": list(g["culprits"]),
-                    "classes": {c: v["traffic_class"] for c, v in info.items()},
-                    "prompts": {c: v["num_prompt_tokens"] for c, v in info.items()},
-                }
-            )
-    return pd.DataFrame(rows, columns=cols)
+    out = ledger.token_gaps(tokens)
+    info = {c: ledger.request_info(ledger.index[c]) for cs in out["culprits"] for c, _ in cs}
+    out["classes"] = [{c: info[c]["traffic_class"] for c, _ in cs} for cs in out["culprits"]]
+    out["prompts"] = [{c: info[c]["num_prompt_tokens"] for c, _ in cs} for cs in out["culprits"]]
+    return out[cols]

@@ -93,19 +93,21 @@ def replay_without(
     return result
 
 
-# the Live page's model is refitted at most this often (seconds of the run's time)
+# the Live page's model is refitted at most this often (seconds of the run's time), on the
+# steps of the last LIVE_FIT_S of the run (a minute of a busy engine is plenty to fit on)
 LIVE_FIT_S = 60.0
 
 
 @st.cache_data(ttl=2 * LIVE_FIT_S, show_spinner=False)
 def _live_model(db_url: str | None, engine_id: str, run_id: str, bucket: int) -> Any:
-    """The step-cost model of the run's last ``FIT_S`` seconds up to ``bucket`` (a multiple
-    of ``LIVE_FIT_S``): one fit per minute of the run, shared by every redraw."""
+    """The step-cost model of the run's minute up to the end of ``bucket`` (a multiple of
+    ``LIVE_FIT_S``): one fit per minute of the run, shared by every redraw."""
     from advisor.blame_store import fit_recent
 
     db = data.connection(db_url)
+    until = (bucket + 1) * LIVE_FIT_S
     return _run(
-        fit_recent, db=db, engine_id=engine_id, run_id=run_id, until=(bucket + 1) * LIVE_FIT_S
+        fit_recent, db=db, engine_id=engine_id, run_id=run_id, until=until, span_s=2 * LIVE_FIT_S
     ).model
 
 

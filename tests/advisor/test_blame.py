@@ -383,7 +383,9 @@ def test_the_ledger_of_a_few_gaps_agrees_with_the_windows(recorded: dict[str, An
     assert sorted(out.index) == sorted(stalls.index)
     np.testing.assert_allclose(out["excess_ms"], stalls.loc[out.index, "excess_ms"], rtol=1e-9)
     for step, row in out.iterrows():
-        assert row["culprits"][0] == (stalls.loc[step, "culprit"], stalls.loc[step, "culprit_ms"])
+        top, ms = row["culprits"][0]
+        assert top == stalls.loc[step, "culprit"]
+        assert ms == pytest.approx(stalls.loc[step, "culprit_ms"], rel=1e-9)
         assert row["classes"][row["culprits"][0][0]] == "rag"
         assert row["prompts"][row["culprits"][0][0]] == 2000
     # the model of the run's last minutes, for a window too short to fit on
