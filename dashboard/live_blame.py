@@ -96,11 +96,15 @@ def describe(rid: str, b: dict[str, Any]) -> str:
     return f"{rid} ({', '.join(parts)})" if parts else rid
 
 
-def stall_choices(stalls: pd.DataFrame, blame: StallBlame) -> dict[str, tuple[str, str]]:
-    """The blamed stalls with a culprit, newest first, for the page's picker: label -> (the
+def stall_choices(
+    stalls: pd.DataFrame, blame: StallBlame, limit: int = 50
+) -> dict[str, tuple[str, str]]:
+    """The ``limit`` newest blamed stalls with a culprit, for the page's picker: label -> (the
     victim's request id, its top culprit's)."""
     out: dict[str, tuple[str, str]] = {}
     for row in stalls.sort_values("time", ascending=False).itertuples():
+        if len(out) >= limit:
+            break
         b = blame.get(row)
         if b is None or not b["culprits"]:
             continue

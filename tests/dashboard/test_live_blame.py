@@ -139,6 +139,7 @@ def test_stalls_are_blamed_once_newest_first_and_forgotten_when_gone() -> None:
     choices = stall_choices(stalls, blame)
     assert len(choices) == len(stalls)
     assert next(iter(choices.values())) == (stalls["request_id"].iloc[-1], "rag-1")
+    assert len(stall_choices(stalls, blame, limit=5)) == 5  # the picker lists the newest only
     blame.update(stalls.head(3), _fake(calls))  # the window moved on: the rest forgotten
     assert len(blame.held) == 3 and len(calls) == 2
 
