@@ -29,6 +29,7 @@ from storage import queries
 logger = logging.getLogger(__name__)
 
 LONG_PROMPT_TOKENS = 1024  # a prompt this long (or an image) is a long request
+EDGE_S = 60.0  # gaps that end this long after a window (or began before it) are read for `met`
 _EPS_S = 1e-6  # token times are step ends: the same clock, compared exactly up to float noise
 
 
@@ -101,17 +102,21 @@ def stall_window(
     empty = StallWindow(since, until, traffic_class)
     steps = queries.steps(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
     reqs = queries.requests(db, engine_id=engine_id, run_id=run_id, since=since, until=until)
-    itl = queries.token_itl(
+    edge = queries.token_itl(
         db,
         engine_id=engine_id,
         run_id=run_id,
-        since=since - 60.0,  # a gap that began before its token's step: read, then cut
-        until=until,
+        since=since - EDGE_S,  # by the step that made each token: read wide, then cut
+        until=until + EDGE_S,
         traffic_class=traffic_class,
     )
-    if not itl.empty:
-        begin = itl["time"] - itl["itl_ms"] / 1000.0
-        itl = itl[(begin >= since - _EPS_S) & (itl["time"] <= until + _EPS_S)]
+    if not edge.empty:
+        begin = edge["time"] - edge["itl_ms"] / 1000.0
+        overlaps = (begin <= until + _EPS_S) & (edge["time"] >= since - _EPS_S)
+        inside = (begin >= since - _EPS_S) & (edge["time"] <= until + _EPS_S)
+        itl, edge = edge[inside], edge[overlaps]
+    else:
+        itl = edge
     gap_ms = itl["itl_ms"].to_numpy(dtype="float64") if not itl.empty else np.zeros(0)
     out: dict[str, Any] = {
         "gaps": int(gap_ms.size),
@@ -129,23 +134,31 @@ def stall_window(
     long_steps = _long_prefill_steps(db, engine_id, run_id, steps, set(long_reqs["request_id"]))
     out["long_requests"] = int(long_steps["request_id"].nunique()) if not long_steps.empty else 0
     out["in_flight"] = _in_flight(reqs, long_steps, traffic_class)
-    if long_steps.empty or itl.empty:
+    if long_steps.empty or edge.empty:
         return StallWindow(since, until, traffic_class, **out)
     # steps run one after another: the long steps inside a gap are a contiguous run of them
     per_step = long_steps.drop_duplicates("step").sort_values("start")
     starts = per_step["start"].to_numpy(dtype="float64")
     ends = per_step["end"].to_numpy(dtype="float64")
-    t_end = itl["time"].to_numpy(dtype="float64")
-    t_begin = t_end - gap_ms / 1000.0
-    first_in = np.searchsorted(starts, t_begin - _EPS_S, side="left")
-    past = np.searchsorted(ends, t_end + _EPS_S, side="right")
-    held = past > first_in
+
+    def held_steps(gaps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        t_end = gaps["time"].to_numpy(dtype="float64")
+        t_begin = t_end - gaps["itl_ms"].to_numpy(dtype="float64") / 1000.0
+        first_in = np.searchsorted(starts, t_begin - _EPS_S, side="left")
+        past = np.searchsorted(ends, t_end + _EPS_S, side="right")
+        return past > first_in, first_in, past
+
+    held = held_steps(itl)[0] if not itl.empty else np.zeros(0, dtype=bool)
     stall_ms = gap_ms[held]
+    # met: the long requests a stream waited through, by every gap that overlaps the window (a
+    # long prompt prefilled just before a cut stalled the gap that spans the cut, though that
+    # gap is in neither side's figures)
+    any_held, first_in, past = held_steps(edge)
     met: set[str] = set()
-    if held.any():
+    if any_held.any():
         by_step = long_steps.groupby("step")["request_id"].agg(lambda s: set(s))
         step_nos = per_step["step"].to_numpy()
-        for i, j in zip(first_in[held], past[held], strict=True):
+        for i, j in zip(first_in[any_held], past[any_held], strict=True):
             for no in step_nos[i:j]:
                 met |= by_step[no]
     out.update(

@@ -95,3 +95,23 @@ def test_long_is_an_image_or_a_long_prompt() -> None:
     )
     assert long_mask(reqs).tolist() == [False, True, True, True]
     assert ratio(100.0, 0.0) is None and ratio(None, 1.0) is None and ratio(300.0, 100.0) == 3.0
+
+
+def test_a_long_prompt_prefilled_at_the_windows_edge_is_met_but_not_counted(story: Any) -> None:
+    """A window that ends inside the chat gaps around a long prefill (a cut made just after a
+    long prompt's step): the prompt met the streams (their gaps held it), but those gaps reach
+    past the window, so they are not among its stalls."""
+    db, run, _cut = story
+    steps = queries.steps(db).set_index("step")
+    lo = float(steps.loc[0, "start"])
+    long_step = 60  # rag-1, prefilled in one step
+    until = float(steps.loc[long_step, "end"]) - 1e-4  # inside the long step
+    window = stall_window(db, engine_id=run.engine_id, run_id=run.run_id, since=lo, until=until)
+    assert "rag-1" in window.met_request_ids and window.long_met == window.long_requests == 2
+    one_step = 4 + 2000 * MS_PER_PREFILL_TOKEN
+    # rag-0's stalls only: each gap counted lies wholly before `until`
+    whole = stall_window(
+        db, engine_id=run.engine_id, run_id=run.run_id, since=lo, until=until + 1.0
+    )
+    assert window.stalls < whole.stalls and window.stall_max_ms is not None
+    assert window.stall_max_ms <= one_step + 10
