@@ -24,7 +24,7 @@ import pytest
 
 from tests.dashboard.server import StreamlitServer, alive, descendants
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [

@@ -32,7 +32,7 @@ from benchmarks.story import CHROMIUM_ARGS, Story
 from tests.dashboard.server import StreamlitServer, alive, descendants
 from tests.dashboard.test_browser import _chromium_or_skip
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 # The benchmark (benchmarks/story.py, five runs of each profile in a row) holds the story to 3x.
 # Here one run per profile guards the mechanism on whatever the CI machine is doing: the browser
