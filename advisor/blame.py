@@ -254,10 +254,28 @@ class Ledger:
     ) -> pd.DataFrame:
         """(victim, culprit, step, ms, mode) for the selected pairs against every other chunk
         of their steps (or only ``chunk_sel``'s)."""
+        pair, chunk, ms = self._culprit_arrays(pair_sel, chunk_sel)
+        return pd.DataFrame(
+            {
+                "victim": self.p_req[pair],
+                "culprit": self.c_req[chunk],
+                "step": self.p_step[pair],
+                "ms": ms,
+                "mode": self.p_mode[pair],
+                "pair": pair,
+            }
+        )
+
+    def _culprit_arrays(
+        self, pair_sel: np.ndarray, chunk_sel: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``_culprit_rows`` as arrays: (pair, chunk, ms), one row per other request's chunk
+        in the pair's step."""
         pi = np.flatnonzero(pair_sel)
         ci = np.arange(len(self.c_step)) if chunk_sel is None else np.flatnonzero(chunk_sel)
         if pi.size == 0 or ci.size == 0:
-            return pd.DataFrame(columns=["victim", "culprit", "step", "ms", "mode", "pair"])
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, np.zeros(0)
         ci = ci[np.argsort(self.c_step[ci], kind="stable")]
         cs = self.c_step[ci]
         lo = np.searchsorted(cs, self.p_step[pi], "left")
@@ -266,20 +284,9 @@ class Ledger:
         pair = np.repeat(pi, cnt)
         offs = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
         chunk = ci[np.repeat(lo, cnt) + offs]
-        victim, culprit = self.p_req[pair], self.c_req[chunk]
-        keep = victim != culprit
-        pair, chunk, victim, culprit = pair[keep], chunk[keep], victim[keep], culprit[keep]
-        ms = self.c_m[chunk] * self.p_x[pair] + self.c_n[chunk] * self.p_y[pair]
-        return pd.DataFrame(
-            {
-                "victim": victim,
-                "culprit": culprit,
-                "step": self.p_step[pair],
-                "ms": ms,
-                "mode": self.p_mode[pair],
-                "pair": pair,
-            }
-        )
+        keep = self.p_req[pair] != self.c_req[chunk]
+        pair, chunk = pair[keep], chunk[keep]
+        return pair, chunk, self.c_m[chunk] * self.p_x[pair] + self.c_n[chunk] * self.p_y[pair]
 
     def request_info(self, i: int) -> dict[str, Any]:
         prompt = self.prompt[i]
@@ -563,10 +570,15 @@ class Ledger:
             & (excess >= STALL_MIN_MS)
         )
         g_req = self.p_req[last]
-        rows = self._culprit_rows(stall[gid])
-        if rows.empty:
+        pair, chunk, ms = self._culprit_arrays(stall[gid])
+        # a request has one chunk a step: a row below half the bar cannot reach it summed
+        big = ms >= 0.5 * min_share * excess[gid[pair]]
+        pair, chunk, ms = pair[big], chunk[big], ms[big]
+        if ms.size == 0:
             return pd.DataFrame(columns=cols)
-        rows["gid"] = gid[rows["pair"].to_numpy()]
+        rows = pd.DataFrame(
+            {"gid": gid[pair], "culprit": self.c_req[chunk], "step": self.p_step[pair], "ms": ms}
+        )
         per = rows.groupby(["gid", "culprit", "step"], as_index=False)["ms"].sum()
         g = per["gid"].to_numpy()
         per = per[per["ms"].to_numpy() >= min_share * excess[g]]
