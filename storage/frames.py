@@ -78,9 +78,9 @@ def _event(kind: str, required: dict[str, Any], optional: dict[str, Any]) -> Any
     )
 
 
-# wire.events.StepEvent and RequestEvent: every int within what the store holds
-_STEP_INTS = (
-    "token_budget",
+# wire.events.StepEvent's counts, as the store writes them on each step's row
+STEP_COUNTS = (
+    "forward_ns",
     "num_decode_tokens",
     "num_prefill_tokens",
     "num_scheduled_tokens",
@@ -89,9 +89,9 @@ _STEP_INTS = (
     "kv_blocks_used",
     "kv_blocks_total",
     "num_preemptions",
-    "forward_ns",
-    "long_prefill_token_threshold",
 )
+# wire.events.StepEvent and RequestEvent: every int within what the store holds
+_STEP_INTS = (*STEP_COUNTS, "token_budget", "long_prefill_token_threshold")
 _Step = _event(
     "step",
     {

@@ -34,7 +34,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from storage import ingest, schema, stamping
 from storage.fleet import STALE_AFTER_S
-from storage.frames import CheckedEvent, Chunk
+from storage.frames import STEP_COUNTS, CheckedEvent, Chunk
 from storage.packing import FLAG_CAPPED, FLAG_DECODE, FLAG_PRODUCED, pack_chunks, pack_tokens
 from storage.stamping import PlainStep
 
@@ -74,17 +74,7 @@ _req_mutable = operator.attrgetter(*_REQ_MUTABLE)  # all of them in one C call
 _REQUEST_ID = operator.attrgetter("request_id")
 _GAP_PAST_INT64 = stamping.GAP_PAST_INT64
 _REQ_COUNTS = ("num_prompt_tokens", "num_image_tokens", "num_cached_tokens", "num_output_tokens")
-_STEP_INTS = (
-    "forward_ns",
-    "num_decode_tokens",
-    "num_prefill_tokens",
-    "num_scheduled_tokens",
-    "num_running",
-    "num_waiting",
-    "kv_blocks_used",
-    "kv_blocks_total",
-    "num_preemptions",
-)
+_STEP_INTS = STEP_COUNTS
 _RUN_MUTABLE = (
     "token_budget",
     "policy",
