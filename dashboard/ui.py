@@ -316,24 +316,32 @@ def _traffic_panel() -> None:
             "Engine URL", value=s.engine_url or "http://127.0.0.1:8000", key="traffic_url"
         )
     profile = st.selectbox("Profile", list(PROFILES), key="traffic_profile")
-    # Each profile has its own fields (keys name it), drawn with its preset. One field for all
-    # profiles, reloaded with a preset on a profile change, loses that change whenever a timed
-    # redraw leaves the browser before it arrives: the browser sends the old value back.
+    # Each profile has its own fields (keys name it), drawn with its preset or with the value
+    # last typed into them. One field for all profiles, reloaded with a preset on a profile
+    # change, loses that change whenever a timed redraw leaves the browser before it arrives:
+    # the browser sends the old value back. A typed value is kept outside the widget's state:
+    # Streamlit drops the state of a widget that a full run did not draw (the other profile's),
+    # so without it a value came back or not depending on which redraws ran in between.
+    rate_key, users_key = f"traffic_rate_{profile}", f"traffic_users_{profile}"
     st.number_input(
         "Rate (req/s)",
         min_value=0.01,
         max_value=100.0,
-        value=float(PROFILES[profile].rate),
+        value=float(_kept(rate_key, PROFILES[profile].rate)),
         step=0.1,
-        key=f"traffic_rate_{profile}",
+        key=rate_key,
+        on_change=_keep,
+        args=(rate_key,),
     )
     st.number_input(
         "Chat users",
         min_value=0,
         max_value=MAX_CHAT_USERS,
-        value=int(PROFILES[profile].users),
+        value=int(_kept(users_key, PROFILES[profile].users)),
         step=1,
-        key=f"traffic_users_{profile}",
+        key=users_key,
+        on_change=_keep,
+        args=(users_key,),
         help="chat users beside the profile's requests, each sending its next turn a moment "
         "after its answer ends: about this many chat streams are in flight whenever a long "
         "prompt or image arrives (the streams it stalls; 0 = none)",
@@ -369,6 +377,24 @@ def _traffic_panel() -> None:
     st.caption(f"Load: {lch.state()}")
     if lch.running:
         _served_load(stk, lch)
+
+
+_KEPT = "traffic_kept"
+
+
+def _kept(key: str, preset: float) -> float:
+    """The value last typed into the traffic field `key`, or the profile's preset."""
+    kept = st.session_state.get(_KEPT) or {}
+    return float(kept.get(key, preset))
+
+
+def _keep(key: str) -> None:
+    """A traffic field's change: its value kept for when the field is drawn again."""
+    kept = dict(st.session_state.get(_KEPT) or {})
+    value = st.session_state.get(key)
+    if value is not None:
+        kept[key] = value
+    st.session_state[_KEPT] = kept
 
 
 def _start_traffic(lch: TrafficLauncher, url: str, shapes: str, api_key: str | None) -> None:

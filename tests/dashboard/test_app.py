@@ -440,3 +440,8 @@ def test_the_traffic_fields_take_the_profiles_preset_and_keep_a_typed_value(
     at.sidebar.selectbox(key="traffic_profile").set_value("rag").run()
     assert at.sidebar.number_input(key="traffic_users_rag").value == PROFILES["rag"].users
     assert at.sidebar.number_input(key="traffic_rate_rag").value == PROFILES["rag"].rate
+    # back to vlm after full runs that did not draw its fields: what was typed is still there
+    at.run()
+    at.sidebar.selectbox(key="traffic_profile").set_value("vlm").run()
+    assert at.sidebar.number_input(key="traffic_users_vlm").value == PROFILES["vlm"].users + 7
+    assert at.sidebar.number_input(key="traffic_rate_vlm").value == PROFILES["vlm"].rate
