@@ -35,6 +35,9 @@ from wire.control import ControlRefused
 from wire.events import ControlEvent, Event
 
 logger = logging.getLogger(__name__)
+# How long the reader waits for the handlers to write a step's tokens before it runs the step's
+# listeners anyway (a loop busy elsewhere must not hold telemetry back for long).
+FLUSH_WAIT_S = 0.02
 
 
 class EngineStartError(RuntimeError):
@@ -280,7 +283,9 @@ class EngineClient:
         # last output waits for them, so once a response has ended its events have been seen.
         going = [out for out in batch.outputs if not out.finished]
         if going:
-            self.streams.dispatch(going)
+            # the listeners wait until the handlers have written these tokens: run now, they
+            # would hold the GIL while the event loop waits for it to send them
+            self.streams.dispatch(going, wait_s=FLUSH_WAIT_S)
         for event in batch.events:
             for fn in self._listeners:
                 try:

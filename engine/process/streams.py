@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,8 +112,12 @@ class StreamRouter:
             _deliver(stream, RequestFailed(message))
         return list(victims)
 
-    def dispatch(self, outputs: list[Any]) -> None:
-        """Route one step's outputs; a finished request's stream is removed."""
+    def dispatch(self, outputs: list[Any], wait_s: float = 0.0) -> bool:
+        """Route one step's outputs; a finished request's stream is removed.
+
+        With ``wait_s``, return once every event loop that got outputs has run the handlers they
+        woke (the tokens are written to their sockets), or after ``wait_s``: the caller holds
+        the GIL back from the loops until then. False when it gave up waiting."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         with self._lock:
             for out in outputs:
@@ -123,9 +128,17 @@ class StreamRouter:
                 )
                 if stream is not None:
                     by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        done: list[threading.Event] = []
         for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # loop closed: server shutting down
-                loop.call_soon_threadsafe(_put_all, items)
+            flushed = threading.Event() if wait_s > 0 else None
+            try:
+                loop.call_soon_threadsafe(_put_all, loop, items, flushed)
+            except RuntimeError:  # loop closed: server shutting down
+                continue
+            if flushed is not None:
+                done.append(flushed)
+        deadline = time.monotonic() + wait_s
+        return all(ev.wait(max(0.0, deadline - time.monotonic())) for ev in done)
 
 
 def _deliver(stream: _Stream, item: Any) -> None:
@@ -133,6 +146,15 @@ def _deliver(stream: _Stream, item: Any) -> None:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
 
-def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+def _put_all(
+    loop: asyncio.AbstractEventLoop,
+    items: list[tuple[asyncio.Queue[Any], Any]],
+    flushed: threading.Event | None,
+) -> None:
     for queue, item in items:
         queue.put_nowait(item)
+    if flushed is not None:
+        # Each put scheduled its consumer's wake-up for the loop's next turn (a handler awaits
+        # its queue directly, writes its chunk and awaits the next in that one turn); the
+        # event is set one turn later still, after every consumer woken in that turn.
+        loop.call_soon(loop.call_soon, flushed.set)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -89,3 +90,74 @@ def test_admission_then_outputs_in_order() -> None:
         assert q.empty()
 
     asyncio.run(run())
+
+
+class _Out:
+    def __init__(self, rid: str) -> None:
+        self.request_id, self.finished = rid, False
+
+
+def _loop_in_thread() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    return loop, t
+
+
+def test_dispatch_with_wait_returns_once_every_woken_handler_has_run() -> None:
+    """The engine client's reader dispatches a step's tokens and waits for the handlers to run
+    before it runs the step's listeners (which would hold the GIL the event loop needs to send
+    the tokens). When dispatch returns, every consumer has taken its token and written it."""
+    router = StreamRouter()
+    loop, t = _loop_in_thread()
+    written: list[str] = []
+    ready = threading.Event()
+
+    async def handler(rid: str) -> None:
+        q = router.open(rid)
+        if rid == "r4":
+            ready.set()
+        for _ in range(20):
+            out = await q.get()
+            written.append(out.request_id)  # the handler's write of its chunk
+
+    try:
+        for i in range(5):
+            asyncio.run_coroutine_threadsafe(handler(f"r{i}"), loop)
+        assert ready.wait(5)
+        time.sleep(0.05)  # every handler waits on its queue
+        for step in range(20):
+            assert router.dispatch([_Out(f"r{i}") for i in range(5)], wait_s=5.0)
+            assert len(written) == 5 * (step + 1)  # no token still waiting for its handler
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+        loop.close()
+
+
+def test_dispatch_gives_up_waiting_on_a_busy_loop() -> None:
+    """A loop busy elsewhere holds the reader back at most ``wait_s``; the tokens are still
+    delivered when the loop gets to them."""
+    router = StreamRouter()
+    loop, t = _loop_in_thread()
+    got: list[object] = []
+
+    async def handler() -> None:
+        got.append(await router.open("a").get())
+
+    try:
+        asyncio.run_coroutine_threadsafe(handler(), loop)
+        time.sleep(0.05)
+        loop.call_soon_threadsafe(time.sleep, 0.5)  # the loop blocked for a while
+        time.sleep(0.01)
+        t0 = time.monotonic()
+        assert router.dispatch([_Out("a")], wait_s=0.05) is False
+        assert time.monotonic() - t0 < 0.45  # bounded by wait_s, not by the busy loop
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(got) == 1
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+        loop.close()

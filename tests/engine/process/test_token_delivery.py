@@ -1,6 +1,7 @@
-"""A step's tokens go to their streams before the step's listeners (telemetry, metrics) run, so
-no observer's work delays a token; a request's last output waits for them, so once a response
-has ended every event of its request has been observed."""
+"""A step's tokens go to their streams, and their handlers take them, before the step's
+listeners (telemetry, metrics) run, so no observer's work delays a token; a request's last
+output waits for them, so once a response has ended every event of its request has been
+observed."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def test_tokens_reach_their_streams_before_the_listeners_see_the_step(
     order: list[tuple[str, Any]] = []
     dispatch = client.streams.dispatch
 
-    def recording_dispatch(outputs: list[Any]) -> None:
+    def recording_dispatch(outputs: list[Any], wait_s: float = 0.0) -> bool:
         order.append(("tokens", tuple(o.finished for o in outputs)))
-        dispatch(outputs)
+        return dispatch(outputs, wait_s=wait_s)
 
     client.streams.dispatch = recording_dispatch  # type: ignore[method-assign]
     client.add_listener(
@@ -36,20 +37,23 @@ def test_tokens_reach_their_streams_before_the_listeners_see_the_step(
         _, queue = client.submit([1, 5, 6, 7], params)
         assert await asyncio.wait_for(queue.get(), 30) is ADMITTED
         n = 0
-        while True:
-            out = await asyncio.wait_for(queue.get(), 30)
+        while True:  # as the server's handlers do: the queue awaited directly
+            out = await queue.get()
+            order.append(("taken", out.finished))
             n += len(out.new_token_ids)
             if out.finished:
                 return n
 
     try:
-        assert asyncio.run(run()) == 4
+        assert asyncio.run(asyncio.wait_for(run(), 60)) == 4
     finally:
         client.shutdown()
     steps = [i for i, (kind, _) in enumerate(order) if kind == "step"]
     tokens = [i for i, (kind, _) in enumerate(order) if kind == "tokens"]
-    assert len(steps) == 4 and len(tokens) == 4, order
-    # steps 1-3: the tokens first, then the step's event; the last step: the event first
-    for tok, step in zip(tokens[:3], steps[:3], strict=True):
-        assert tok < step and order[tok][1] == (False,), order
+    taken = [i for i, (kind, _) in enumerate(order) if kind == "taken"]
+    assert len(steps) == 4 and len(tokens) == 4 and len(taken) == 4, order
+    # steps 1-3: the tokens first, taken by their handler, then the step's event; the last
+    # step: the event first
+    for tok, took, step in zip(tokens[:3], taken[:3], steps[:3], strict=True):
+        assert tok < took < step and order[tok][1] == (False,), order
     assert steps[3] < tokens[3] and order[tokens[3]][1] == (True,), order
