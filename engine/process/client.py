@@ -279,13 +279,13 @@ class EngineClient:
             )
             self.streams.admit(adm.request_id, refusal)
         # Tokens go to their streams before the listeners (telemetry, metrics) see the step's
-        # events, so a client gets each token as soon as its step's batch is read; a request's
-        # last output waits for them, so once a response has ended its events have been seen.
-        going = [out for out in batch.outputs if not out.finished]
-        if going:
-            # the listeners wait until the handlers have written these tokens: run now, they
-            # would hold the GIL while the event loop waits for it to send them
-            self.streams.dispatch(going, wait_s=FLUSH_WAIT_S)
+        # events, and the listeners wait until the handlers have written them (run at once,
+        # they would hold the GIL while the event loop waits for it to send the tokens), so a
+        # client gets each token, its last one too, as soon as its step's batch is read. A
+        # finished request's stream ends (OBSERVED) once they have run, so once a response
+        # has ended its events have been seen.
+        if batch.outputs:
+            self.streams.dispatch(batch.outputs, wait_s=FLUSH_WAIT_S)
         for event in batch.events:
             for fn in self._listeners:
                 try:
@@ -294,8 +294,9 @@ class EngineClient:
                     logger.exception("event listener %r failed", fn)
         for reply in batch.replies:
             self._resolve_call(reply.call_id, reply)
-        if len(going) < len(batch.outputs):
-            self.streams.dispatch([out for out in batch.outputs if out.finished])
+        finished = [out.request_id for out in batch.outputs if out.finished]
+        if finished:
+            self.streams.observed(finished)
         if batch.error is not None:
             self._on_step_error(batch.error, batch.error_request_id)
 

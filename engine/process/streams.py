@@ -43,6 +43,15 @@ class Admitted:
 ADMITTED = Admitted()
 
 
+class Observed:
+    """The item after a request's last output: the step that finished it has been seen by the
+    engine client's listeners (metrics, telemetry), so a response that ends after it has its
+    events counted and queued for the collector."""
+
+
+OBSERVED = Observed()
+
+
 def engine_dead(reason: str) -> APIError:
     return APIError(503, reason, type="server_error", code="engine_dead")
 
@@ -113,7 +122,8 @@ class StreamRouter:
         return list(victims)
 
     def dispatch(self, outputs: list[Any], wait_s: float = 0.0) -> bool:
-        """Route one step's outputs; a finished request's stream is removed.
+        """Route one step's outputs. A finished request's stream stays registered until
+        :meth:`observed` ends it.
 
         With ``wait_s``, return once every event loop that got outputs has run the handlers they
         woke (the tokens are written to their sockets), or after ``wait_s``: the caller holds
@@ -121,11 +131,7 @@ class StreamRouter:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         with self._lock:
             for out in outputs:
-                stream = (
-                    self._streams.pop(out.request_id, None)
-                    if out.finished
-                    else self._streams.get(out.request_id)
-                )
+                stream = self._streams.get(out.request_id)
                 if stream is not None:
                     by_loop.setdefault(stream.loop, []).append((stream.queue, out))
         done: list[threading.Event] = []
@@ -139,6 +145,14 @@ class StreamRouter:
                 done.append(flushed)
         deadline = time.monotonic() + wait_s
         return all(ev.wait(max(0.0, deadline - time.monotonic())) for ev in done)
+
+    def observed(self, request_ids: list[str]) -> None:
+        """The listeners have seen the step that finished these requests: ``OBSERVED`` ends
+        each one's stream, which is removed."""
+        with self._lock:
+            streams = [s for rid in request_ids if (s := self._streams.pop(rid, None))]
+        for stream in streams:
+            _deliver(stream, OBSERVED)
 
 
 def _deliver(stream: _Stream, item: Any) -> None:

@@ -4,6 +4,7 @@ the moment its client goes away (shared by completions and chat, streaming or no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from engine.server.detokenize import IncrementalDetokenizer, TextAccumulator
 from engine.server.state import ServerState
 
 logger = logging.getLogger(__name__)
+OBSERVED_WAIT_S = 10.0
 
 
 class ClientGone(Exception):
@@ -170,11 +172,23 @@ class GenerationRunner:
                 text = acc.take(final=done)
                 gen.text = acc.text[: acc.emitted]
                 yield Delta(text, done, gen.finish_reason, len(out.new_token_ids))
+            if out.finished:
+                # the last token has gone out; the response ends once the engine client's
+                # listeners have seen the step that finished the request (its events counted)
+                await _observed(queue)
         finally:
             watcher.cancel()
             if not done:  # the consumer stopped early (a failed send, a cancelled handler)
                 logger.info("request %s cancelled before finishing; aborting", gen.request_id)
                 self.state.client.abort(gen.request_id)
+
+
+async def _observed(queue: asyncio.Queue[Any]) -> None:
+    """Wait for the item after a request's last output: ``OBSERVED``, or whatever ends the
+    stream instead (the engine failing, the client gone); a bound keeps a response from
+    waiting on it forever."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(queue.get(), OBSERVED_WAIT_S)
 
 
 def _queue_full(detail: str) -> APIError:

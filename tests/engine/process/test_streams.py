@@ -9,7 +9,13 @@ import time
 import pytest
 
 from engine.process.errors import APIError
-from engine.process.streams import ADMITTED, RequestFailed, RequestRefused, StreamRouter
+from engine.process.streams import (
+    ADMITTED,
+    OBSERVED,
+    RequestFailed,
+    RequestRefused,
+    StreamRouter,
+)
 
 
 def test_open_after_close_is_engine_dead() -> None:
@@ -85,7 +91,9 @@ def test_admission_then_outputs_in_order() -> None:
         only = await asyncio.wait_for(refused.get(), 5)
         assert isinstance(only, RequestRefused) and only.kind == "queue_full"
         assert refused.empty()  # the refusal ended b's stream: its outputs are dropped
-        router.dispatch([Out("a", False)])  # a finished: nothing more reaches it
+        router.observed(["a"])  # the listeners saw the step that finished a: its stream ends
+        assert await asyncio.wait_for(q.get(), 5) is OBSERVED
+        router.dispatch([Out("a", False)])  # nothing more reaches it
         await asyncio.sleep(0)
         assert q.empty()
 

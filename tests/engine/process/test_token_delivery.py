@@ -1,7 +1,7 @@
 """A step's tokens go to their streams, and their handlers take them, before the step's
-listeners (telemetry, metrics) run, so no observer's work delays a token; a request's last
-output waits for them, so once a response has ended every event of its request has been
-observed."""
+listeners (telemetry, metrics) run, so no observer's work delays a token, the last one included;
+a finished request's stream ends (``OBSERVED``) only after them, so once a response has ended
+every event of its request has been observed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.process.client import EngineClient
-from engine.process.streams import ADMITTED
+from engine.process.streams import ADMITTED, OBSERVED
 from wire.events import StepEvent
 
 
@@ -42,6 +42,8 @@ def test_tokens_reach_their_streams_before_the_listeners_see_the_step(
             order.append(("taken", out.finished))
             n += len(out.new_token_ids)
             if out.finished:
+                assert await queue.get() is OBSERVED
+                order.append(("observed", None))
                 return n
 
     try:
@@ -52,8 +54,9 @@ def test_tokens_reach_their_streams_before_the_listeners_see_the_step(
     tokens = [i for i, (kind, _) in enumerate(order) if kind == "tokens"]
     taken = [i for i, (kind, _) in enumerate(order) if kind == "taken"]
     assert len(steps) == 4 and len(tokens) == 4 and len(taken) == 4, order
-    # steps 1-3: the tokens first, taken by their handler, then the step's event; the last
-    # step: the event first
-    for tok, took, step in zip(tokens[:3], taken[:3], steps[:3], strict=True):
-        assert tok < took < step and order[tok][1] == (False,), order
-    assert steps[3] < tokens[3] and order[tokens[3]][1] == (True,), order
+    # every step, the last too: the tokens first, taken by their handler, then the step's event
+    for tok, took, step in zip(tokens, taken, steps, strict=True):
+        assert tok < took < step, order
+    assert [order[t][1] for t in tokens] == [(False,), (False,), (False,), (True,)], order
+    # and the stream ends after the last step's event
+    assert order[-1] == ("observed", None) and steps[3] < len(order) - 1, order
